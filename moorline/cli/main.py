@@ -1,0 +1,184 @@
+"""The ``moorline`` command line (Typer commands, Rich output).
+
+Every expected failure (a bad setting, a schema behind the code, a database that does not
+answer) is a :class:`~moorline.errors.MoorlineError`; :func:`main` prints it as one line on
+stderr and exits 1. Anything else is a bug and keeps its traceback.
+
+The command tree is built by :func:`build_cli` on each call rather than held in a module-level
+``typer.Typer``, so nothing is shared between invocations (tests call ``build_cli()`` freely).
+"""
+
+import asyncio
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+import uvicorn
+from rich.console import Console
+from rich.text import Text
+
+from moorline.api.app import create_app
+from moorline.db.manager import DatabaseManager
+from moorline.db.migrate import upgrade
+from moorline.errors import MoorlineError
+from moorline.settings import Settings, load_settings
+
+EXIT_ERROR = 1
+EXIT_STARTUP_FAILED = 3  # as uvicorn.run: the server never started (port taken, lifespan error)
+EXIT_INTERRUPTED = 130
+
+UNUSED_YET = "Accepted now, used once workflows and workers arrive."
+
+
+def build_cli() -> typer.Typer:
+    """The ``moorline`` command tree."""
+    cli = typer.Typer(
+        name="moorline",
+        help="Moorline: durable, multi-tenant execution for LLM and agent workloads.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        # Markdown joins a docstring's wrapped lines into paragraphs and shows `code` as code.
+        rich_markup_mode="markdown",
+    )
+    cli.command("serve")(serve)
+    db_cli = typer.Typer(
+        help="Manage the database schema.", no_args_is_help=True, rich_markup_mode="markdown"
+    )
+    db_cli.command("upgrade")(db_upgrade)
+    cli.add_typer(db_cli, name="db")
+    return cli
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``moorline`` script and ``python -m moorline``."""
+    try:
+        build_cli()(args=list(argv) if argv is not None else None, prog_name="moorline")
+    except MoorlineError as exc:
+        print_error(exc.message)
+        raise SystemExit(EXIT_ERROR) from None
+    except KeyboardInterrupt:
+        raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def print_error(message: str) -> None:
+    """Print ``error: <message>`` as exactly one line on stderr."""
+    # soft_wrap: Rich would otherwise break a long message at the terminal width (80 columns
+    # when stderr is a pipe), and scripts rely on the one-line form.
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    console.print(Text.assemble(("error: ", "bold red"), " ".join(message.split())))
+
+
+# --- moorline db upgrade ---------------------------------------------------------------------
+
+
+def db_upgrade(
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            help="Database to upgrade, instead of MOORLINE_DATABASE_URL(S).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Bring the database schema to this version of Moorline.
+
+    PostgreSQL and MySQL/MariaDB are migrated with Alembic to the head revision; a SQLite
+    database gets its tables created (it has no migrations).
+    """
+    overrides: dict[str, Any] = {}
+    if database_url is not None:
+        # An explicit URL wins over MOORLINE_DATABASE_URLS too, not only MOORLINE_DATABASE_URL.
+        overrides = {"database_url": database_url, "database_urls": []}
+    settings = load_settings(**overrides)
+    display_url, revision = asyncio.run(_upgrade(settings))
+    console = Console(soft_wrap=True, highlight=False)
+    if revision is None:
+        console.print(f"{display_url}: SQLite schema created (SQLite has no migrations)")
+    else:
+        console.print(f"{display_url}: schema at revision {revision} (head)")
+
+
+async def _upgrade(settings: Settings) -> tuple[str, str | None]:
+    db = DatabaseManager(settings)
+    try:
+        return db.display_url, await upgrade(db)
+    finally:
+        await db.dispose()
+
+
+# --- moorline serve --------------------------------------------------------------------------
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port to listen on.")] = 8000,
+    app: Annotated[
+        str | None,
+        typer.Option(
+            "--app",
+            metavar="MODULE:ATTR",
+            help=f"The Moorline app with your workflows (default MOORLINE_APP). {UNUSED_YET}",
+            show_default=False,
+        ),
+    ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(min=0, help=f"In-process worker loops (0: API only). {UNUSED_YET}"),
+    ] = 1,
+) -> None:
+    """Serve the HTTP API until SIGTERM or Ctrl-C (for now /healthz and /readyz).
+
+    Start fails with one line when the database schema is behind the code: run
+    `moorline db upgrade` first (SQLite databases are created on the spot).
+    """
+    # --app and --workers are accepted so scripts can use the final command line today.
+    settings = load_settings()
+    started = asyncio.run(_serve(settings, host=host, port=port))
+    if not started:
+        raise typer.Exit(EXIT_STARTUP_FAILED)
+
+
+async def _serve(settings: Settings, *, host: str, port: int) -> bool:
+    """Run the API server; whether it started (uvicorn has logged why when it did not)."""
+    db = DatabaseManager(settings)
+    try:
+        await db.initialize()
+    except BaseException:
+        await db.dispose()
+        raise
+    # From here the app's lifespan disposes the database when the server stops.
+    api = create_app(settings, db)
+    server = uvicorn.Server(uvicorn.Config(api, host=host, port=port, lifespan="on"))
+    shown_host = f"[{host}]" if ":" in host else host
+    Console(soft_wrap=True, highlight=False).print(
+        f"Starting the Moorline API on http://{shown_host}:{port} (database {db.display_url})"
+    )
+    with _shutdown_signals_end_cleanly():
+        await server.serve()
+    return server.started
+
+
+@contextmanager
+def _shutdown_signals_end_cleanly() -> Iterator[None]:
+    """Make a graceful SIGTERM/SIGINT shutdown end the process with status 0.
+
+    uvicorn handles both signals while it serves, shuts down gracefully, then re-raises the
+    signal so the previous handler runs. With the default handlers that would kill the process
+    by SIGTERM (status -15) or raise KeyboardInterrupt after a clean stop; this no-op handler,
+    in place only around ``server.serve()``, lets the re-raised signal land harmlessly.
+    """
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _ignore_after_shutdown) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ignore_after_shutdown(signum: int, frame: object) -> None:
+    del signum, frame  # the server has already shut down gracefully

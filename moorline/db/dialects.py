@@ -1,0 +1,123 @@
+"""The few places where SQLite, PostgreSQL and MySQL/MariaDB differ, behind named hooks.
+
+Nothing outside this module looks at the dialect name to build SQL.
+"""
+
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+from sqlalchemy import Insert, Select, Table, func, literal, literal_column, type_coerce
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
+from sqlalchemy.sql.elements import ColumnElement
+
+from moorline.db.types import UTCDateTime
+
+DialectName = Literal["sqlite", "postgresql", "mysql"]
+
+# SQLite keeps UTCDateTime as text in SQLAlchemy's format; '%f' gives SS.SSS, so three literal
+# zeros make it the same six-digit microsecond text and comparisons stay lexical-correct.
+_SQLITE_NOW_FORMAT = "%Y-%m-%d %H:%M:%f000"
+
+
+def dialect_name_of(dialect: Dialect) -> DialectName:
+    """Normalise SQLAlchemy's dialect name (``mariadb`` counts as ``mysql``)."""
+    name = dialect.name
+    if name == "sqlite":
+        return "sqlite"
+    if name == "postgresql":
+        return "postgresql"
+    if name in ("mysql", "mariadb"):
+        return "mysql"
+    raise ValueError(f"unsupported database dialect {name!r}")
+
+
+def db_now(name: DialectName, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
+    """The database's current UTC time (plus an offset), as an SQL expression.
+
+    Leases and the reaper compare against the database clock only, so workers whose clocks
+    disagree cannot reap each other's live runs.
+    """
+    expr: ColumnElement[Any]
+    if name == "sqlite":
+        modifier = f"{plus_s:+.6f} seconds"
+        expr = func.strftime(_SQLITE_NOW_FORMAT, "now", modifier)
+    elif name == "postgresql":
+        expr = func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, literal(plus_s))
+    else:
+        micros = round(plus_s * 1_000_000)
+        expr = func.timestampadd(literal_column("MICROSECOND"), micros, func.utc_timestamp(6))
+    return type_coerce(expr, UTCDateTime())
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a lost or refused connection that a retry may cure."""
+    if isinstance(exc, OperationalError | DisconnectionError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+# --- Dispatch hooks -------------------------------------------------------------------------
+# The claim, reaper and leader statements in ``moorline.db.repos.queue`` are written once; these
+# hooks are the only places their SQL differs between backends.
+
+_SelectT = TypeVar("_SelectT", bound=Select[Any])
+
+
+def uses_row_locks(name: DialectName) -> bool:
+    """Whether writers are serialised by row locks rather than one database-wide write lock.
+
+    Server databases lock rows; SQLite's ``BEGIN IMMEDIATE`` takes one write lock. With row
+    locks a claim must lock what it counts (the tenant rows) and skip rows other claimers
+    hold; under SQLite's write lock nothing else can write while a claim runs.
+    """
+    return name != "sqlite"
+
+
+def write_isolation_level(name: DialectName) -> str | None:
+    """The isolation level of dispatch write transactions, or None for the backend default.
+
+    READ COMMITTED on both servers: a claim counts a tenant's running runs *after* waiting for
+    the tenant's row lock and must see what the previous holder committed. Under MySQL's
+    default REPEATABLE READ the count would read the snapshot taken by the transaction's first
+    SELECT, from before the wait, and the cap could be exceeded. PostgreSQL defaults to READ
+    COMMITTED already; it is set explicitly so a server-wide default cannot change it.
+    SQLite serialises writers with ``BEGIN IMMEDIATE`` and has no such level.
+    """
+    return None if name == "sqlite" else "READ COMMITTED"
+
+
+def lock_rows(stmt: _SelectT, name: DialectName) -> _SelectT:
+    """``stmt`` taking exclusive row locks that wait, held until the transaction ends.
+
+    On PostgreSQL ``FOR NO KEY UPDATE``: it excludes other claimers but not the
+    ``FOR KEY SHARE`` lock a foreign-key check takes, so enqueuing runs for a tenant never
+    waits behind a claim. SQLite needs no row lock under its write lock.
+    """
+    if name == "postgresql":
+        return stmt.with_for_update(key_share=True)
+    if name == "mysql":
+        return stmt.with_for_update()
+    return stmt
+
+
+def lock_rows_skip_locked(stmt: _SelectT, name: DialectName) -> _SelectT:
+    """``stmt`` as ``SELECT … FOR UPDATE SKIP LOCKED`` (PostgreSQL, MariaDB ≥ 10.6, MySQL 8)."""
+    if name == "sqlite":
+        return stmt
+    return stmt.with_for_update(skip_locked=True)
+
+
+def supports_update_returning(name: DialectName) -> bool:
+    """Whether ``UPDATE … RETURNING`` exists (not on MariaDB or MySQL)."""
+    return name != "mysql"
+
+
+def insert_ignoring_duplicates(table: Table, name: DialectName) -> Insert:
+    """An INSERT into ``table`` that inserts nothing (rowcount 0) on a duplicate key."""
+    if name == "postgresql":
+        return postgresql.insert(table).on_conflict_do_nothing()
+    if name == "sqlite":
+        return sqlite.insert(table).on_conflict_do_nothing()
+    return mysql.insert(table).prefix_with("IGNORE")

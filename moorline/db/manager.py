@@ -1,0 +1,200 @@
+"""DatabaseManager: one async engine per process over SQLite, PostgreSQL or MySQL/MariaDB.
+
+- SQLite (aiosqlite): WAL, ``synchronous=NORMAL``, 64 MB page cache, foreign keys and a 5 s busy
+  timeout on every connection. Write transactions begin ``IMMEDIATE``: a deferred transaction
+  that reads and then writes fails with ``SQLITE_BUSY`` at once, without honouring
+  ``busy_timeout``, when another writer got there first. ``:memory:`` lives on one static
+  connection because every new connection would see an empty database.
+- PostgreSQL (asyncpg) and MySQL/MariaDB (aiomysql): a pool whose new connections come from
+  the primary-first failover creator of :mod:`moorline.db.dsn`.
+
+``session()`` only opens and closes. Repository methods own their (short) transactions through
+:meth:`DatabaseManager.transaction` (writes) and :meth:`DatabaseManager.connect` (reads).
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+from sqlalchemy.pool import StaticPool
+
+from moorline.db.dialects import DialectName, is_transient
+from moorline.db.dsn import (
+    ConnectTarget,
+    DatabaseUnreachable,
+    driver_of,
+    hide_password,
+    make_failover_creator,
+    parse_target,
+)
+from moorline.errors import ConfigError
+from moorline.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SQLITE_PRAGMAS = (
+    ("journal_mode", "WAL"),
+    ("synchronous", "NORMAL"),
+    ("cache_size", "-64000"),
+    ("foreign_keys", "ON"),
+    ("busy_timeout", "5000"),
+)
+
+RETRY_ATTEMPTS = 3
+_BEGIN_OPTION = "moorline_begin"
+
+
+class DatabaseManager:
+    """Owns the engine; hands out connections, transactions and sessions."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        urls = settings.effective_database_urls
+        drivers = {driver_of(url) for url in urls}
+        if len(drivers) > 1:
+            shown = ", ".join(hide_password(url) for url in urls)
+            raise ConfigError(f"MOORLINE_DATABASE_URLS mixes database drivers: {shown}")
+        if "sqlite" in drivers and len(urls) > 1:
+            raise ConfigError("MOORLINE_DATABASE_URLS: failover needs PostgreSQL or MySQL URLs")
+        self.urls = urls
+        self.targets: list[ConnectTarget] = (
+            [] if "sqlite" in drivers else [parse_target(url) for url in urls]
+        )
+        self.engine = self._create_engine()
+        self.dialect: DialectName = (
+            "sqlite" if "sqlite" in drivers else "postgresql" if "postgres" in drivers else "mysql"
+        )
+        self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def display_url(self) -> str:
+        """The primary URL with its password hidden."""
+        return hide_password(self.urls[0])
+
+    def _create_engine(self) -> AsyncEngine:
+        url = self.urls[0]
+        if driver_of(url) == "sqlite":
+            return self._create_sqlite_engine(url)
+        s = self._settings
+        dialect_url = (
+            "postgresql+asyncpg://" if self.targets[0].driver == "postgres" else "mysql+aiomysql://"
+        )
+        return create_async_engine(
+            dialect_url,
+            async_creator=make_failover_creator(self.targets),
+            pool_size=s.db_pool_size,
+            max_overflow=s.db_max_overflow,
+            pool_timeout=s.db_pool_timeout,
+            pool_recycle=int(s.db_pool_recycle),
+            pool_pre_ping=s.db_pool_pre_ping,
+        )
+
+    def _create_sqlite_engine(self, url: str) -> AsyncEngine:
+        parsed = make_url(url)
+        if parsed.drivername != "sqlite+aiosqlite":
+            parsed = parsed.set(drivername="sqlite+aiosqlite")
+        in_memory = parsed.database in (None, "", ":memory:")
+        kwargs: dict[str, Any] = {}
+        if in_memory:
+            kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+        engine = create_async_engine(parsed, **kwargs)
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _configure(dbapi_connection: Any, _record: Any) -> None:
+            # Hand transaction control to the "begin" hook below instead of the sqlite3
+            # module's implicit (deferred) BEGIN.
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            for name, value in SQLITE_PRAGMAS:
+                cursor.execute(f"PRAGMA {name}={value}")
+            cursor.close()
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def _begin(conn: Connection) -> None:
+            mode = conn.get_execution_options().get(_BEGIN_OPTION, "DEFERRED")
+            conn.exec_driver_sql(f"BEGIN {mode}")
+
+        return engine
+
+    async def initialize(self) -> None:
+        """Prepare the database: create the schema on SQLite, check its version elsewhere."""
+        from moorline.db.migrate import ensure_schema
+
+        await ensure_schema(self)
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[AsyncConnection]:
+        """A connection for reads; ``begin()`` on it opens a deferred (read) transaction."""
+        async with self.engine.connect() as conn:
+            yield conn
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+        """One write transaction, committed on exit, rolled back on error.
+
+        On SQLite it begins ``IMMEDIATE``, taking the write lock up front so ``busy_timeout``
+        applies; a deferred read-then-write transaction would fail with SQLITE_BUSY instead.
+        """
+        async with self.engine.connect() as conn:
+            if self.dialect == "sqlite":
+                await conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+            async with conn.begin():
+                yield conn
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[AsyncSession]:
+        """An ORM session that is only opened and closed here; callers own transactions."""
+        session = self._sessions()
+        try:
+            yield session
+        finally:
+            await session.close()
+
+    async def with_retry(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn`` and retry it on transient disconnects: 3 retries, 1 s → 2 s → 4 s.
+
+        Transient means a lost or refused connection, including no failover address answering
+        (:class:`~moorline.db.dsn.DatabaseUnreachable`).
+
+        Only for reads and idempotent writes: ``fn`` is called again from the start and must
+        open its own connection or transaction each time (so each attempt gets a fresh one).
+        Work that chains several transactions must not be retried as a whole.
+        """
+        delay = self._settings.db_retry_base
+        for retry in range(RETRY_ATTEMPTS + 1):
+            try:
+                return await fn()
+            except Exception as exc:
+                # No address answering is the outage a retry is for (a restart, a failover in
+                # progress); SQLAlchemy passes the creator's error through unwrapped, so
+                # is_transient's OperationalError check alone would not see it.
+                retryable = is_transient(exc) or isinstance(exc, DatabaseUnreachable)
+                if retry == RETRY_ATTEMPTS or not retryable:
+                    raise
+                logger.warning(
+                    "transient database error, retry %d/%d in %.1fs: %s",
+                    retry + 1,
+                    RETRY_ATTEMPTS,
+                    delay,
+                    type(exc).__name__,
+                )
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    async def dispose(self) -> None:
+        """Close every pooled connection."""
+        await self.engine.dispose()

@@ -1,0 +1,142 @@
+"""Schema creation (SQLite) and the version check and upgrade (PostgreSQL, MySQL/MariaDB).
+
+SQLite has no migrations: ``create_all`` builds the schema from :mod:`moorline.db.schema` at start.
+PostgreSQL and MySQL/MariaDB reach the same schema through the Alembic revisions in
+``moorline/db/migrations``, applied by ``moorline db upgrade``; start refuses a database whose
+``alembic_version`` is not the code's head revision.
+
+Alembic's command API is synchronous, so it runs inside ``AsyncConnection.run_sync`` and receives
+the connection through ``config.attributes["connection"]`` (see ``migrations/env.py``). The
+``Config`` is built here rather than read from an ``alembic.ini``, so nothing depends on the
+working directory.
+
+To write a new revision, point ``MOORLINE_DATABASE_URL`` at a PostgreSQL database at head and run::
+
+    python -c 'from alembic import command; from moorline.db.migrate import alembic_config;
+    command.revision(alembic_config(), "what changed", autogenerate=True, rev_id="0002")'
+"""
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+
+from moorline.db.dialects import is_transient
+from moorline.db.health import describe_db_error
+from moorline.db.schema import metadata
+from moorline.errors import BackendUnavailable, ConfigError, SchemaOutOfDate
+
+if TYPE_CHECKING:
+    from moorline.db.manager import DatabaseManager
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """An Alembic ``Config`` for Moorline's migrations, optionally bound to ``connection``.
+
+    Args:
+        connection: the sync connection env.py migrates on; ``None`` makes env.py build its
+            own DatabaseManager from the ``MOORLINE_*`` environment.
+    """
+    config = Config()
+    # ConfigParser interpolates '%', which may occur in an install path.
+    config.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    """The revision the code needs: the single head of the migration history."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if head is None:  # pragma: no cover - the package always ships its revisions
+        raise ConfigError(f"no Alembic revisions found in {MIGRATIONS_DIR}")
+    return head
+
+
+def _known_revisions() -> set[str]:
+    return {
+        script.revision for script in ScriptDirectory.from_config(alembic_config()).walk_revisions()
+    }
+
+
+def _read_revision(conn: Connection) -> str | None:
+    # A MigrationContext without options only reads; it creates no version table.
+    heads = MigrationContext.configure(conn).get_current_heads()
+    return ",".join(heads) if heads else None
+
+
+def _upgrade_to_head(conn: Connection) -> None:
+    command.upgrade(alembic_config(conn), "head")
+
+
+@asynccontextmanager
+async def _reaching(db: "DatabaseManager") -> AsyncIterator[None]:
+    """Turn a database that cannot be reached into one line instead of a driver traceback."""
+    try:
+        yield
+    except (OSError, DBAPIError) as exc:
+        if isinstance(exc, DBAPIError) and not is_transient(exc):
+            raise
+        reason = describe_db_error(exc)
+        raise BackendUnavailable(f"database {db.display_url} is unreachable: {reason}") from exc
+
+
+async def current_revision(db: "DatabaseManager") -> str | None:
+    """The revision recorded in ``alembic_version``; ``None`` for an empty database.
+
+    SQLite databases are never migrated, so they always answer ``None``.
+    """
+    async with _reaching(db), db.connect() as conn:
+        return await conn.run_sync(_read_revision)
+
+
+async def ensure_schema(db: "DatabaseManager") -> None:
+    """Create the schema on SQLite; elsewhere fail unless the migrations are at head.
+
+    Raises:
+        SchemaOutOfDate: the database is empty or behind the code's head revision.
+        ConfigError: the database is at a revision this code does not know.
+        BackendUnavailable: the database did not answer.
+    """
+    if db.dialect == "sqlite":
+        async with _reaching(db), db.transaction() as conn:
+            await conn.run_sync(metadata.create_all)
+        return
+    head = head_revision()
+    current = await current_revision(db)
+    if current == head:
+        return
+    if current is not None and current not in _known_revisions():
+        raise ConfigError(
+            f"schema is at {current}, which this code does not know: "
+            "the database was migrated by a newer Moorline"
+        )
+    raise SchemaOutOfDate(
+        f"schema is at {current or 'empty'}, code needs {head}: run `moorline db upgrade`"
+    )
+
+
+async def upgrade(db: "DatabaseManager") -> str | None:
+    """Bring the schema to the code's version (``moorline db upgrade``).
+
+    Returns:
+        The revision the database is now at, or ``None`` on SQLite, whose tables are created
+        from the metadata instead of migrated.
+    """
+    if db.dialect == "sqlite":
+        await ensure_schema(db)
+        return None
+    # One transaction: PostgreSQL's DDL is transactional, so a failed upgrade leaves nothing
+    # half-done there (MySQL commits each DDL statement implicitly; nothing can prevent that).
+    async with _reaching(db), db.transaction() as conn:
+        await conn.run_sync(_upgrade_to_head)
+    return await current_revision(db)

@@ -1,0 +1,1 @@
+"""Migration scripts, one per revision; Alembic skips this file."""

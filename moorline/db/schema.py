@@ -1,0 +1,189 @@
+"""The schema: one SQLAlchemy ``MetaData``, the only source of truth for every table.
+
+SQLite creates it with ``create_all``; PostgreSQL and MySQL/MariaDB reach it through the Alembic
+migrations in ``moorline/db/migrations`` (a test proves upgrade-from-empty equals ``create_all``).
+"""
+
+from sqlalchemy import (
+    Column,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+from moorline.db.types import JSONDocument, UTCDateTime
+
+# Deterministic constraint names, so migrations and create_all name everything alike.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+ID = 36  # uuid4 text
+NAME = 200
+KEY = 255
+
+tenants = Table(
+    "tenants",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("name", String(NAME), nullable=False, unique=True),
+    Column("plan", String(64), nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("tenant_id", String(ID), ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    # SHA-256 hex of the key; the key itself is never stored.
+    Column("key_hash", String(64), nullable=False, unique=True),
+    # First characters of the key, to tell keys apart in listings without revealing them.
+    Column("prefix", String(16), nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("revoked_at", UTCDateTime(), nullable=True),
+    Index(None, "tenant_id"),
+)
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("tenant_id", String(ID), ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    Column("workflow", String(NAME), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("lane", String(64), nullable=False),
+    Column("priority", Integer, nullable=False, default=0),
+    # The fencing token: incremented by every claim; every worker write is conditional on it.
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("max_attempts", Integer, nullable=False, default=3),
+    Column("lease_owner", String(KEY), nullable=True),
+    Column("lease_expires_at", UTCDateTime(), nullable=True),
+    # Not claimable before this instant (delay, retry backoff); FIFO order within a priority.
+    Column("not_before", UTCDateTime(), nullable=False),
+    Column("idempotency_key", String(KEY), nullable=True),
+    Column("input_hash", String(64), nullable=False),
+    Column("conversation_id", String(KEY), nullable=True),
+    Column("input", JSONDocument(), nullable=False),
+    Column("output", JSONDocument(), nullable=True),
+    Column("error", JSONDocument(), nullable=True),
+    Column("timeout_s", Double, nullable=True),
+    Column("cancel_requested_at", UTCDateTime(), nullable=True),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+    Column("started_at", UTCDateTime(), nullable=True),
+    Column("finished_at", UTCDateTime(), nullable=True),
+    Column("elapsed_time", Double, nullable=True),
+    Column("prompt_tokens", Integer, nullable=False, default=0),
+    Column("completion_tokens", Integer, nullable=False, default=0),
+    UniqueConstraint("tenant_id", "idempotency_key"),
+    # Claim: queued runs of a lane, highest priority first, oldest eligible first.
+    Index("ix_runs_claim", "status", "lane", "priority", "not_before"),
+    # Reaper: running runs whose lease expired.
+    Index("ix_runs_lease", "status", "lease_expires_at"),
+    # Tenant concurrency cap and per-tenant listings.
+    Index("ix_runs_tenant_status", "tenant_id", "status"),
+    Index("ix_runs_tenant_created", "tenant_id", "created_at"),
+    Index("ix_runs_conversation", "tenant_id", "conversation_id", "status"),
+)
+
+steps = Table(
+    "steps",
+    metadata,
+    Column("run_id", String(ID), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("key", String(KEY), primary_key=True),
+    Column("status", String(16), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("function", String(KEY), nullable=False),
+    # SHA-256 of the function name and arguments: a replay with another call is detected.
+    Column("call_hash", String(64), nullable=False),
+    Column("output", JSONDocument(), nullable=True),
+    Column("error", Text, nullable=True),
+    Column("started_at", UTCDateTime(), nullable=False),
+    Column("finished_at", UTCDateTime(), nullable=True),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("run_id", String(ID), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("seq", Integer, primary_key=True, autoincrement=False),
+    Column("type", String(64), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("data", JSONDocument(), nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+)
+
+interrupts = Table(
+    "interrupts",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("run_id", String(ID), ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    # Position of the interrupt in the run, so a replay finds the same one.
+    Column("key", String(KEY), nullable=False),
+    Column("action", String(NAME), nullable=False),
+    Column("data", JSONDocument(), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("reason", String(16), nullable=True),
+    Column("decision", JSONDocument(), nullable=True),
+    Column("attempt", Integer, nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("expires_at", UTCDateTime(), nullable=False),
+    Column("resolved_at", UTCDateTime(), nullable=True),
+    UniqueConstraint("run_id", "key"),
+    Index(None, "run_id", "status"),
+)
+
+messages = Table(
+    "messages",
+    metadata,
+    Column("run_id", String(ID), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("seq", Integer, primary_key=True, autoincrement=False),
+    Column("content", Text, nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+    # The attempt that consumed the message and the step boundary it was consumed at.
+    Column("delivered_attempt", Integer, nullable=True),
+    Column("delivered_at", UTCDateTime(), nullable=True),
+)
+
+quota_usage = Table(
+    "quota_usage",
+    metadata,
+    Column("tenant_id", String(ID), ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True),
+    Column("day", String(10), primary_key=True),  # YYYY-MM-DD, UTC
+    Column("used", Integer, nullable=False),
+)
+
+webhooks = Table(
+    "webhooks",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("tenant_id", String(ID), ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    Column("workflow", String(NAME), nullable=False),
+    # The HMAC secret must be readable to verify signatures, so it is stored as given.
+    Column("secret", String(KEY), nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Index(None, "tenant_id"),
+)
+
+leader_leases = Table(
+    "leader_leases",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("holder", String(KEY), nullable=False),
+    Column("term", Integer, nullable=False),
+    Column("expires_at", UTCDateTime(), nullable=False),
+)

@@ -1,0 +1,148 @@
+"""The user's application object and its registry of workflows.
+
+``Moorline`` is what users import and decorate with (``@app.workflow(...)``), like a FastAPI
+app and its routes. The registry lives on that instance, never in a module-level dict, so two
+apps in one process (tests) never see each other's workflows.
+"""
+
+import inspect
+import re
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from moorline.errors import ConfigError, InvalidInput, WorkflowNotFound
+from moorline.settings import Settings, load_settings
+from moorline.types import JSONObject
+
+WorkflowFn = Callable[..., Awaitable[Any]]
+F = TypeVar("F", bound=WorkflowFn)
+
+DEFAULT_MAX_ATTEMPTS = 3
+# Workflow names are persisted and appear in URLs: keep them to a safe, stable alphabet.
+NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,199}$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkflowDefinition:
+    """One registered workflow: its persisted name, function, limits and input model."""
+
+    name: str
+    fn: WorkflowFn
+    max_attempts: int
+    timeout_s: float | None
+    input_model: type[BaseModel]
+    parameters: tuple[str, ...] = field(default=())
+
+    def validate_input(self, data: Mapping[str, Any]) -> JSONObject:
+        """Check ``data`` against the function's parameters; return it as JSON-ready values.
+
+        Raises:
+            InvalidInput: naming the first offending field.
+        """
+        try:
+            model = self.input_model.model_validate(dict(data))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "input"
+            raise InvalidInput(
+                f"input of workflow {self.name!r}: {where}: {first['msg']}"
+            ) from None
+        dumped: JSONObject = model.model_dump(mode="json")
+        return dumped
+
+    def bind(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """Validated keyword arguments (pydantic-converted values) for calling ``fn``."""
+        model = self.input_model.model_validate(dict(data))
+        return {name: getattr(model, name) for name in self.parameters}
+
+
+def _input_model(name: str, fn: WorkflowFn) -> tuple[type[BaseModel], tuple[str, ...]]:
+    signature = inspect.signature(fn)
+    params = list(signature.parameters.values())
+    if not params:
+        raise ConfigError(f"workflow {name!r}: its first parameter must be the Context")
+    fields: dict[str, Any] = {}
+    for param in params[1:]:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ConfigError(f"workflow {name!r}: *args/**kwargs cannot be validated")
+        annotation = Any if param.annotation is inspect.Parameter.empty else param.annotation
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        fields[param.name] = (annotation, default)
+    model = create_model(
+        f"{name}_input",
+        __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=False),
+        **fields,
+    )
+    return model, tuple(fields)
+
+
+class Moorline:
+    """A Moorline application: the workflows it can run and the settings it runs them with.
+
+    Example:
+        app = Moorline()
+
+        @app.workflow("review_pr", max_attempts=3, timeout=600)
+        async def review_pr(ctx: Context, pr_number: int, diff: str) -> dict: ...
+    """
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self._settings = settings
+        self._workflows: dict[str, WorkflowDefinition] = {}
+
+    @property
+    def settings(self) -> Settings:
+        """The app's settings; read from ``MOORLINE_*`` variables on first use."""
+        if self._settings is None:
+            self._settings = load_settings()
+        return self._settings
+
+    def workflow(
+        self,
+        name: str,
+        *,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        timeout: float | None = None,
+    ) -> Callable[[F], F]:
+        """Register an ``async def`` workflow under a persisted ``name``."""
+        if not NAME_PATTERN.match(name):
+            raise ConfigError(f"workflow name {name!r}: use letters, digits, '_', '.', '-'")
+        if max_attempts < 1:
+            raise ConfigError(f"workflow {name!r}: max_attempts must be at least 1")
+        if timeout is not None and timeout <= 0:
+            raise ConfigError(f"workflow {name!r}: timeout must be positive")
+
+        def register(fn: F) -> F:
+            registered = fn  # iscoroutinefunction's TypeGuard would narrow away the TypeVar
+            if not inspect.iscoroutinefunction(fn):
+                raise ConfigError(f"workflow {name!r}: must be an async def function")
+            if name in self._workflows:
+                raise ConfigError(f"workflow {name!r} is registered twice")
+            model, parameters = _input_model(name, fn)
+            self._workflows[name] = WorkflowDefinition(
+                name=name,
+                fn=fn,
+                max_attempts=max_attempts,
+                timeout_s=timeout,
+                input_model=model,
+                parameters=parameters,
+            )
+            return registered
+
+        return register
+
+    def get(self, name: str) -> WorkflowDefinition:
+        """The workflow registered as ``name``, or ``WorkflowNotFound``."""
+        try:
+            return self._workflows[name]
+        except KeyError:
+            raise WorkflowNotFound(f"no workflow named {name!r}") from None
+
+    def __iter__(self) -> Iterator[WorkflowDefinition]:
+        return iter(self._workflows.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._workflows

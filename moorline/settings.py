@@ -1,0 +1,143 @@
+"""Settings: every ``MOORLINE_*`` environment variable, validated once at start.
+
+Build one :class:`Settings` in the CLI (or ``create_app``) and pass it down; nothing reads the
+environment anywhere else. Tests construct ``Settings(...)`` directly.
+"""
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from moorline.errors import ConfigError
+
+ENV_PREFIX = "MOORLINE_"
+DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./moorline.db"
+
+
+class Edition(StrEnum):
+    """``cloud`` runs one lane per plan; ``community`` puts every plan on one lane."""
+
+    CLOUD = "cloud"
+    COMMUNITY = "community"
+
+
+class LogFormat(StrEnum):
+    """``text`` for people, ``json`` for one JSON object per log line."""
+
+    TEXT = "text"
+    JSON = "json"
+
+
+class Settings(BaseSettings):
+    """Moorline's configuration. Durations are seconds (floats)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    database_url: str = DEFAULT_DATABASE_URL
+    """SQLAlchemy URL of the database; default a SQLite file in the working directory."""
+
+    database_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Comma-separated URLs tried primary-first for new connections; overrides DATABASE_URL."""
+
+    db_pool_size: int = Field(default=5, ge=1)
+    """Connections kept open per process (PostgreSQL, MySQL)."""
+
+    db_max_overflow: int = Field(default=10, ge=0)
+    """Connections opened beyond ``db_pool_size`` at peaks."""
+
+    db_pool_timeout: float = Field(default=30.0, gt=0)
+    """Seconds to wait for a pooled connection before failing."""
+
+    db_pool_recycle: float = Field(default=300.0, gt=0)
+    """Seconds after which a pooled connection is replaced."""
+
+    db_pool_pre_ping: bool = True
+    """Ping a pooled connection before handing it out, dropping dead ones."""
+
+    db_retry_base: float = Field(default=1.0, ge=0)
+    """First backoff of ``with_retry`` in seconds; doubles per attempt (1 → 2 → 4)."""
+
+    redis_url: str | None = None
+    """Redis URL of the runtime store; unset means the in-memory store (one process)."""
+
+    redis_prefix: str = Field(default="mo", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Every Redis key and channel starts with this."""
+
+    admin_token: SecretStr | None = None
+    """Bearer token of the admin routes; unset disables them."""
+
+    edition: Edition = Edition.CLOUD
+    plans_file: Path | None = None
+    """YAML file whose plans replace the defaults of the same name."""
+
+    lease_ttl: float = Field(default=90.0, gt=0)
+    """Seconds a worker's lease on a run lives without a heartbeat (heartbeat every TTL/3)."""
+
+    reaper_interval: float = Field(default=5.0, gt=0)
+    """Seconds between two reaper passes."""
+
+    execution_timeout: float = Field(default=1800.0, gt=0)
+    """Hard limit of one run, in seconds; also the lifetime cap of an event stream."""
+
+    permission_timeout: float = Field(default=300.0, gt=0)
+    """Seconds an interrupt waits for a decision before it is denied with reason ``timeout``."""
+
+    sse_ping_interval: float = Field(default=15.0, gt=0)
+    """Seconds between two keep-alive comments on an event stream."""
+
+    max_body_bytes: int = Field(default=1024 * 1024, gt=0)
+    """Largest request body accepted, in bytes."""
+
+    llm_base_url: str | None = None
+    """OpenAI-compatible endpoint; unset means the simulated model."""
+
+    llm_api_key: SecretStr | None = None
+    llm_model: str = "gpt-4o-mini"
+
+    app: str | None = None
+    """``module:attr`` of the user's Moorline app; unset means the bundled example app."""
+
+    url: str = "http://127.0.0.1:8000"
+    """Where client commands reach the server."""
+
+    api_key: SecretStr | None = None
+    """API key that client commands send."""
+
+    log_format: LogFormat = LogFormat.TEXT
+
+    @field_validator("database_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> "Settings":
+        if self.permission_timeout > self.execution_timeout:
+            raise ValueError("permission_timeout must not exceed execution_timeout")
+        return self
+
+    @property
+    def effective_database_urls(self) -> list[str]:
+        """The URLs to connect to, primary first."""
+        return list(self.database_urls) or [self.database_url]
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build settings from the environment (and overrides), as one-line ``ConfigError``s."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming the first bad variable and why it is bad."""
+    first = exc.errors()[0]
+    location = first["loc"]
+    name = f"{ENV_PREFIX}{str(location[0]).upper()}" if location else "settings"
+    return f"{name}: {first['msg']}"

@@ -1,0 +1,24 @@
+"""Pins the public Python surface: a change to ``moorline.__all__`` must be deliberate."""
+
+import moorline
+
+EXPECTED = {
+    "BackendUnavailable",
+    "ConfigError",
+    "Conflict",
+    "LimitExceeded",
+    "MoorlineError",
+    "NotFound",
+    "RunStatus",
+    "Settings",
+    "__version__",
+}
+
+
+def test_public_names_are_pinned() -> None:
+    assert set(moorline.__all__) == EXPECTED
+
+
+def test_every_public_name_exists() -> None:
+    for name in moorline.__all__:
+        assert hasattr(moorline, name), name

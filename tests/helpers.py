@@ -1,0 +1,26 @@
+"""Test helpers: poll-with-deadline instead of sleeps."""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def wait_for(
+    predicate: Callable[[], Awaitable[T]],
+    *,
+    timeout_s: float = 10.0,
+    interval_s: float = 0.02,
+    message: str = "condition",
+) -> T:
+    """Poll ``predicate`` until it returns a truthy value, or fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {message}")
+        await asyncio.sleep(interval_s)

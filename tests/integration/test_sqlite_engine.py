@@ -1,0 +1,134 @@
+"""The SQLite engine: its PRAGMAs on every connection, ``:memory:``, and IMMEDIATE writes."""
+
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.pool import StaticPool
+
+from moorline.db.manager import DatabaseManager
+from moorline.settings import Settings
+
+EXPECTED_PRAGMAS = {
+    "journal_mode": "wal",
+    "synchronous": 1,  # NORMAL
+    "cache_size": -64000,
+    "foreign_keys": 1,
+    "busy_timeout": 5000,
+}
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "moorline.db"
+
+
+@pytest.fixture
+async def sqlite_db(db_path: Path) -> AsyncIterator[DatabaseManager]:
+    manager = DatabaseManager(Settings(database_url=f"sqlite+aiosqlite:///{db_path}"))
+    try:
+        async with manager.transaction() as conn:
+            await conn.execute(text("CREATE TABLE counter (id INTEGER PRIMARY KEY, n INTEGER)"))
+            await conn.execute(text("INSERT INTO counter (id, n) VALUES (1, 0)"))
+        yield manager
+    finally:
+        await manager.dispose()
+
+
+def raw_connection(db_path: Path) -> sqlite3.Connection:
+    """A second, independent writer that gives up at once instead of waiting for the lock."""
+    conn = sqlite3.connect(db_path, timeout=0, isolation_level=None)
+    conn.execute("PRAGMA busy_timeout=0")
+    return conn
+
+
+async def read_pragmas(conn: AsyncConnection) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for name in EXPECTED_PRAGMAS:
+        values[name] = (await conn.execute(text(f"PRAGMA {name}"))).scalar_one()
+    return values
+
+
+async def test_every_pooled_connection_has_the_pragmas(sqlite_db: DatabaseManager) -> None:
+    async with sqlite_db.connect() as first, sqlite_db.connect() as second:
+        first_raw = await first.get_raw_connection()
+        second_raw = await second.get_raw_connection()
+        # Two connections checked out at once are two distinct sqlite3 connections.
+        assert first_raw.driver_connection is not second_raw.driver_connection
+        assert await read_pragmas(first) == EXPECTED_PRAGMAS
+        assert await read_pragmas(second) == EXPECTED_PRAGMAS
+
+
+async def test_memory_database_lives_on_one_static_connection() -> None:
+    manager = DatabaseManager(Settings(database_url="sqlite+aiosqlite:///:memory:"))
+    try:
+        assert isinstance(manager.engine.pool, StaticPool)
+        async with manager.transaction() as conn:
+            await conn.execute(text("CREATE TABLE probe (v INTEGER)"))
+            await conn.execute(text("INSERT INTO probe (v) VALUES (7)"))
+        async with manager.connect() as conn:
+            assert (await conn.execute(text("SELECT v FROM probe"))).scalar_one() == 7
+            assert (await conn.execute(text("PRAGMA foreign_keys"))).scalar_one() == 1
+    finally:
+        await manager.dispose()
+
+
+async def test_transaction_takes_the_write_lock_before_any_write(
+    sqlite_db: DatabaseManager, db_path: Path
+) -> None:
+    other = raw_connection(db_path)
+    try:
+        async with sqlite_db.transaction() as conn:
+            # Only a read so far: a DEFERRED transaction would hold no write lock yet.
+            assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 0
+            with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+                other.execute("BEGIN IMMEDIATE")
+        # Once the transaction is over, the lock is free again.
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
+async def test_transaction_rolls_back_on_error(sqlite_db: DatabaseManager) -> None:
+    with pytest.raises(RuntimeError):
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("UPDATE counter SET n = 99 WHERE id = 1"))
+            raise RuntimeError("abort")
+    async with sqlite_db.connect() as conn:
+        assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 0
+
+
+async def test_deferred_read_then_write_fails_at_once_when_another_writer_committed(
+    sqlite_db: DatabaseManager, db_path: Path
+) -> None:
+    """Why writes never use a deferred transaction (the "G2" guard in the manager's docstring).
+
+    A deferred transaction that has read holds a WAL snapshot. Once another connection commits,
+    upgrading that snapshot to a writer is impossible, so SQLite answers SQLITE_BUSY(_SNAPSHOT)
+    straight away: busy_timeout (5 s here) is not honoured, because waiting cannot help.
+    """
+    other = raw_connection(db_path)
+    try:
+        async with sqlite_db.connect() as conn:
+            async with conn.begin():  # connect().begin() is the deferred (read) transaction
+                assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 0
+                other.execute("UPDATE counter SET n = n + 1 WHERE id = 1")  # autocommits
+                started = time.monotonic()
+                with pytest.raises(OperationalError, match="database is locked"):
+                    await conn.execute(text("UPDATE counter SET n = n + 10 WHERE id = 1"))
+                elapsed_s = time.monotonic() - started
+        assert elapsed_s < 1.0, f"waited {elapsed_s:.2f}s: busy_timeout was honoured after all"
+        # The same read-then-write inside transaction() serialises and keeps both increments.
+        async with sqlite_db.transaction() as conn:
+            n = (await conn.execute(text("SELECT n FROM counter"))).scalar_one()
+            await conn.execute(text("UPDATE counter SET n = :n WHERE id = 1"), {"n": n + 10})
+        async with sqlite_db.connect() as conn:
+            assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 11
+    finally:
+        other.close()
