@@ -1,0 +1,289 @@
+"""Plans: the policy a tenant's plan gives its runs (lane, priority, quota, limits, caps).
+
+The defaults are DESIGN.md's table. A YAML plans file (``MOORLINE_PLANS_FILE``) can replace any
+of them and add new ones::
+
+    plans:
+      team:
+        lane: workflow_team
+        priority: 50
+        daily_quota: 800
+        rate_limit: "10/second"
+        tenant_concurrency: 4
+        lane_slots: 4
+
+A plan named in the file replaces the default of that name as a whole (no field-by-field merge:
+what the file says is what runs). The community edition routes every plan to the single lane
+``workflow``; its worker slots are the sum of the plans' ``lane_slots`` (see
+:func:`default_lane_slots`).
+
+:class:`PlansProvider` re-reads the file through a TTL cache (seed 002 §4.1), so request paths
+never parse YAML and an edited file takes effect within the TTL without a restart.
+"""
+
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Annotated
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from moorline.errors import ConfigError
+from moorline.settings import Edition, Settings
+
+logger = logging.getLogger(__name__)
+
+COMMUNITY_LANE = "workflow"
+"""The one lane of the community edition."""
+
+DEFAULT_PLANS_TTL_S = 5.0
+"""How long a read of the plans file is trusted before the file is read again (seed 002)."""
+
+RATE_LIMIT_PERIODS_S: Mapping[str, float] = MappingProxyType(
+    {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
+)
+_RATE_LIMIT = re.compile(r"^\s*(\d+)\s*/\s*(second|minute|hour|day)\s*$")
+_NAME = r"^[A-Za-z0-9_.-]+$"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A named policy shared by the tenants on it.
+
+    Attributes:
+        name: The plan's name, as stored on the tenant.
+        lane: The queue its runs go to; each lane has its own worker slots.
+        priority: Higher is claimed first within a lane.
+        daily_quota: Runs a tenant may start per UTC day.
+        rate_limit: API requests allowed per key, ``"<count>/<second|minute|hour|day>"``.
+        tenant_concurrency: Runs of one tenant that may be ``running`` at the same time.
+        lane_slots: Worker slots this plan brings to its lane (see :func:`default_lane_slots`).
+    """
+
+    name: str
+    lane: str
+    priority: int
+    daily_quota: int
+    rate_limit: str
+    tenant_concurrency: int
+    lane_slots: int
+
+
+def parse_rate_limit(value: str) -> tuple[int, float]:
+    """Split ``"20/second"`` into ``(20, 1.0)``: a count and its period in seconds.
+
+    Raises:
+        ValueError: the text is not ``<count>/<second|minute|hour|day>`` with a count above 0.
+    """
+    match = _RATE_LIMIT.match(value)
+    if match is None:
+        raise ValueError(f"rate limit {value!r} is not '<count>/<second|minute|hour|day>'")
+    count = int(match.group(1))
+    if count < 1:
+        raise ValueError(f"rate limit {value!r} must allow at least 1 request")
+    return count, RATE_LIMIT_PERIODS_S[match.group(2)]
+
+
+DEFAULT_PLANS: Mapping[str, Plan] = MappingProxyType(
+    {
+        "professional": Plan(
+            name="professional",
+            lane="workflow_professional",
+            priority=100,
+            daily_quota=1000,
+            rate_limit="20/second",
+            tenant_concurrency=8,
+            lane_slots=8,
+        ),
+        "team": Plan(
+            name="team",
+            lane="workflow_team",
+            priority=50,
+            daily_quota=500,
+            rate_limit="10/second",
+            tenant_concurrency=4,
+            lane_slots=4,
+        ),
+        "sandbox": Plan(
+            name="sandbox",
+            lane="workflow_sandbox",
+            priority=10,
+            daily_quota=50,
+            rate_limit="2/second",
+            tenant_concurrency=2,
+            lane_slots=2,
+        ),
+    }
+)
+"""DESIGN.md's plans, cloud edition (one lane per plan)."""
+
+
+class PlanSpec(BaseModel):
+    """One plan as written in the plans file; every field is required."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lane: Annotated[str, Field(min_length=1, max_length=64, pattern=_NAME)]
+    priority: int
+    daily_quota: Annotated[int, Field(ge=0)]
+    rate_limit: str
+    tenant_concurrency: Annotated[int, Field(ge=1)]
+    lane_slots: Annotated[int, Field(ge=1)]
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _check_rate_limit(cls, value: str) -> str:
+        parse_rate_limit(value)
+        return value.strip()
+
+
+class PlansFile(BaseModel):
+    """The whole plans file: ``plans:`` mapping names to :class:`PlanSpec`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    plans: dict[Annotated[str, Field(min_length=1, max_length=64, pattern=_NAME)], PlanSpec] = (
+        Field(default_factory=dict)
+    )
+
+
+def _describe(path: Path, exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    if first["type"] == "extra_forbidden":
+        return f"plans file {path}: unknown key {where!r}"
+    return f"plans file {path}: {where}: {first['msg']}"
+
+
+def load_plans_file(path: Path) -> dict[str, Plan]:
+    """Read and validate a plans file; returns only the plans it names.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or breaks the schema; the message names
+            the file and the offending key.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"MOORLINE_PLANS_FILE: cannot read {path}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"plans file {path}: not valid YAML{at}") from None
+    try:
+        parsed = PlansFile.model_validate(raw if raw is not None else {})
+    except ValidationError as exc:
+        raise ConfigError(_describe(path, exc)) from None
+    return {
+        name: Plan(name=name, **spec.model_dump()) for name, spec in sorted(parsed.plans.items())
+    }
+
+
+def for_edition(plans: Mapping[str, Plan], edition: Edition) -> dict[str, Plan]:
+    """The plans as the edition routes them: community sends every plan to ``workflow``."""
+    if edition is Edition.COMMUNITY:
+        return {name: replace(plan, lane=COMMUNITY_LANE) for name, plan in plans.items()}
+    return dict(plans)
+
+
+def resolve_plans(settings: Settings) -> dict[str, Plan]:
+    """Defaults, replaced and extended by the plans file, routed for the edition.
+
+    Raises:
+        ConfigError: the plans file is unreadable or invalid.
+    """
+    plans = dict(DEFAULT_PLANS)
+    if settings.plans_file is not None:
+        plans.update(load_plans_file(settings.plans_file))
+    return for_edition(plans, settings.edition)
+
+
+def default_lane_slots(plans: Mapping[str, Plan]) -> dict[str, int]:
+    """Worker slots per lane: each plan brings its ``lane_slots`` to its lane.
+
+    With one lane per plan (cloud) that is DESIGN.md's 8/4/2. Where plans share a lane (the
+    community edition's ``workflow``) their slots add up, 14 by default: a community worker
+    keeps the capacity of a cloud worker serving all three lanes instead of shrinking to the
+    largest lane's 8.
+    """
+    slots: dict[str, int] = {}
+    for plan in plans.values():
+        slots[plan.lane] = slots.get(plan.lane, 0) + plan.lane_slots
+    return slots
+
+
+def tenant_caps(plans: Mapping[str, Plan]) -> dict[str, int]:
+    """Plan name → tenant concurrency cap, the shape the claim statement takes."""
+    return {name: plan.tenant_concurrency for name, plan in plans.items()}
+
+
+class PlansProvider:
+    """The current plans, re-read from the plans file once its TTL has passed.
+
+    The first read happens at construction, so a broken file fails at start. A file that
+    breaks later is logged and the last good plans stay in force: a typo in a live edit must
+    not stop workers that are already running. Reading is synchronous because the file is a
+    few hundred bytes read at most once per TTL; an executor hop would cost more than it saves.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        ttl_s: float = DEFAULT_PLANS_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Read the plans once.
+
+        Args:
+            settings: Supplies ``plans_file`` and ``edition``.
+            ttl_s: Seconds a read stays trusted.
+            clock: Monotonic clock, replaceable in tests.
+
+        Raises:
+            ConfigError: the plans file is unreadable or invalid.
+        """
+        self._settings = settings
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._plans: Mapping[str, Plan] = MappingProxyType(resolve_plans(settings))
+        self._read_at = clock()
+
+    def plans(self) -> Mapping[str, Plan]:
+        """All plans by name (read-only), re-reading the file when the TTL has passed."""
+        now = self._clock()
+        if now - self._read_at >= self._ttl_s:
+            self._read_at = now
+            try:
+                self._plans = MappingProxyType(resolve_plans(self._settings))
+            except ConfigError as exc:
+                logger.error("keeping the previous plans: %s", exc.message)
+        return self._plans
+
+    def get(self, name: str) -> Plan:
+        """The plan called ``name``.
+
+        Raises:
+            ConfigError: no such plan (a tenant refers to a plan the configuration lacks).
+        """
+        plans = self.plans()
+        try:
+            return plans[name]
+        except KeyError:
+            known = ", ".join(sorted(plans))
+            raise ConfigError(f"unknown plan {name!r} (known plans: {known})") from None
+
+    def lane_slots(self) -> dict[str, int]:
+        """Worker slots per lane for the current plans (see :func:`default_lane_slots`)."""
+        return default_lane_slots(self.plans())
+
+    def tenant_caps(self) -> dict[str, int]:
+        """Plan name → tenant concurrency cap for the current plans."""
+        return tenant_caps(self.plans())
