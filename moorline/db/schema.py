@@ -30,6 +30,12 @@ NAMING_CONVENTION = {
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
+# MySQL/MariaDB compare strings case-insensitively under their default collation, so step keys
+# "Key" and "key", or tenants "Acme" and "acme", would collide there and nowhere else. Binary
+# collation makes them compare as on SQLite and PostgreSQL (except that it still ignores
+# trailing spaces: the NO PAD binary collations differ between MySQL and MariaDB).
+MYSQL_TABLE_OPTIONS = {"mysql_charset": "utf8mb4", "mysql_collate": "utf8mb4_bin"}
+
 ID = 36  # uuid4 text
 NAME = 200
 KEY = 255
@@ -187,3 +193,6 @@ leader_leases = Table(
     Column("term", Integer, nullable=False),
     Column("expires_at", UTCDateTime(), nullable=False),
 )
+
+for _table in metadata.tables.values():
+    _table.dialect_kwargs.update(MYSQL_TABLE_OPTIONS)

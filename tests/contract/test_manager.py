@@ -1,11 +1,13 @@
 """DatabaseManager on every backend: it connects, writes, and reports database time."""
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select, text
+from sqlalchemy import insert, select, text
 
 from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
+from moorline.db.schema import tenants
 
 
 async def test_transaction_commits_and_reads_back(db: DatabaseManager) -> None:
@@ -26,3 +28,21 @@ async def test_database_time_is_utc_and_offsets_apply(db: DatabaseManager) -> No
     assert now.tzinfo is not None
     assert abs(now - datetime.now(UTC)) < timedelta(seconds=5)
     assert timedelta(seconds=90) < later - now < timedelta(seconds=91)
+
+
+async def test_strings_compare_exactly_on_every_backend(db: DatabaseManager) -> None:
+    # MySQL's default collation would call these equal and refuse the second as a duplicate.
+    # (Trailing spaces still compare equal there: utf8mb4_bin pads; names are validated.)
+    now = datetime.now(UTC)
+    names = [f"Acme-{uuid.uuid4().hex[:8]}"]
+    names.append(names[0].lower())
+    async with db.transaction() as conn:
+        for name in names:
+            await conn.execute(
+                insert(tenants).values(
+                    id=str(uuid.uuid4()), name=name, plan="p", created_at=now, updated_at=now
+                )
+            )
+    async with db.connect() as conn:
+        found = await conn.execute(select(tenants.c.name).where(tenants.c.name == names[0]))
+        assert list(found.scalars()) == [names[0]]

@@ -31,6 +31,8 @@ def upgrade() -> None:
         sa.Column("term", sa.Integer(), nullable=False),
         sa.Column("expires_at", UTC_DATETIME, nullable=False),
         sa.PrimaryKeyConstraint("name", name=op.f("pk_leader_leases")),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
     op.create_table(
         "tenants",
@@ -41,6 +43,8 @@ def upgrade() -> None:
         sa.Column("updated_at", UTC_DATETIME, nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_tenants")),
         sa.UniqueConstraint("name", name=op.f("uq_tenants_name")),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
     op.create_table(
         "api_keys",
@@ -58,6 +62,8 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_api_keys")),
         sa.UniqueConstraint("key_hash", name=op.f("uq_api_keys_key_hash")),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
     op.create_index(op.f("ix_api_keys_tenant_id"), "api_keys", ["tenant_id"], unique=False)
     op.create_table(
@@ -72,6 +78,8 @@ def upgrade() -> None:
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("tenant_id", "day", name=op.f("pk_quota_usage")),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
     op.create_table(
         "runs",
@@ -111,6 +119,8 @@ def upgrade() -> None:
         sa.UniqueConstraint(
             "tenant_id", "idempotency_key", name=op.f("uq_runs_tenant_id_idempotency_key")
         ),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
     op.create_index(
         "ix_runs_claim", "runs", ["status", "lane", "priority", "not_before"], unique=False
@@ -135,6 +145,8 @@ def upgrade() -> None:
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_webhooks")),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
     op.create_index(op.f("ix_webhooks_tenant_id"), "webhooks", ["tenant_id"], unique=False)
     op.create_table(
@@ -149,6 +161,8 @@ def upgrade() -> None:
             ["run_id"], ["runs.id"], name=op.f("fk_events_run_id_runs"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("run_id", "seq", name=op.f("pk_events")),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
     op.create_table(
         "interrupts",
@@ -169,6 +183,8 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_interrupts")),
         sa.UniqueConstraint("run_id", "key", name=op.f("uq_interrupts_run_id_key")),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
     op.create_index(
         op.f("ix_interrupts_run_id_status"), "interrupts", ["run_id", "status"], unique=False
@@ -185,6 +201,8 @@ def upgrade() -> None:
             ["run_id"], ["runs.id"], name=op.f("fk_messages_run_id_runs"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("run_id", "seq", name=op.f("pk_messages")),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
     op.create_table(
         "steps",
@@ -202,6 +220,8 @@ def upgrade() -> None:
             ["run_id"], ["runs.id"], name=op.f("fk_steps_run_id_runs"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("run_id", "key", name=op.f("pk_steps")),
+        mysql_charset="utf8mb4",
+        mysql_collate="utf8mb4_bin",
     )
 
 
