@@ -1,0 +1,365 @@
+"""The RuntimeStore seam: coordination state that may be lost and rebuilt.
+
+The database is the source of truth for runs; the RuntimeStore only coordinates live work:
+
+- **conversation lease**: at most one active run per conversation, with a TTL renewed by the
+  holder's heartbeat (``acquire_lease`` / ``renew_lease`` / ``release_lease``);
+- **interactive window**: which run of a conversation has its engine loop live, so messages and
+  cancellation are only accepted while someone can act on them;
+- **interrupts**: a run pauses on a human decision (``open_interrupt`` → ``wait_interrupt``,
+  ``resolve_interrupt`` from the API); the first decision wins;
+- **cancellation**: a flag per run, with a wait that wakes on it;
+- **injected messages**: a FIFO per run, drained all at once;
+- **live events**: best-effort fan-out of a run's events to stream subscribers.
+
+Two implementations share one contract suite: :class:`~moorline.runtime.memory.InMemoryRuntimeStore`
+(one process) and :class:`~moorline.runtime.redis.RedisRuntimeStore` (many processes).
+
+Waits end in a defined way, so a run never hangs on the store:
+
+==================  ===========================================  =========================
+wait                resolved / signalled                         timeout
+==================  ===========================================  =========================
+``wait_interrupt``  the decision (``CANCELLED_DECISION`` on      ``None``
+                    cancel)
+``wait_cancelled``  ``True``                                     ``False``
+==================  ===========================================  =========================
+
+After :meth:`RuntimeStore.shutdown` every wait in this process, running or new, raises
+:class:`StoreShutdown`, and every event subscription ends.
+"""
+
+import asyncio
+import json
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from types import TracebackType
+from typing import NamedTuple, Protocol, Self
+
+from moorline.errors import LimitExceeded, MoorlineError
+from moorline.types import JSONObject, RunId
+
+CANCELLED_DECISION: JSONObject = {"approved": False, "reason": "cancelled"}
+"""The decision an interrupt gets when its run is cancelled while the interrupt is pending."""
+
+DEFAULT_EVENT_QUEUE_SIZE = 1000
+"""Events a subscriber may fall behind by before it is dropped."""
+
+DEFAULT_MAX_MESSAGES = 1000
+"""Injected messages a run may have waiting before more are refused."""
+
+
+class StoreShutdown(MoorlineError):
+    """The store is shutting down in this process; the wait ended without an answer.
+
+    The engine turns it into a denial with reason ``shutdown``; the run is reclaimed and
+    replayed by another worker, and the decision (if any) is read again there.
+    """
+
+    code = "shutdown"
+    status = 503
+
+
+def queue_full(run_id: RunId, max_messages: int) -> LimitExceeded:
+    """The error of a push onto a full message queue."""
+    return LimitExceeded(f"run {run_id} already has {max_messages} messages waiting")
+
+
+class InterruptStatus(StrEnum):
+    """Where an interrupt stands."""
+
+    PENDING = "pending"
+    RESOLVED = "resolved"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InterruptState:
+    """An interrupt as the store holds it."""
+
+    status: InterruptStatus
+    decision: JSONObject | None
+    """The winning decision once resolved, else ``None``."""
+
+
+class LeaseAcquisition(NamedTuple):
+    """The answer of :meth:`RuntimeStore.acquire_lease`; unpacks as ``(acquired, holder)``."""
+
+    acquired: bool
+    holder: str
+    """The holder after the call: the caller when acquired, else whoever holds the lease."""
+
+
+def encode_decision(decision: JSONObject) -> str:
+    """Canonical JSON of a decision, so two equal decisions compare equal as strings."""
+    return json.dumps(decision, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def decode_decision(text: str) -> JSONObject:
+    """The decision stored by :func:`encode_decision`."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("a stored decision is not a JSON object")
+    return value
+
+
+class EventSubscription:
+    """Live events of one run, in publish order, until closed, dropped or shut down.
+
+    Iterate with ``async for``; close with :meth:`close` (or use ``async with``). Live fan-out is
+    best-effort: a subscriber reads the run's stored events from the database first and
+    de-duplicates by ``seq``. The buffer is bounded: a subscriber that falls
+    ``max_queued`` events behind is dropped (:attr:`is_dropped` becomes true and iteration ends)
+    so that it can never stall a publisher; it resumes from the database at its last ``seq``.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_queued: int = DEFAULT_EVENT_QUEUE_SIZE,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._items: deque[JSONObject] = deque()
+        self._max_queued = max_queued
+        self._ready = asyncio.Event()
+        self._ended = False
+        self._dropped = False
+        self._on_close = on_close
+
+    @property
+    def is_dropped(self) -> bool:
+        """True when events may have been missed (slow consumer or lost connection)."""
+        return self._dropped
+
+    @property
+    def is_ended(self) -> bool:
+        return self._ended
+
+    def offer(self, event: JSONObject) -> None:
+        """Queue one event; drop the subscriber instead of blocking when it is full."""
+        if self._ended:
+            return
+        if len(self._items) >= self._max_queued:
+            self.end(dropped=True)
+            return
+        self._items.append(event)
+        self._ready.set()
+
+    def end(self, *, dropped: bool = False) -> None:
+        """Stop the stream after the queued events (at once, discarding them, when dropped)."""
+        if dropped:
+            self._dropped = True
+            self._items.clear()
+        self._ended = True
+        self._ready.set()
+
+    async def close(self) -> None:
+        """End the stream and release what it holds (idempotent)."""
+        self.end()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            await on_close()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> JSONObject:
+        while True:
+            if self._items:
+                return self._items.popleft()
+            if self._ended:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class RuntimeStore(Protocol):
+    """Coordination of live runs: leases, interactive windows, interrupts, cancels, messages.
+
+    Every TTL is in seconds and every key the store writes expires: state left behind by a dead
+    process disappears on its own. Methods raise
+    :class:`~moorline.errors.BackendUnavailable` when the backend cannot be reached.
+    """
+
+    async def acquire_lease(
+        self, conversation_id: str, holder: str, ttl_s: float
+    ) -> LeaseAcquisition:
+        """Take the conversation's lease unless someone else holds it.
+
+        Args:
+            conversation_id: The conversation to lock.
+            holder: Who takes it (a run id); acquiring again as the holder refreshes the TTL.
+            ttl_s: Seconds the lease lives without a renewal.
+
+        Returns:
+            ``(True, holder)`` when the caller holds the lease now, else
+            ``(False, current_holder)``.
+        """
+        ...
+
+    async def renew_lease(self, conversation_id: str, holder: str, ttl_s: float) -> bool:
+        """Extend the lease to ``ttl_s`` from now, only if ``holder`` still holds it.
+
+        Returns:
+            False when the lease expired or belongs to someone else: the caller lost it and
+            must stop.
+        """
+        ...
+
+    async def release_lease(self, conversation_id: str, holder: str) -> bool:
+        """Give the lease up, only if ``holder`` holds it.
+
+        Returns:
+            True when it was released; False (and nothing changed) otherwise.
+        """
+        ...
+
+    async def get_lease_holder(self, conversation_id: str) -> str | None:
+        """Who holds the conversation's lease, or ``None``."""
+        ...
+
+    async def mark_interactive(self, conversation_id: str, run_id: RunId, ttl_s: float) -> None:
+        """Open (or extend) the conversation's interactive window for ``run_id``.
+
+        The window covers only the engine loop of the run, so messages and cancels arriving
+        after it closed are refused. Mark again from the heartbeat to keep it open. A run with
+        no conversation may use its run id as the conversation id.
+        """
+        ...
+
+    async def get_interactive_run(self, conversation_id: str) -> RunId | None:
+        """The run whose engine loop is live in the conversation, or ``None``."""
+        ...
+
+    async def is_interactive(self, conversation_id: str, run_id: RunId) -> bool:
+        """Whether ``run_id`` holds the conversation's interactive window."""
+        ...
+
+    async def clear_interactive(self, conversation_id: str, run_id: RunId) -> bool:
+        """Close the window, only if ``run_id`` holds it; True when it was closed."""
+        ...
+
+    async def open_interrupt(self, run_id: RunId, interrupt_id: str, ttl_s: float) -> None:
+        """Create a pending interrupt, or keep the existing one (a replayed run re-opens it).
+
+        Args:
+            run_id: The run that pauses.
+            interrupt_id: Unique within the run.
+            ttl_s: Seconds the interrupt, pending or resolved, stays in the store; pass the
+                wait's timeout plus a margin.
+        """
+        ...
+
+    async def resolve_interrupt(
+        self, run_id: RunId, interrupt_id: str, decision: JSONObject
+    ) -> bool:
+        """Record a decision and wake the waiter; the first decision wins.
+
+        Returns:
+            True when this decision was recorded now or was already the recorded one (an
+            idempotent retry); False when the interrupt is unknown (never opened, expired or
+            cleaned up) or already resolved with a different decision.
+        """
+        ...
+
+    async def get_interrupt(self, run_id: RunId, interrupt_id: str) -> InterruptState | None:
+        """The interrupt's state, or ``None`` when unknown."""
+        ...
+
+    async def wait_interrupt(
+        self, run_id: RunId, interrupt_id: str, timeout_s: float
+    ) -> JSONObject | None:
+        """Wait for the interrupt's decision.
+
+        Returns at once when it is already resolved. When the run is cancelled while the
+        interrupt is pending, the interrupt is resolved with :data:`CANCELLED_DECISION` (first
+        writer wins, so a later approval is refused) and that is returned.
+
+        Returns:
+            The decision; ``None`` on timeout, or when the interrupt is unknown or disappears
+            (expired, cleaned up) while waiting.
+
+        Raises:
+            StoreShutdown: :meth:`shutdown` was called in this process.
+            BackendUnavailable: the backend stayed unreachable until the timeout.
+        """
+        ...
+
+    async def request_cancel(self, run_id: RunId) -> None:
+        """Flag the run as cancelled and wake its waiters (the flag expires with the run)."""
+        ...
+
+    async def is_cancelled(self, run_id: RunId) -> bool:
+        """Whether the run's cancel flag is set."""
+        ...
+
+    async def wait_cancelled(self, run_id: RunId, timeout_s: float) -> bool:
+        """Wait until the run is cancelled.
+
+        Returns:
+            True once cancelled (at once when it already is); False on timeout.
+
+        Raises:
+            StoreShutdown: :meth:`shutdown` was called in this process.
+            BackendUnavailable: the backend stayed unreachable until the timeout.
+        """
+        ...
+
+    async def push_message(self, run_id: RunId, text: str) -> None:
+        """Append a message to the run's injected-message queue.
+
+        The queue is bounded (``max_messages`` of the store): a run that does not drain it
+        cannot make it grow without limit.
+
+        Raises:
+            LimitExceeded: the queue is full; nothing was added.
+        """
+        ...
+
+    async def drain_messages(self, run_id: RunId) -> list[str]:
+        """Take every queued message at once, oldest first (an empty list when none)."""
+        ...
+
+    async def publish_event(self, run_id: RunId, event: JSONObject) -> None:
+        """Send an event to the run's live subscribers (best-effort, at most once)."""
+        ...
+
+    async def subscribe_events(self, run_id: RunId) -> EventSubscription:
+        """Subscribe to the run's live events.
+
+        The subscription is active when this returns: every event published afterwards is
+        delivered (unless the subscriber is dropped). Read stored events after subscribing,
+        then de-duplicate by ``seq``.
+        """
+        ...
+
+    async def cleanup_run(self, run_id: RunId) -> None:
+        """Delete the run's interrupts, cancel flag and message queue at its end.
+
+        Waiters on the run wake: an interrupt wait returns ``None``.
+        """
+        ...
+
+    async def shutdown(self) -> None:
+        """Wake every waiter in this process with :class:`StoreShutdown` and end subscriptions.
+
+        State in a shared backend is left alone: other processes keep working with it. Waits
+        started afterwards raise :class:`StoreShutdown` at once; other methods keep working.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Shut down (see :meth:`shutdown`) and release connections; idempotent."""
+        ...

@@ -1,0 +1,77 @@
+"""Every Redis key and channel name of the runtime store. The formats are persisted contract.
+
+All names start with the configured prefix (``MOORLINE_REDIS_PREFIX``, default ``mo``). The
+entity follows in a ``{hash tag}``, so every key of one conversation, or of one run, lands in the
+same Redis Cluster slot and multi-key scripts never fail with ``CROSSSLOT``::
+
+    <prefix>:{conv:<conversation_id>}:lease          STRING holder            TTL of the lease
+    <prefix>:{conv:<conversation_id>}:interactive    STRING run id            TTL of the window
+    <prefix>:{run:<run_id>}:interrupt:<interrupt_id> HASH status, decision    TTL of the interrupt
+    <prefix>:{run:<run_id>}:interrupts               SET interrupt ids        longest interrupt TTL
+    <prefix>:{run:<run_id>}:cancel                   STRING "1"               retention
+    <prefix>:{run:<run_id>}:messages                 LIST injected messages   retention
+    <prefix>:{run:<run_id>}:signal                   channel: interrupt:<id> | cancel | cleanup
+    <prefix>:{run:<run_id>}:events                   channel: JSON events
+
+Every key of a run starts with the same ``<prefix>:{run:<run_id>}``, so the hash tag is the
+same for all of them whatever characters the id contains.
+"""
+
+from dataclasses import dataclass
+
+from moorline.types import RunId
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    """Key and channel builders under one prefix."""
+
+    prefix: str
+
+    def _conversation(self, conversation_id: str) -> str:
+        return f"{self.prefix}:{{conv:{conversation_id}}}"
+
+    def _run(self, run_id: RunId) -> str:
+        return f"{self.prefix}:{{run:{run_id}}}"
+
+    def lease(self, conversation_id: str) -> str:
+        """The conversation lease: the holder, with the lease TTL."""
+        return f"{self._conversation(conversation_id)}:lease"
+
+    def interactive(self, conversation_id: str) -> str:
+        """The interactive window: the run whose engine loop is live."""
+        return f"{self._conversation(conversation_id)}:interactive"
+
+    def interrupt(self, run_id: RunId, interrupt_id: str) -> str:
+        """One interrupt: a hash of ``status`` and, once resolved, ``decision``."""
+        return f"{self._run(run_id)}:interrupt:{interrupt_id}"
+
+    def interrupt_index(self, run_id: RunId) -> str:
+        """The ids of the run's interrupts, so that cleanup finds them without a SCAN."""
+        return f"{self._run(run_id)}:interrupts"
+
+    def cancel(self, run_id: RunId) -> str:
+        """The run's cancel flag."""
+        return f"{self._run(run_id)}:cancel"
+
+    def messages(self, run_id: RunId) -> str:
+        """The run's injected-message queue (oldest at the head)."""
+        return f"{self._run(run_id)}:messages"
+
+    def signal_channel(self, run_id: RunId) -> str:
+        """Pub/Sub channel that wakes the run's waiters; the state in the keys is the truth."""
+        return f"{self._run(run_id)}:signal"
+
+    def events_channel(self, run_id: RunId) -> str:
+        """Pub/Sub channel of the run's live events."""
+        return f"{self._run(run_id)}:events"
+
+    def pattern(self) -> str:
+        """A SCAN pattern that matches every key under this prefix."""
+        return f"{self.prefix}:*"
+
+
+SIGNAL_CANCEL = "cancel"
+SIGNAL_CLEANUP = "cleanup"
+SIGNAL_INTERRUPT = "interrupt:"
+"""Signal payloads: ``interrupt:<id>`` when that interrupt is resolved."""

@@ -1,0 +1,705 @@
+"""The many-process RuntimeStore on Redis (``redis.asyncio``).
+
+- Keys come from :mod:`moorline.runtime.keys`: one ``{hash tag}`` per conversation or run, so
+  the store works on Redis Cluster. Every key is written with a TTL in the same atomic step.
+- Every compare-and-set is a Lua script from ``runtime/lua/``, registered with redis-py's
+  ``register_script``: it runs EVALSHA and falls back to loading the script on ``NOSCRIPT``, so
+  a ``SCRIPT FLUSH`` or a fail-over to a fresh replica costs one extra round trip.
+- Waits follow subscribe-then-re-check, because Pub/Sub is at-most-once: the waker writes the
+  state first and then publishes (one script); the waiter checks the state, subscribes to the
+  run's signal channel, waits until Redis confirms the subscription, checks again, and only
+  then waits for a signal, re-checking on every signal and at least every ``poll_interval_s``.
+  A signal published before the subscription is therefore never needed.
+- All subscriptions of a store share one Pub/Sub connection (:class:`PubSubHub`), so a process
+  with hundreds of paused runs and event streams holds one connection, not hundreds. That
+  connection never reconnects silently: when it breaks, every waiter is told, opens its
+  subscription again on a fresh connection and re-checks; event subscriptions end as dropped.
+  When Redis stays away a waiter keeps trying until its deadline, then raises
+  :class:`~moorline.errors.BackendUnavailable`.
+
+``RedisError`` never leaves this module: it becomes :class:`~moorline.errors.BackendUnavailable`.
+"""
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
+
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from moorline.errors import BackendUnavailable
+from moorline.runtime.base import (
+    CANCELLED_DECISION,
+    DEFAULT_EVENT_QUEUE_SIZE,
+    DEFAULT_MAX_MESSAGES,
+    EventSubscription,
+    InterruptState,
+    InterruptStatus,
+    LeaseAcquisition,
+    RuntimeStore,
+    StoreShutdown,
+    decode_decision,
+    encode_decision,
+    queue_full,
+)
+from moorline.runtime.keys import SIGNAL_CANCEL, SIGNAL_CLEANUP, SIGNAL_INTERRUPT, RedisKeys
+from moorline.types import JSONObject, RunId
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+SCRIPT_NAMES = (
+    "acquire_lease",
+    "check_interrupt",
+    "compare_and_delete",
+    "compare_and_expire",
+    "drain_all",
+    "open_interrupt",
+    "push_message",
+    "request_cancel",
+    "resolve_interrupt",
+)
+
+DEFAULT_POLL_INTERVAL_S = 1.0
+RESUBSCRIBE_BACKOFF_S = 0.05
+"""First pause before a waiter subscribes again after Redis failed it; doubles each time."""
+MAX_RESUBSCRIBE_BACKOFF_S = 1.0
+FINAL_CHECK_TIMEOUT_S = 1.0
+"""Longest wait for the last check a waiter makes at its deadline."""
+SUBSCRIBE_TIMEOUT_S = 10.0
+"""Longest wait for an event subscription to be confirmed."""
+
+StepHook = Callable[[str, RunId], Awaitable[None]]
+"""Test hook called as ``hook(step, run_id)`` with step ``subscribe``, ``recheck`` or ``wait``."""
+
+
+def load_script(name: str) -> str:
+    """The text of ``runtime/lua/<name>.lua``."""
+    return resources.files("moorline.runtime").joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+def to_ms(ttl_s: float) -> int:
+    """A TTL in whole milliseconds, at least 1 (Redis refuses 0)."""
+    return max(1, math.ceil(ttl_s * 1000))
+
+
+def _translate(
+    method: Callable[Concatenate["RedisRuntimeStore", P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate["RedisRuntimeStore", P], Coroutine[Any, Any, R]]:
+    """Turn a ``RedisError`` escaping ``method`` into ``BackendUnavailable``."""
+
+    @functools.wraps(method)
+    async def wrapper(self: "RedisRuntimeStore", /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(self, *args, **kwargs)
+        except RedisError as exc:
+            raise BackendUnavailable(f"Redis runtime store: {method.__name__}: {exc}") from exc
+
+    return wrapper
+
+
+class Listener(Protocol):
+    """A local interest in a channel; called from the hub's reader, so it must not block."""
+
+    def on_message(self, data: str) -> None:
+        """A message arrived on the channel."""
+        ...
+
+    def on_broken(self) -> None:
+        """The connection broke: messages may have been lost, and none will come any more."""
+        ...
+
+
+@dataclass(eq=False, slots=True)
+class _Channel:
+    listeners: set[Listener] = field(default_factory=set)
+    confirmed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when Redis confirmed the SUBSCRIBE (or when the link broke)."""
+
+
+@dataclass(eq=False, slots=True)
+class Link:
+    """One Pub/Sub connection and the channels subscribed on it; replaced whole when it breaks."""
+
+    pubsub: PubSub
+    channels: dict[str, _Channel] = field(default_factory=dict)
+    reader: "asyncio.Task[None] | None" = None
+    is_broken: bool = False
+
+
+class PubSubHub:
+    """Every subscription of one store over a single Pub/Sub connection.
+
+    The connection is opened without redis-py's retries: redis-py would reconnect and
+    re-subscribe silently, hiding that messages were lost meanwhile. Here a broken connection
+    is dropped whole and every listener hears :meth:`Listener.on_broken`.
+
+    A channel's entry is only deleted (and unsubscribed) after its SUBSCRIBE was confirmed.
+    Replies on one connection come in order, so every "subscribe" reply then belongs to the
+    entry that is in the table: a confirmation is never credited to the wrong subscription.
+    """
+
+    def __init__(self, client: Redis) -> None:
+        self._client = client
+        self._link: Link | None = None
+        self._lock = asyncio.Lock()
+
+    async def subscribe(self, channel: str, listener: Listener) -> Link:
+        """Add ``listener`` to ``channel``; return once Redis confirmed the subscription.
+
+        Raises:
+            redis.exceptions.ConnectionError: the connection broke (subscribe again).
+        """
+        link = await self._live_link()
+        entry = link.channels.get(channel)
+        first = entry is None
+        if entry is None:
+            entry = link.channels[channel] = _Channel()
+        entry.listeners.add(listener)
+        try:
+            if first:
+                # Shielded: a caller cancelled mid-write must not cut a command in half on the
+                # shared connection. The reader unsubscribes if nobody is left at confirmation.
+                await asyncio.shield(self._send(link, "subscribe", channel))
+            await entry.confirmed.wait()
+        except BaseException:
+            await self.unsubscribe(link, channel, listener)
+            raise
+        if link.is_broken:
+            raise RedisConnectionError("the Pub/Sub connection broke while subscribing")
+        return link
+
+    async def unsubscribe(self, link: Link, channel: str, listener: Listener) -> None:
+        """Remove ``listener``; the last one out unsubscribes the connection."""
+        entry = link.channels.get(channel)
+        if entry is None:
+            return
+        entry.listeners.discard(listener)
+        if entry.listeners or not entry.confirmed.is_set() or link.is_broken:
+            return
+        del link.channels[channel]
+        await asyncio.shield(self._send(link, "unsubscribe", channel))
+
+    async def close(self) -> None:
+        """Drop the connection; listeners hear ``on_broken``."""
+        if self._link is not None:
+            await self._break(self._link, None)
+
+    async def _live_link(self) -> Link:
+        async with self._lock:
+            if self._link is None or self._link.is_broken:
+                pubsub = self._client.pubsub()
+                try:
+                    await pubsub.connect()  # type: ignore[no-untyped-call]
+                except BaseException:
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    raise
+                link = Link(pubsub)
+                link.reader = asyncio.create_task(self._read(link), name="moorline-pubsub")
+                self._link = link
+            return self._link
+
+    async def _send(self, link: Link, command: str, channel: str) -> None:
+        """Send (UN)SUBSCRIBE; on failure break the link instead of raising (callers check)."""
+        try:
+            if command == "subscribe":
+                await link.pubsub.subscribe(channel)
+            else:
+                await link.pubsub.unsubscribe(channel)
+        except Exception as exc:
+            # A dead socket or a half-sent command: nobody can trust this connection now.
+            await self._break(link, exc)
+        except BaseException as exc:
+            await self._break(link, exc)
+            raise
+
+    async def _read(self, link: Link) -> None:
+        try:
+            while True:
+                message = await link.pubsub.get_message(timeout=None)
+                if message is not None:
+                    await self._dispatch(link, message)
+        except Exception as exc:
+            await self._break(link, exc)
+
+    async def _dispatch(self, link: Link, message: dict[str, Any]) -> None:
+        channel = message["channel"]
+        entry = link.channels.get(channel)
+        if entry is None:
+            return
+        if message["type"] == "subscribe":
+            entry.confirmed.set()
+            if not entry.listeners:  # everyone left before the confirmation
+                del link.channels[channel]
+                await self._send(link, "unsubscribe", channel)
+        elif message["type"] == "message":
+            for listener in tuple(entry.listeners):
+                listener.on_message(message["data"])
+
+    async def _break(self, link: Link, error: BaseException | None) -> None:
+        if link.is_broken:
+            return
+        link.is_broken = True
+        if error is not None:
+            logger.warning("runtime store: Pub/Sub connection lost: %r; subscribing again", error)
+        for entry in link.channels.values():
+            entry.confirmed.set()
+            for listener in tuple(entry.listeners):
+                listener.on_broken()
+        link.channels.clear()
+        if self._link is link:
+            self._link = None
+        reader = link.reader
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            await asyncio.wait((reader,))
+        await link.pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class _Wake:
+    """A waiter's listener: its event is set by a relevant signal or a broken connection."""
+
+    def __init__(self, wakes_on: frozenset[str]) -> None:
+        self.event = asyncio.Event()
+        self.is_broken = False
+        self._wakes_on = wakes_on
+
+    def on_message(self, data: str) -> None:
+        if data in self._wakes_on:
+            self.event.set()
+
+    def on_broken(self) -> None:
+        self.is_broken = True
+        self.event.set()
+
+
+class _EventFeed:
+    """An event subscription's listener."""
+
+    def __init__(self, subscription: EventSubscription) -> None:
+        self._subscription = subscription
+
+    def on_message(self, data: str) -> None:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            logger.warning("runtime store: ignoring an event that is not JSON")
+            return
+        self._subscription.offer(cast(JSONObject, event))
+
+    def on_broken(self) -> None:
+        # Events published while the connection was down are lost: report a gap.
+        self._subscription.end(dropped=True)
+
+
+class RedisRuntimeStore(RuntimeStore):
+    """RuntimeStore shared by many processes through Redis.
+
+    Args:
+        url: Redis URL (``redis://`` or ``rediss://``).
+        prefix: Start of every key and channel (``MOORLINE_REDIS_PREFIX``).
+        retention_s: TTL of cancel flags and message queues (the execution timeout).
+        poll_interval_s: Longest time a waiter goes without re-checking the state; bounds the
+            delay of a wake-up whose signal was lost.
+        event_queue_size: Events a live subscriber may fall behind by before it is dropped.
+        client_name: ``CLIENT SETNAME`` of every connection, to find them in ``CLIENT LIST``.
+        max_connections: Command connections; callers beyond it wait for a free one.
+        max_messages: Injected messages a run may have waiting.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "mo",
+        retention_s: float = 1800.0,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        event_queue_size: int = DEFAULT_EVENT_QUEUE_SIZE,
+        client_name: str | None = None,
+        max_connections: int = 50,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+    ) -> None:
+        # Commands retry a few times on a dropped connection; Pub/Sub never retries (see
+        # PubSubHub). A blocking pool makes a burst wait for a connection instead of failing.
+        self._client = Redis.from_pool(
+            BlockingConnectionPool.from_url(
+                url,
+                decode_responses=True,
+                client_name=client_name,
+                max_connections=max_connections,
+                retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), 3),
+            )
+        )
+        self._pubsub_client = Redis.from_pool(
+            ConnectionPool.from_url(
+                url, decode_responses=True, client_name=client_name, retry=Retry(NoBackoff(), 0)
+            )
+        )
+        self._hub = PubSubHub(self._pubsub_client)
+        self.client_name = client_name
+        self.keys = RedisKeys(prefix)
+        self._retention_ms = to_ms(retention_s)
+        self._poll_interval_s = poll_interval_s
+        self._event_queue_size = event_queue_size
+        self._max_messages = max_messages
+        self._scripts: dict[str, AsyncScript] = {
+            name: self._client.register_script(load_script(name)) for name in SCRIPT_NAMES
+        }
+        self._watches: set[asyncio.Task[Any]] = set()
+        self._subscriptions: set[EventSubscription] = set()
+        self._is_shut_down = False
+        self._is_closed = False
+        self._between_steps: StepHook | None = None
+        """Tests only: awaited between the steps of a wait, to land a wake-up there."""
+
+    @property
+    def client(self) -> Redis:
+        """The underlying client (for health checks and tests)."""
+        return self._client
+
+    async def _script(self, name: str, keys: list[str], args: list[str | int]) -> Any:
+        return await self._scripts[name](keys=keys, args=args)
+
+    # -- conversation lease ------------------------------------------------------------------
+
+    @_translate
+    async def acquire_lease(
+        self, conversation_id: str, holder: str, ttl_s: float
+    ) -> LeaseAcquisition:
+        acquired, current = await self._script(
+            "acquire_lease", [self.keys.lease(conversation_id)], [holder, to_ms(ttl_s)]
+        )
+        return LeaseAcquisition(bool(acquired), str(current))
+
+    @_translate
+    async def renew_lease(self, conversation_id: str, holder: str, ttl_s: float) -> bool:
+        renewed = await self._script(
+            "compare_and_expire", [self.keys.lease(conversation_id)], [holder, to_ms(ttl_s)]
+        )
+        return bool(renewed)
+
+    @_translate
+    async def release_lease(self, conversation_id: str, holder: str) -> bool:
+        released = await self._script(
+            "compare_and_delete", [self.keys.lease(conversation_id)], [holder]
+        )
+        return bool(released)
+
+    @_translate
+    async def get_lease_holder(self, conversation_id: str) -> str | None:
+        return _optional_str(await self._client.get(self.keys.lease(conversation_id)))
+
+    # -- interactive window ------------------------------------------------------------------
+
+    @_translate
+    async def mark_interactive(self, conversation_id: str, run_id: RunId, ttl_s: float) -> None:
+        await self._client.set(self.keys.interactive(conversation_id), run_id, px=to_ms(ttl_s))
+
+    @_translate
+    async def get_interactive_run(self, conversation_id: str) -> RunId | None:
+        run_id = _optional_str(await self._client.get(self.keys.interactive(conversation_id)))
+        return None if run_id is None else RunId(run_id)
+
+    async def is_interactive(self, conversation_id: str, run_id: RunId) -> bool:
+        return await self.get_interactive_run(conversation_id) == run_id
+
+    @_translate
+    async def clear_interactive(self, conversation_id: str, run_id: RunId) -> bool:
+        cleared = await self._script(
+            "compare_and_delete", [self.keys.interactive(conversation_id)], [run_id]
+        )
+        return bool(cleared)
+
+    # -- interrupts --------------------------------------------------------------------------
+
+    @_translate
+    async def open_interrupt(self, run_id: RunId, interrupt_id: str, ttl_s: float) -> None:
+        await self._script(
+            "open_interrupt",
+            [self.keys.interrupt(run_id, interrupt_id), self.keys.interrupt_index(run_id)],
+            [interrupt_id, to_ms(ttl_s)],
+        )
+
+    @_translate
+    async def resolve_interrupt(
+        self, run_id: RunId, interrupt_id: str, decision: JSONObject
+    ) -> bool:
+        outcome, _ = await self._resolve(run_id, interrupt_id, encode_decision(decision))
+        return outcome in (1, 2)
+
+    async def _resolve(
+        self, run_id: RunId, interrupt_id: str, encoded: str
+    ) -> tuple[int, str | None]:
+        """Run resolve_interrupt.lua: (outcome code, winning decision or None)."""
+        outcome, winner = await self._script(
+            "resolve_interrupt",
+            [self.keys.interrupt(run_id, interrupt_id)],
+            [encoded, self.keys.signal_channel(run_id), f"{SIGNAL_INTERRUPT}{interrupt_id}"],
+        )
+        return int(outcome), winner
+
+    @_translate
+    async def get_interrupt(self, run_id: RunId, interrupt_id: str) -> InterruptState | None:
+        fields = await self._client.hgetall(self.keys.interrupt(run_id, interrupt_id))
+        return _interrupt_state(fields)
+
+    @_translate
+    async def wait_interrupt(
+        self, run_id: RunId, interrupt_id: str, timeout_s: float
+    ) -> JSONObject | None:
+        keys = [self.keys.interrupt(run_id, interrupt_id), self.keys.cancel(run_id)]
+        args: list[str | int] = [
+            encode_decision(CANCELLED_DECISION),
+            self.keys.signal_channel(run_id),
+            f"{SIGNAL_INTERRUPT}{interrupt_id}",
+        ]
+
+        async def check() -> tuple[bool, JSONObject | None]:
+            found = await self._script("check_interrupt", keys, args)
+            if found[0] == 2:
+                return False, None
+            return True, decode_decision(found[1]) if found[0] == 1 else None
+
+        wakes_on = frozenset({f"{SIGNAL_INTERRUPT}{interrupt_id}", SIGNAL_CANCEL, SIGNAL_CLEANUP})
+        return await self._wait(run_id, check, wakes_on, timeout_s, None)
+
+    # -- cancellation ------------------------------------------------------------------------
+
+    @_translate
+    async def request_cancel(self, run_id: RunId) -> None:
+        await self._script(
+            "request_cancel",
+            [self.keys.cancel(run_id)],
+            [self._retention_ms, self.keys.signal_channel(run_id), SIGNAL_CANCEL],
+        )
+
+    @_translate
+    async def is_cancelled(self, run_id: RunId) -> bool:
+        return bool(await self._client.exists(self.keys.cancel(run_id)))
+
+    @_translate
+    async def wait_cancelled(self, run_id: RunId, timeout_s: float) -> bool:
+        async def check() -> tuple[bool, bool]:
+            cancelled = bool(await self._client.exists(self.keys.cancel(run_id)))
+            return cancelled, cancelled
+
+        return await self._wait(run_id, check, frozenset({SIGNAL_CANCEL}), timeout_s, False)
+
+    # -- injected messages -------------------------------------------------------------------
+
+    @_translate
+    async def push_message(self, run_id: RunId, text: str) -> None:
+        length = await self._script(
+            "push_message",
+            [self.keys.messages(run_id)],
+            [text, self._retention_ms, self._max_messages],
+        )
+        if length < 0:
+            raise queue_full(run_id, self._max_messages)
+
+    @_translate
+    async def drain_messages(self, run_id: RunId) -> list[str]:
+        drained = await self._script("drain_all", [self.keys.messages(run_id)], [])
+        return [str(item) for item in drained]
+
+    # -- live events -------------------------------------------------------------------------
+
+    @_translate
+    async def publish_event(self, run_id: RunId, event: JSONObject) -> None:
+        await self._client.publish(self.keys.events_channel(run_id), json.dumps(event))
+
+    @_translate
+    async def subscribe_events(self, run_id: RunId) -> EventSubscription:
+        if self._is_shut_down:
+            ended = EventSubscription()
+            ended.end()
+            return ended
+        channel = self.keys.events_channel(run_id)
+        backoff_s = RESUBSCRIBE_BACKOFF_S
+        try:
+            async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+                while True:
+                    try:
+                        subscription = await self._open_subscription(channel)
+                    except (RedisConnectionError, RedisTimeoutError):
+                        await asyncio.sleep(backoff_s)
+                        backoff_s = min(backoff_s * 2, MAX_RESUBSCRIBE_BACKOFF_S)
+                    else:
+                        self._subscriptions.add(subscription)
+                        return subscription
+        except TimeoutError as exc:
+            raise BackendUnavailable(f"Redis did not confirm subscribing {channel}") from exc
+
+    async def _open_subscription(self, channel: str) -> EventSubscription:
+        async def close() -> None:
+            self._subscriptions.discard(subscription)
+            await self._hub.unsubscribe(link, channel, feed)
+
+        subscription = EventSubscription(max_queued=self._event_queue_size, on_close=close)
+        feed = _EventFeed(subscription)
+        link = await self._hub.subscribe(channel, feed)
+        return subscription
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @_translate
+    async def cleanup_run(self, run_id: RunId) -> None:
+        index = self.keys.interrupt_index(run_id)
+        interrupt_ids = [str(member) for member in await self._client.smembers(index)]
+        doomed = [self.keys.cancel(run_id), self.keys.messages(run_id), index]
+        doomed += [self.keys.interrupt(run_id, interrupt_id) for interrupt_id in interrupt_ids]
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(*doomed)
+        pipe.publish(self.keys.signal_channel(run_id), SIGNAL_CLEANUP)
+        await pipe.execute()
+
+    async def shutdown(self) -> None:
+        self._is_shut_down = True
+        for watch in tuple(self._watches):
+            watch.cancel()
+        for subscription in tuple(self._subscriptions):
+            await subscription.close()
+        if self._watches:
+            await asyncio.wait(tuple(self._watches))
+        await self._hub.close()
+
+    async def close(self) -> None:
+        await self.shutdown()
+        if not self._is_closed:
+            self._is_closed = True
+            await self._pubsub_client.aclose()
+            await self._client.aclose()
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    async def _wait(
+        self,
+        run_id: RunId,
+        check: Callable[[], Awaitable[tuple[bool, T]]],
+        wakes_on: frozenset[str],
+        timeout_s: float,
+        default: T,
+    ) -> T:
+        """Run a watch in its own task, so that :meth:`shutdown` can end it."""
+        if self._is_shut_down:
+            raise StoreShutdown("the runtime store is shutting down")
+        watch = asyncio.create_task(self._watch(run_id, check, wakes_on, timeout_s, default))
+        self._watches.add(watch)
+        try:
+            return await watch
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._is_shut_down and current is not None and current.cancelling() == 0:
+                raise StoreShutdown("the runtime store is shutting down") from None
+            raise
+        finally:
+            self._watches.discard(watch)
+
+    async def _watch(
+        self,
+        run_id: RunId,
+        check: Callable[[], Awaitable[tuple[bool, T]]],
+        wakes_on: frozenset[str],
+        timeout_s: float,
+        default: T,
+    ) -> T:
+        """Check, then subscribe and re-check until done; a broken subscription is reopened."""
+        backoff_s = RESUBSCRIBE_BACKOFF_S
+        checked = False
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    try:
+                        if not checked:
+                            done, value = await check()
+                            checked = True
+                            if done:
+                                return value
+                        return await self._watch_channel(run_id, check, wakes_on)
+                    except (RedisConnectionError, RedisTimeoutError) as exc:
+                        if backoff_s == RESUBSCRIBE_BACKOFF_S:
+                            logger.warning(
+                                "runtime store: lost Redis while waiting (%r); trying again",
+                                exc,
+                                extra={"run_id": run_id},
+                            )
+                        await asyncio.sleep(backoff_s)
+                        backoff_s = min(backoff_s * 2, MAX_RESUBSCRIBE_BACKOFF_S)
+        except TimeoutError:
+            pass
+        # At the deadline, one last short check: the answer is then either right or a clear
+        # error, never a silent "no decision" while Redis is unreachable.
+        try:
+            async with asyncio.timeout(min(FINAL_CHECK_TIMEOUT_S, self._poll_interval_s)):
+                done, value = await check()
+        except (TimeoutError, RedisError) as exc:
+            raise BackendUnavailable(
+                f"Redis did not answer while waiting on run {run_id}: {exc!r}"
+            ) from exc
+        return value if done else default
+
+    async def _watch_channel(
+        self,
+        run_id: RunId,
+        check: Callable[[], Awaitable[tuple[bool, T]]],
+        wakes_on: frozenset[str],
+    ) -> T:
+        """Subscribe, confirm, re-check, then re-check on every signal and poll interval."""
+        channel = self.keys.signal_channel(run_id)
+        wake = _Wake(wakes_on)
+        await self._step("subscribe", run_id)
+        link = await self._hub.subscribe(channel, wake)
+        try:
+            await self._step("recheck", run_id)
+            done, value = await check()
+            if done:
+                return value
+            await self._step("wait", run_id)
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._poll_interval_s):
+                        await wake.event.wait()
+                if wake.is_broken:
+                    raise RedisConnectionError("the Pub/Sub connection broke while waiting")
+                # Cleared before the check: a signal that lands during it is not lost.
+                wake.event.clear()
+                done, value = await check()
+                if done:
+                    return value
+        finally:
+            await self._hub.unsubscribe(link, channel, wake)
+
+    async def _step(self, step: str, run_id: RunId) -> None:
+        if self._between_steps is not None:
+            await self._between_steps(step, run_id)
+
+
+def _optional_str(value: bytes | str | None) -> str | None:
+    # The client decodes responses; the union comes from redis-py's annotations.
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _interrupt_state(fields: Mapping[Any, Any]) -> InterruptState | None:
+    if not fields:
+        return None
+    if fields.get("status") == InterruptStatus.RESOLVED:
+        return InterruptState(
+            status=InterruptStatus.RESOLVED, decision=decode_decision(str(fields["decision"]))
+        )
+    return InterruptState(status=InterruptStatus.PENDING, decision=None)
