@@ -49,9 +49,9 @@ from sqlalchemy import (
     case,
     delete,
     func,
-    insert,
     literal,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -59,17 +59,19 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from moorline.db import dialects
 from moorline.db.dialects import DialectName, db_now
 from moorline.db.manager import DatabaseManager
-from moorline.db.repos.records import Fence, Run
-from moorline.db.schema import events, leader_leases, runs, tenants
-from moorline.types import Attempt, JSONObject, RunId, RunStatus, TenantId
+
+# The event names moved to events.py; re-exported (``as``) so imports from here keep working.
+from moorline.db.repos.events import EVENT_CANCELLED as EVENT_CANCELLED
+from moorline.db.repos.events import EVENT_FAILED as EVENT_FAILED
+from moorline.db.repos.events import EVENT_RECLAIMED as EVENT_RECLAIMED
+from moorline.db.repos.events import EVENT_RELEASED as EVENT_RELEASED
+from moorline.db.repos.events import EVENT_STARTED as EVENT_STARTED
+from moorline.db.repos.events import append_events_txn
+from moorline.db.repos.records import Fence, Run, run_from_row
+from moorline.db.schema import leader_leases, runs, tenants
+from moorline.types import Attempt, JSONObject, RunId, RunStatus
 
 logger = logging.getLogger(__name__)
-
-EVENT_STARTED = "started"
-EVENT_RECLAIMED = "reclaimed"
-EVENT_FAILED = "failed"
-EVENT_CANCELLED = "cancelled"
-EVENT_RELEASED = "released"
 
 MAX_ATTEMPTS_REASON = "max attempts"
 """``error.reason`` of a run the reaper failed because its attempts were used up."""
@@ -180,7 +182,7 @@ class QueueRepo:
             rows = await self._claim_rows_txn(conn, lane, owner, chosen, lease_ttl_s)
             rows.sort(key=lambda row: order[row["id"]])
             claims = [_claim_from_row(row) for row in rows]
-            await _append_events_txn(
+            await append_events_txn(
                 conn,
                 self._dialect,
                 [(c.fence.run_id, c.fence.attempt, EVENT_STARTED, {}) for c in claims],
@@ -326,26 +328,52 @@ class QueueRepo:
     # --- leases -----------------------------------------------------------------------------
 
     async def renew_lease(self, fence: Fence, lease_ttl_s: float) -> bool:
-        """Extend the lease to database time + ``lease_ttl_s``; False when the lease is lost.
+        """Extend one lease (see :meth:`renew_leases`); False when it is lost."""
+        return bool(await self.renew_leases([fence], lease_ttl_s))
 
-        Conditional on the fence only, not on the lease being unexpired: an expired lease that
+    async def renew_leases(
+        self, fences: Sequence[Fence], lease_ttl_s: float
+    ) -> set[tuple[RunId, Attempt]]:
+        """Extend leases to database time + ``lease_ttl_s``, all in one statement.
+
+        Conditional on each fence only, not on the lease being unexpired: an expired lease that
         no reaper has taken yet is still this worker's to renew. Together with the reaper's
         "still expired" predicate that makes a heartbeat and a reap racing at the expiry
         instant resolve to exactly one winner, whichever statement runs first.
-        """
 
-        async def renew() -> bool:
-            now = db_now(self._dialect)
+        One statement per heartbeat, whatever the number of runs a worker holds: renewing them
+        one by one would let a busy database push the last renewal past its deadline.
+
+        Returns:
+            ``(run id, attempt)`` of the leases renewed; a fence missing from it lost its lease.
+        """
+        if not fences:
+            return set()
+        owners = {fence.owner for fence in fences}
+        if len(owners) != 1:
+            raise ValueError("renew_leases renews the leases of one owner at a time")
+        [owner] = owners
+        keys = sorted({(fence.run_id, fence.attempt) for fence in fences})
+        held = and_(
+            runs.c.lease_owner == owner,
+            runs.c.status == _RUNNING,
+            tuple_(runs.c.id, runs.c.attempt).in_(keys),
+        )
+
+        async def renew() -> set[tuple[RunId, Attempt]]:
             async with self._write() as conn:
-                result = await conn.execute(
+                await conn.execute(
                     update(runs)
-                    .where(fence.clause())
+                    .where(held)
                     .values(
                         lease_expires_at=db_now(self._dialect, plus_s=lease_ttl_s),
-                        updated_at=now,
+                        updated_at=db_now(self._dialect),
                     )
                 )
-            return result.rowcount == 1
+                # Read back in the same transaction: the rows matching now are exactly the
+                # ones the UPDATE matched (it holds their locks; no fence can newly match).
+                rows = await conn.execute(select(runs.c.id, runs.c.attempt).where(held))
+                return {(RunId(row.id), Attempt(row.attempt)) for row in rows}
 
         return await self._db.with_retry(renew)
 
@@ -373,7 +401,7 @@ class QueueRepo:
             )
             if result.rowcount != 1:
                 return False
-            await _append_events_txn(
+            await append_events_txn(
                 conn, self._dialect, [(fence.run_id, fence.attempt, EVENT_RELEASED, {})]
             )
         return True
@@ -481,7 +509,7 @@ class QueueRepo:
             )
             if result.rowcount != 1:
                 return None
-            await _append_events_txn(conn, d, [(expired.run_id, expired.attempt, event, data)])
+            await append_events_txn(conn, d, [(expired.run_id, expired.attempt, event, data)])
         logger.info(
             "reaped run with an expired lease to %s",
             status.value,
@@ -581,71 +609,9 @@ def _cap_expression(caps: Mapping[str, int], default_cap: int) -> ColumnElement[
     return case(dict(caps), value=tenants.c.plan, else_=literal(default_cap))
 
 
-async def _append_events_txn(
-    conn: AsyncConnection,
-    dialect: DialectName,
-    items: Sequence[tuple[RunId, Attempt, str, JSONObject]],
-) -> None:
-    """Append one event per item, each at its run's next ``seq``, in the caller's transaction.
-
-    The caller holds each run's row (it just changed it under a fence or predicate), which
-    serialises this run's fenced writers; that is what makes ``max(seq) + 1`` safe here.
-    """
-    if not items:
-        return
-    run_ids = sorted({run_id for run_id, *_ in items})
-    last = select(events.c.run_id, func.max(events.c.seq).label("seq"))
-    last = last.where(events.c.run_id.in_(run_ids)).group_by(events.c.run_id)
-    seqs: dict[str, int] = {row.run_id: row.seq for row in await conn.execute(last)}
-    params: list[dict[str, Any]] = []
-    for run_id, attempt, event_type, data in items:
-        seqs[run_id] = seqs.get(run_id, 0) + 1
-        params.append(
-            {
-                "run_id": run_id,
-                "seq": seqs[run_id],
-                "type": event_type,
-                "attempt": attempt,
-                "data": data,
-            }
-        )
-    await conn.execute(insert(events).values(created_at=db_now(dialect)), params)
-
-
 def _claim_from_row(row: RowMapping) -> Claim:
-    run = _run_from_row(row)
+    run = run_from_row(row)
     owner = run.lease_owner
     if owner is None:  # pragma: no cover - the claim statement always sets it
         raise AssertionError(f"claimed run {run.run_id} has no lease owner")
     return Claim(fence=Fence(run_id=run.run_id, attempt=run.attempt, owner=owner), run=run)
-
-
-def _run_from_row(row: RowMapping) -> Run:
-    return Run(
-        run_id=RunId(row["id"]),
-        tenant_id=TenantId(row["tenant_id"]),
-        workflow=row["workflow"],
-        status=RunStatus(row["status"]),
-        lane=row["lane"],
-        priority=row["priority"],
-        attempt=Attempt(row["attempt"]),
-        max_attempts=row["max_attempts"],
-        lease_owner=row["lease_owner"],
-        lease_expires_at=row["lease_expires_at"],
-        not_before=row["not_before"],
-        idempotency_key=row["idempotency_key"],
-        input_hash=row["input_hash"],
-        conversation_id=row["conversation_id"],
-        input=row["input"],
-        output=row["output"],
-        error=row["error"],
-        timeout_s=row["timeout_s"],
-        cancel_requested_at=row["cancel_requested_at"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        started_at=row["started_at"],
-        finished_at=row["finished_at"],
-        elapsed_time=row["elapsed_time"],
-        prompt_tokens=row["prompt_tokens"],
-        completion_tokens=row["completion_tokens"],
-    )

@@ -2,12 +2,13 @@
 
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 
-from sqlalchemy import and_
+from sqlalchemy import RowMapping, and_
 from sqlalchemy.sql.elements import ColumnElement
 
 from moorline.db.schema import runs
-from moorline.types import Attempt, JSONValue, RunId, RunStatus, StepStatus, TenantId
+from moorline.types import Attempt, JSONObject, JSONValue, RunId, RunStatus, StepStatus, TenantId
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,6 +75,38 @@ class Run:
     completion_tokens: int
 
 
+def run_from_row(row: RowMapping) -> Run:
+    """The :class:`Run` a ``runs`` row holds."""
+    return Run(
+        run_id=RunId(row["id"]),
+        tenant_id=TenantId(row["tenant_id"]),
+        workflow=row["workflow"],
+        status=RunStatus(row["status"]),
+        lane=row["lane"],
+        priority=row["priority"],
+        attempt=Attempt(row["attempt"]),
+        max_attempts=row["max_attempts"],
+        lease_owner=row["lease_owner"],
+        lease_expires_at=row["lease_expires_at"],
+        not_before=row["not_before"],
+        idempotency_key=row["idempotency_key"],
+        input_hash=row["input_hash"],
+        conversation_id=row["conversation_id"],
+        input=row["input"],
+        output=row["output"],
+        error=row["error"],
+        timeout_s=row["timeout_s"],
+        cancel_requested_at=row["cancel_requested_at"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+        elapsed_time=row["elapsed_time"],
+        prompt_tokens=row["prompt_tokens"],
+        completion_tokens=row["completion_tokens"],
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Step:
     """One checkpointed step of a run."""
@@ -100,3 +133,63 @@ class Event:
     attempt: Attempt
     data: JSONValue
     created_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApiKey:
+    """One API key of a tenant, as listed: never the key itself, only its first characters."""
+
+    key_id: str
+    tenant_id: TenantId
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class InterruptStatus(StrEnum):
+    """The state of an interrupt: waiting, or the decision it was resolved with."""
+
+    PENDING = "pending"
+    APPROVED = "approved"
+    DENIED = "denied"
+
+
+class DecisionReason(StrEnum):
+    """Why an interrupt was resolved (``Decision.reason`` in DESIGN.md)."""
+
+    APPROVED = "approved"
+    DENIED = "denied"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interrupt:
+    """A pause of a run waiting for a human decision (``ctx.request_permission``).
+
+    ``decision`` is the data the approver sent with the decision, if any.
+    """
+
+    interrupt_id: str
+    run_id: RunId
+    key: str
+    action: str
+    data: JSONValue
+    status: InterruptStatus
+    reason: DecisionReason | None
+    decision: JSONObject | None
+    attempt: Attempt
+    created_at: datetime
+    expires_at: datetime
+    resolved_at: datetime | None
+
+    @property
+    def is_pending(self) -> bool:
+        """Whether no decision was recorded yet."""
+        return self.status is InterruptStatus.PENDING
+
+    @property
+    def approved(self) -> bool:
+        """Whether the recorded decision is an approval (False while pending)."""
+        return self.status is InterruptStatus.APPROVED

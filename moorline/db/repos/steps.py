@@ -1,0 +1,379 @@
+"""Step checkpoints: the durable side of ``ctx.step(key, fn, ...)``.
+
+A step is keyed by ``(run id, step key)``. The engine calls :meth:`StepsRepo.start` before it
+runs the function and :meth:`StepsRepo.succeed` or :meth:`StepsRepo.fail` after it:
+
+* no row yet → one is inserted ``running`` under this attempt, and the function runs;
+* a ``succeeded`` row recorded with the same function and call hash → a *replay*: the engine
+  returns the stored output and does not call the function (invariant 3);
+* a ``succeeded`` row recorded for another call → :class:`StepMismatch`: the workflow's code
+  changed between attempts, and a recorded output is never handed to a different call;
+* a ``running`` or ``failed`` row (in flight when a worker died, or failed earlier) → taken over
+  by this attempt; the function runs again with the same idempotency key.
+
+**Fencing.** Every write is one transaction that first runs ``UPDATE runs … WHERE <fence>``
+and requires exactly one matched row. That statement both proves the lease is still this
+attempt's (invariant 2) and takes the run's row lock, so every writer of a run's steps is
+serialised behind it: on PostgreSQL and MariaDB a concurrent writer waits for the lock and then
+re-evaluates the fence on the new row version, on SQLite ``BEGIN IMMEDIATE`` serialises all
+writers. A stale fence (reclaimed, cancelled, finished run) matches nothing, writes nothing and
+raises :class:`LeaseLost`. The step statements carry their own conditions as well (status, and
+attempt for finishing) and their rowcounts are checked.
+
+Every public method is idempotent, so each is wrapped in ``with_retry``: a checkpoint whose
+commit acknowledgement was lost is retried and finds its own write (RELIABILITY.md E6).
+"""
+
+import builtins
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import RowMapping, insert, null, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from moorline.db import dialects
+from moorline.db.dialects import DialectName, db_now
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.records import Fence, Step
+from moorline.db.schema import runs, steps
+from moorline.errors import MoorlineError, TransitionRejected
+from moorline.types import Attempt, JSONValue, RunId, StepStatus
+
+_RUNNING = StepStatus.RUNNING.value
+_SUCCEEDED = StepStatus.SUCCEEDED.value
+_FAILED = StepStatus.FAILED.value
+
+
+class LeaseLost(MoorlineError):
+    """A fenced write found the run no longer held by this attempt and owner; nothing was written.
+
+    The run was reclaimed, released, cancelled or finished. The worker must stop executing it.
+    """
+
+    code = "lease_lost"
+
+    def __init__(self, fence: Fence, action: str) -> None:
+        super().__init__(
+            f"lease lost: run {fence.run_id} is no longer running under attempt "
+            f"{fence.attempt} of owner {fence.owner!r}; {action} was not written"
+        )
+        self.fence = fence
+
+
+class StepMismatch(MoorlineError):
+    """A finished step key was replayed for a different call (non-deterministic workflow).
+
+    Raised instead of returning the recorded output: step keys are unique within a run, and a
+    workflow whose code changed between attempts must fail loudly (RELIABILITY.md E3).
+    """
+
+    code = "step_mismatch"
+
+    def __init__(
+        self,
+        run_id: RunId,
+        key: str,
+        *,
+        recorded_key: str,
+        recorded_function: str,
+        recorded_call_hash: str,
+        function: str,
+        call_hash: str,
+    ) -> None:
+        if recorded_key != key:
+            message = (
+                f"step key {key!r} of run {run_id} collides with the recorded step key "
+                f"{recorded_key!r}, which this database compares as equal (case or trailing "
+                "spaces); step keys must differ in more than that"
+            )
+        else:
+            message = (
+                f"non-deterministic workflow: step {key!r} of run {run_id} already succeeded "
+                f"as {recorded_function} (call hash {recorded_call_hash}) and is now called as "
+                f"{function} (call hash {call_hash}); step keys must be unique within a run"
+            )
+        super().__init__(message)
+        self.run_id = run_id
+        self.key = key
+        self.recorded_function = recorded_function
+        self.recorded_call_hash = recorded_call_hash
+        self.function = function
+        self.call_hash = call_hash
+
+
+class StepNotRunning(TransitionRejected):
+    """A step was finished (or failed) while it was not running under the fence's attempt."""
+
+    code = "step_not_running"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepStart:
+    """What :meth:`StepsRepo.start` found and did.
+
+    Attributes:
+        step: The step's row after the call.
+        replay: The step already succeeded: return ``step.output`` without calling the
+            function.
+        repeated: An earlier ``running`` or ``failed`` row was taken over: the function may
+            have run (partly) before, under the same idempotency key.
+    """
+
+    step: Step
+    replay: bool
+    repeated: bool
+
+
+@asynccontextmanager
+async def write_transaction(db: DatabaseManager) -> AsyncIterator[AsyncConnection]:
+    """One write transaction at the isolation level of fenced writes.
+
+    READ COMMITTED on the servers, so reads after the fence's lock wait see what the previous
+    lock holder committed (MySQL's default REPEATABLE READ could read an older snapshot);
+    ``BEGIN IMMEDIATE`` on SQLite.
+    """
+    level = dialects.write_isolation_level(db.dialect)
+    if level is None:
+        async with db.transaction() as conn:
+            yield conn
+        return
+    async with db.connect() as conn:
+        await conn.execution_options(isolation_level=level)
+        async with conn.begin():
+            yield conn
+
+
+async def hold_fence_txn(
+    conn: AsyncConnection, dialect: DialectName, fence: Fence, action: str
+) -> None:
+    """Prove ``fence`` still holds and lock the run's row until the transaction ends.
+
+    Args:
+        conn: The caller's connection, inside a transaction from :func:`write_transaction`.
+        dialect: The database's dialect.
+        fence: The writer's fence.
+        action: What the caller is about to write, for the error message.
+
+    Raises:
+        LeaseLost: The fence matches no ``runs`` row; the caller must write nothing.
+    """
+    result = await conn.execute(
+        update(runs).where(fence.clause()).values(updated_at=db_now(dialect))
+    )
+    if result.rowcount != 1:
+        raise LeaseLost(fence, action)
+
+
+class StepsRepo:
+    """Step checkpoints of runs, every write fenced by the run's attempt."""
+
+    def __init__(self, db: DatabaseManager) -> None:
+        self._db = db
+        self._dialect: DialectName = db.dialect
+
+    async def get(self, run_id: RunId, key: str) -> Step | None:
+        """The step ``key`` of ``run_id``, or None when it never started."""
+
+        async def read() -> Step | None:
+            async with self._db.connect() as conn:
+                row = await _select_step_txn(conn, run_id, key)
+            return None if row is None or row["key"] != key else _step_from_row(row)
+
+        return await self._db.with_retry(read)
+
+    async def list(self, run_id: RunId) -> builtins.list[Step]:
+        """Every step of ``run_id``, by start time (of its latest attempt) then key."""
+        stmt = (
+            select(steps).where(steps.c.run_id == run_id).order_by(steps.c.started_at, steps.c.key)
+        )
+
+        async def read() -> builtins.list[Step]:
+            async with self._db.connect() as conn:
+                rows = (await conn.execute(stmt)).mappings().all()
+            return [_step_from_row(row) for row in rows]
+
+        return await self._db.with_retry(read)
+
+    async def start(self, fence: Fence, key: str, function: str, call_hash: str) -> StepStart:
+        """Begin step ``key`` under ``fence``, or find that it already succeeded.
+
+        Args:
+            fence: The attempt's fence.
+            key: The step key, unique within the run.
+            function: The step function's registered name (persisted; not ``__qualname__``).
+            call_hash: SHA-256 hex of the function name and its arguments.
+
+        Returns:
+            The step as it is now, and whether this is a replay (return ``step.output``) or a
+            repetition of a step that was in flight or failed before.
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+            StepMismatch: The step already succeeded for a different function or call hash.
+        """
+
+        async def attempt() -> StepStart:
+            async with write_transaction(self._db) as conn:
+                await hold_fence_txn(conn, self._dialect, fence, f"start of step {key!r}")
+                return await self._start_txn(conn, fence, key, function, call_hash)
+
+        return await self._db.with_retry(attempt)
+
+    async def _start_txn(
+        self, conn: AsyncConnection, fence: Fence, key: str, function: str, call_hash: str
+    ) -> StepStart:
+        now = db_now(self._dialect)
+        found = await _select_step_txn(conn, fence.run_id, key)
+        if found is None:
+            await conn.execute(
+                insert(steps).values(
+                    run_id=fence.run_id,
+                    key=key,
+                    status=_RUNNING,
+                    attempt=fence.attempt,
+                    function=function,
+                    call_hash=call_hash,
+                    started_at=now,
+                )
+            )
+            return StepStart(
+                step=await self._reread_txn(conn, fence, key), replay=False, repeated=False
+            )
+        if found["status"] == _SUCCEEDED or found["key"] != key:
+            if (found["key"], found["function"], found["call_hash"]) != (key, function, call_hash):
+                raise StepMismatch(
+                    fence.run_id,
+                    key,
+                    recorded_key=found["key"],
+                    recorded_function=found["function"],
+                    recorded_call_hash=found["call_hash"],
+                    function=function,
+                    call_hash=call_hash,
+                )
+            return StepStart(step=_step_from_row(found), replay=True, repeated=False)
+        # In flight at a crash, or failed before: this attempt takes it over. Conditional on
+        # the row as read; the run's row lock makes a miss impossible, so a miss is a bug.
+        result = await conn.execute(
+            update(steps)
+            .where(
+                steps.c.run_id == fence.run_id,
+                steps.c.key == key,
+                steps.c.status == found["status"],
+                steps.c.attempt == found["attempt"],
+            )
+            .values(
+                status=_RUNNING,
+                attempt=fence.attempt,
+                function=function,
+                call_hash=call_hash,
+                output=null(),
+                error=None,
+                started_at=now,
+                finished_at=None,
+            )
+        )
+        if result.rowcount != 1:
+            raise StepNotRunning(
+                f"step {key!r} of run {fence.run_id} changed while attempt {fence.attempt} "
+                "held the run's lock"
+            )
+        step = await self._reread_txn(conn, fence, key)
+        return StepStart(step=step, replay=False, repeated=True)
+
+    async def succeed(self, fence: Fence, key: str, output: JSONValue) -> None:
+        """Record that step ``key`` returned ``output``; a finished step is never overwritten.
+
+        Idempotent: recording the same output again under the same attempt is a no-op (a
+        retried checkpoint whose first commit went through).
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+            StepNotRunning: The step is not running under this attempt (never started, taken
+                over, or already finished with another outcome).
+        """
+        await self._finish(fence, key, StepStatus.SUCCEEDED, {"output": output, "error": None})
+
+    async def fail(self, fence: Fence, key: str, error: str) -> None:
+        """Record that step ``key`` raised ``error`` in this attempt.
+
+        A failed step is taken over by the next :meth:`start` of the same key (a per-step
+        retry in this attempt, or a later attempt). Idempotent like :meth:`succeed`.
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+            StepNotRunning: The step is not running under this attempt.
+        """
+        # The output stays SQL NULL: start() cleared it when this attempt took the step.
+        await self._finish(fence, key, StepStatus.FAILED, {"error": error})
+
+    async def _finish(
+        self, fence: Fence, key: str, status: StepStatus, values: dict[str, Any]
+    ) -> None:
+        action = f"{status.value} of step {key!r}"
+
+        async def attempt() -> None:
+            async with write_transaction(self._db) as conn:
+                await hold_fence_txn(conn, self._dialect, fence, action)
+                result = await conn.execute(
+                    update(steps)
+                    .where(
+                        steps.c.run_id == fence.run_id,
+                        steps.c.key == key,
+                        steps.c.attempt == fence.attempt,
+                        steps.c.status == _RUNNING,
+                    )
+                    .values(status=status.value, finished_at=db_now(self._dialect), **values)
+                )
+                if result.rowcount == 1:
+                    return
+                found = await _select_step_txn(conn, fence.run_id, key)
+                if found is not None and _is_recorded(found, fence, status, values):
+                    return
+                state = "never started" if found is None else _describe(found)
+                raise StepNotRunning(
+                    f"cannot record {action} of run {fence.run_id} under attempt "
+                    f"{fence.attempt}: the step is {state}"
+                )
+
+        await self._db.with_retry(attempt)
+
+    async def _reread_txn(self, conn: AsyncConnection, fence: Fence, key: str) -> Step:
+        row = await _select_step_txn(conn, fence.run_id, key)
+        if row is None:  # pragma: no cover - written in this transaction a moment ago
+            raise AssertionError(f"step {key!r} of run {fence.run_id} vanished")
+        return _step_from_row(row)
+
+
+async def _select_step_txn(conn: AsyncConnection, run_id: str, key: str) -> RowMapping | None:
+    stmt = select(steps).where(steps.c.run_id == run_id, steps.c.key == key)
+    return (await conn.execute(stmt)).mappings().first()
+
+
+def _is_recorded(row: RowMapping, fence: Fence, status: StepStatus, values: dict[str, Any]) -> bool:
+    """Whether ``row`` already holds exactly this outcome, written under this attempt."""
+    return (
+        row["status"] == status.value
+        and row["attempt"] == fence.attempt
+        and all(row[name] == value for name, value in values.items())
+    )
+
+
+def _describe(row: RowMapping) -> str:
+    return f"{row['status']} under attempt {row['attempt']}"
+
+
+def _step_from_row(row: RowMapping) -> Step:
+    return Step(
+        run_id=RunId(row["run_id"]),
+        key=row["key"],
+        status=StepStatus(row["status"]),
+        attempt=Attempt(row["attempt"]),
+        function=row["function"],
+        call_hash=row["call_hash"],
+        output=row["output"],
+        error=row["error"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+    )

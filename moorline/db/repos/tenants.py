@@ -1,0 +1,277 @@
+"""Tenants and their API keys.
+
+An API key is ``ml_`` followed by 43 URL-safe characters (256 random bits). Only its SHA-256
+hex digest is stored, with its first :data:`PREFIX_LENGTH` characters so listings can tell keys
+apart; the key itself is returned once, when it is created, and never again. Authentication
+hashes the presented key and looks the digest up: the unique index does the comparison, so no
+secret is compared in Python and unknown and revoked keys cost the same work.
+"""
+
+import builtins
+import hashlib
+import secrets
+import uuid
+
+from sqlalchemy import RowMapping, insert, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.elements import ColumnElement
+
+from moorline.db.dialects import DialectName, db_now
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.records import ApiKey, Tenant
+from moorline.db.schema import NAME, api_keys, tenants
+from moorline.errors import Conflict, InvalidInput, NotFound
+from moorline.types import TenantId
+
+KEY_PREFIX = "ml_"
+"""Every API key starts with this, so scanners can find leaked keys (RELIABILITY.md I5)."""
+
+KEY_BYTES = 32
+PREFIX_LENGTH = 8
+PLAN_LENGTH = 64
+DEFAULT_LIST_LIMIT = 100
+
+
+class TenantExists(Conflict):
+    """A tenant with this name exists already; nothing was written."""
+
+    code = "tenant_exists"
+
+
+def new_api_key() -> str:
+    """A fresh random API key, in clear."""
+    return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
+
+
+def hash_api_key(api_key: str) -> str:
+    """The SHA-256 hex digest stored for ``api_key``.
+
+    A plain hash is enough: the key has 256 random bits, so it cannot be guessed from its
+    digest, and a slow password hash would only make every request slower.
+    """
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+class TenantsRepo:
+    """Tenants, their plans and their API keys."""
+
+    def __init__(self, db: DatabaseManager) -> None:
+        self._db = db
+        self._dialect: DialectName = db.dialect
+
+    async def create(self, name: str, plan: str) -> tuple[Tenant, str]:
+        """Create a tenant and its first API key, in one transaction.
+
+        Not retried on a lost connection: a retry after a commit whose acknowledgement was
+        lost would find the name taken, and the key, shown only here, would be lost.
+
+        Args:
+            name: The tenant's unique name.
+            plan: The tenant's plan name.
+
+        Returns:
+            The tenant and its API key in clear; the key is not stored and cannot be shown
+            again.
+
+        Raises:
+            TenantExists: The name is taken; nothing was written.
+            InvalidInput: The name or plan is empty or too long.
+        """
+        _check_text("tenant name", name, NAME)
+        _check_text("plan", plan, PLAN_LENGTH)
+        tenant_id = TenantId(str(uuid.uuid4()))
+        now = db_now(self._dialect)
+        async with self._db.transaction() as conn:
+            try:
+                await conn.execute(
+                    insert(tenants).values(
+                        id=tenant_id, name=name, plan=plan, created_at=now, updated_at=now
+                    )
+                )
+            except IntegrityError as exc:
+                # The id is a fresh uuid4, so the name's unique constraint is the one that
+                # can fail; the transaction rolls back as the error leaves it.
+                raise TenantExists(f"a tenant named {name!r} exists already") from exc
+            api_key = await _insert_key_txn(conn, self._dialect, tenant_id)
+            row = await _select_tenant_txn(conn, tenants.c.id == tenant_id)
+        if row is None:  # pragma: no cover - inserted in the same transaction
+            raise AssertionError(f"tenant {tenant_id} vanished")
+        return _tenant_from_row(row), api_key
+
+    async def create_key(self, tenant_id: TenantId) -> str:
+        """Add an API key to a tenant (for rotation); returns it in clear, once.
+
+        Raises:
+            NotFound: No such tenant.
+        """
+        async with self._db.transaction() as conn:
+            try:
+                return await _insert_key_txn(conn, self._dialect, tenant_id)
+            except IntegrityError as exc:
+                # A fresh 256-bit key cannot collide; the foreign key to the tenant can fail.
+                raise NotFound(f"no tenant {tenant_id}") from exc
+
+    async def list_keys(self, tenant_id: TenantId) -> builtins.list[ApiKey]:
+        """The tenant's API keys (revoked ones too), oldest first, without the keys."""
+        stmt = (
+            select(api_keys)
+            .where(api_keys.c.tenant_id == tenant_id)
+            .order_by(api_keys.c.created_at, api_keys.c.id)
+        )
+
+        async def read() -> builtins.list[ApiKey]:
+            async with self._db.connect() as conn:
+                rows = (await conn.execute(stmt)).mappings().all()
+            return [_api_key_from_row(row) for row in rows]
+
+        return await self._db.with_retry(read)
+
+    async def revoke_key(self, key_id: str, *, tenant_id: TenantId | None = None) -> bool:
+        """Revoke an API key; it stops authenticating at once.
+
+        Args:
+            key_id: The key's id (see :meth:`list_keys`).
+            tenant_id: When given, only a key of this tenant is revoked (a tenant revoking its
+                own key must not reach another tenant's).
+
+        Returns:
+            False when there is no such (unrevoked) key.
+        """
+        conditions = [api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None)]
+        if tenant_id is not None:
+            conditions.append(api_keys.c.tenant_id == tenant_id)
+        stmt = update(api_keys).where(*conditions).values(revoked_at=db_now(self._dialect))
+
+        async def revoke() -> bool:
+            async with self._db.transaction() as conn:
+                result = await conn.execute(stmt)
+            return result.rowcount == 1
+
+        return await self._db.with_retry(revoke)
+
+    async def authenticate(self, api_key: str) -> Tenant | None:
+        """The tenant an unrevoked ``api_key`` belongs to, or None.
+
+        The key is hashed and the digest looked up, whatever its shape: malformed, unknown
+        and revoked keys all do the same work and get the same answer.
+        """
+        digest = hash_api_key(api_key)
+        stmt = (
+            select(tenants)
+            .join(api_keys, api_keys.c.tenant_id == tenants.c.id)
+            .where(api_keys.c.key_hash == digest, api_keys.c.revoked_at.is_(None))
+        )
+
+        async def read() -> Tenant | None:
+            async with self._db.connect() as conn:
+                row = (await conn.execute(stmt)).mappings().first()
+            return None if row is None else _tenant_from_row(row)
+
+        return await self._db.with_retry(read)
+
+    async def get(self, tenant_id: TenantId) -> Tenant | None:
+        """The tenant with this id, or None."""
+
+        async def read() -> Tenant | None:
+            async with self._db.connect() as conn:
+                row = await _select_tenant_txn(conn, tenants.c.id == tenant_id)
+            return None if row is None else _tenant_from_row(row)
+
+        return await self._db.with_retry(read)
+
+    async def get_by_name(self, name: str) -> Tenant | None:
+        """The tenant with exactly this name, or None.
+
+        Exactly: MySQL/MariaDB's default collation would also match another case or trailing
+        spaces, so the row is checked here and every backend answers alike.
+        """
+
+        async def read() -> Tenant | None:
+            async with self._db.connect() as conn:
+                row = await _select_tenant_txn(conn, tenants.c.name == name)
+            return None if row is None or row["name"] != name else _tenant_from_row(row)
+
+        return await self._db.with_retry(read)
+
+    async def list(self, limit: int = DEFAULT_LIST_LIMIT, offset: int = 0) -> builtins.list[Tenant]:
+        """Tenants, oldest first, ``limit`` from ``offset``."""
+        stmt = (
+            select(tenants)
+            .order_by(tenants.c.created_at, tenants.c.id)
+            .limit(max(limit, 0))
+            .offset(max(offset, 0))
+        )
+
+        async def read() -> builtins.list[Tenant]:
+            async with self._db.connect() as conn:
+                rows = (await conn.execute(stmt)).mappings().all()
+            return [_tenant_from_row(row) for row in rows]
+
+        return await self._db.with_retry(read)
+
+    async def set_plan(self, tenant_id: TenantId, plan: str) -> bool:
+        """Move a tenant to another plan; False when there is no such tenant.
+
+        Raises:
+            InvalidInput: The plan is empty or too long.
+        """
+        _check_text("plan", plan, PLAN_LENGTH)
+        stmt = (
+            update(tenants)
+            .where(tenants.c.id == tenant_id)
+            .values(plan=plan, updated_at=db_now(self._dialect))
+        )
+
+        async def change() -> bool:
+            async with self._db.transaction() as conn:
+                result = await conn.execute(stmt)
+            return result.rowcount == 1
+
+        return await self._db.with_retry(change)
+
+
+async def _insert_key_txn(conn: AsyncConnection, dialect: DialectName, tenant_id: str) -> str:
+    api_key = new_api_key()
+    await conn.execute(
+        insert(api_keys).values(
+            id=str(uuid.uuid4()),
+            tenant_id=tenant_id,
+            key_hash=hash_api_key(api_key),
+            prefix=api_key[:PREFIX_LENGTH],
+            created_at=db_now(dialect),
+        )
+    )
+    return api_key
+
+
+async def _select_tenant_txn(
+    conn: AsyncConnection, condition: ColumnElement[bool]
+) -> RowMapping | None:
+    return (await conn.execute(select(tenants).where(condition))).mappings().first()
+
+
+def _check_text(what: str, value: str, max_length: int) -> None:
+    if not value.strip():
+        raise InvalidInput(f"{what} must not be empty")
+    if len(value) > max_length:
+        raise InvalidInput(f"{what} is longer than {max_length} characters")
+
+
+def _tenant_from_row(row: RowMapping) -> Tenant:
+    return Tenant(
+        tenant_id=TenantId(row["id"]),
+        name=row["name"],
+        plan=row["plan"],
+        created_at=row["created_at"],
+    )
+
+
+def _api_key_from_row(row: RowMapping) -> ApiKey:
+    return ApiKey(
+        key_id=row["id"],
+        tenant_id=TenantId(row["tenant_id"]),
+        prefix=row["prefix"],
+        created_at=row["created_at"],
+        revoked_at=row["revoked_at"],
+    )

@@ -1,0 +1,398 @@
+"""The runs repository on every backend: insert, enqueue, finish under fences, events.
+
+Runs are written through :class:`RunsRepo` and claimed through :class:`QueueRepo`, so these
+tests also pin the hand-over between the two: what ``submit_many`` stores is what
+``claim_batch`` takes, and the events of both sides form one ``seq`` series per run.
+"""
+
+import hashlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from moorline.db.dialects import db_now
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.events import EventsRepo
+from moorline.db.repos.queue import Claim, QueueRepo
+from moorline.db.repos.records import Event
+from moorline.db.repos.runs import Failed, NewRun, Outcome, RunsRepo, Succeeded, hash_input
+from moorline.db.schema import events, runs
+from moorline.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
+from moorline.types import Attempt, JSONObject, RunId, RunStatus, TenantId
+from tests.contract.queue_helpers import NO_CAP, Tenants, set_lease_expiry, unique
+from tests.helpers import wait_for
+
+TTL_S = 30.0
+
+
+@pytest.fixture
+async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
+    made = Tenants(db)
+    yield made
+    await made.purge()
+
+
+def new_run(tenant: TenantId, lane: str, **changes: Any) -> NewRun:
+    base = NewRun(tenant_id=tenant, workflow="noop", input={"n": 1}, lane=lane)
+    return replace(base, **changes)
+
+
+async def claim(queue: QueueRepo, lane: str, owner: str = "worker", limit: int = 10) -> list[Claim]:
+    return await queue.claim_batch(lane, owner, limit=limit, lease_ttl_s=TTL_S, tenant_caps=NO_CAP)
+
+
+async def database_now(db: DatabaseManager) -> datetime:
+    async with db.connect() as conn:
+        now: datetime = (await conn.execute(select(db_now(db.dialect)))).scalar_one()
+    return now
+
+
+async def event_rows(db: DatabaseManager, run_id: str) -> list[tuple[int, str, int]]:
+    return [(e.seq, e.type, e.attempt) for e in await EventsRepo(db).list(RunId(run_id))]
+
+
+async def tenant_run_count(db: DatabaseManager, tenant: TenantId) -> int:
+    async with db.connect() as conn:
+        count: int = (
+            await conn.execute(select(func.count()).where(runs.c.tenant_id == tenant))
+        ).scalar_one()
+    return count
+
+
+async def event_count(db: DatabaseManager, run_ids: list[RunId]) -> int:
+    async with db.connect() as conn:
+        count: int = (
+            await conn.execute(select(func.count()).where(events.c.run_id.in_(run_ids)))
+        ).scalar_one()
+    return count
+
+
+# --- insert and enqueue ---------------------------------------------------------------------
+
+
+async def test_submitted_runs_are_claimed_in_priority_order(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    before = await database_now(db)
+    stored = await repo.submit_many(
+        [new_run(tenant, lane, priority=p, input={"p": p}) for p in (10, 100, 50)]
+    )
+    after = await database_now(db)
+    assert [run.priority for run in stored] == [10, 100, 50]
+    for run in stored:
+        assert (run.status, run.attempt, run.lane, run.tenant_id) == (
+            RunStatus.QUEUED,
+            0,
+            lane,
+            tenant,
+        )
+        assert run.lease_owner is None and run.started_at is None and run.finished_at is None
+        assert before <= run.created_at <= after and run.not_before == run.created_at
+        assert run.input == {"p": run.priority}
+        assert run.input_hash == hash_input(run.input)
+        assert await event_rows(db, run.run_id) == [(1, "queued", 0)]
+    assert await repo.get_many([run.run_id for run in stored]) == {r.run_id: r for r in stored}
+    claimed = await claim(queue, lane)
+    assert [c.run.priority for c in claimed] == [100, 50, 10]
+
+
+async def test_input_hash_is_sha256_of_canonical_json() -> None:
+    value: JSONObject = {"b": [1, 2.5, "ü"], "a": {"y": None, "x": True}}
+    canonical = '{"a":{"x":true,"y":null},"b":[1,2.5,"ü"]}'
+    assert hash_input(value) == hashlib.sha256(canonical.encode()).hexdigest()
+    assert hash_input(json.loads(json.dumps(value, indent=2))) == hash_input(value)
+    with pytest.raises(InvalidInput):
+        hash_input({"x": float("nan")})
+
+
+async def test_pending_runs_wait_for_enqueue(db: DatabaseManager, tenants: Tenants) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    given = RunId(str(uuid.uuid4()))
+    first, second, refused, later = await repo.insert_pending(
+        [
+            new_run(
+                tenant,
+                lane,
+                run_id=given,
+                input={"nested": {"list": [1, 2.5, "ü", None, True]}},
+                conversation_id="conversation-1",
+                timeout_s=12.5,
+                max_attempts=5,
+                idempotency_key="key-1",
+            ),
+            new_run(tenant, lane),
+            new_run(tenant, lane),
+            new_run(tenant, lane, delay_s=3600),
+        ]
+    )
+    assert first.run_id == given
+    # The runs returned are the runs as stored, column for column.
+    assert await repo.get_many([first.run_id, later.run_id]) == {
+        first.run_id: first,
+        later.run_id: later,
+    }
+    assert {run.status for run in (first, second, refused, later)} == {RunStatus.PENDING}
+    assert timedelta(seconds=3599) <= later.not_before - later.created_at <= timedelta(hours=1)
+    assert await claim(queue, lane) == []
+    assert await event_count(db, [first.run_id, second.run_id]) == 0
+
+    # Refused by admission: terminal at once, and only a pending run can be refused.
+    error: JSONObject = {"code": "quota_exceeded", "message": "daily quota used up"}
+    assert await repo.mark_rate_limited(refused.run_id, error)
+    assert not await repo.mark_rate_limited(refused.run_id, error)
+    gone = await repo.get(refused.run_id)
+    assert gone is not None
+    assert (gone.status, gone.error) == (RunStatus.RATE_LIMITED, error)
+    assert gone.finished_at is not None
+
+    unknown = RunId(str(uuid.uuid4()))
+    moved = await repo.enqueue([second.run_id, unknown, refused.run_id, first.run_id, later.run_id])
+    assert moved == [second.run_id, first.run_id, later.run_id]
+    assert await repo.enqueue([first.run_id]) == []  # moved once only
+    assert not await repo.mark_rate_limited(first.run_id, error)
+    assert await event_rows(db, first.run_id) == [(1, "queued", 0)]
+    assert await event_rows(db, refused.run_id) == []
+    # The delayed run keeps the not_before fixed at insert.
+    assert {c.run.run_id for c in await claim(queue, lane)} == {first.run_id, second.run_id}
+    queued_later = await repo.get(later.run_id)
+    assert queued_later is not None
+    assert (queued_later.status, queued_later.not_before) == (RunStatus.QUEUED, later.not_before)
+
+
+async def test_reads_of_unknown_runs(db: DatabaseManager, tenants: Tenants) -> None:
+    repo = RunsRepo(db)
+    unknown = RunId(str(uuid.uuid4()))
+    assert await repo.get(unknown) is None
+    assert await repo.get_many([]) == {}
+    assert await repo.get_many([unknown]) == {}
+    assert await repo.find_by_idempotency_key(await tenants.new(), "nope") is None
+    assert await EventsRepo(db).list(unknown) == []
+    assert await repo.submit_many([]) == [] and await repo.enqueue([]) == []
+    assert await repo.finish_many([]) == []
+
+
+# --- idempotency and bad batches ------------------------------------------------------------
+
+
+async def test_idempotency_conflict_leaves_nothing_written(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = RunsRepo(db)
+    tenant, other = await tenants.new(), await tenants.new()
+    lane = unique("lane")
+    [original] = await repo.submit_many([new_run(tenant, lane, idempotency_key="k1")])
+    assert await repo.find_by_idempotency_key(tenant, "k1") == original
+    assert await repo.find_by_idempotency_key(other, "k1") is None
+
+    innocent = RunId(str(uuid.uuid4()))
+    batch = [
+        new_run(tenant, lane, run_id=innocent, idempotency_key="k2"),
+        new_run(tenant, lane, idempotency_key="k1", input={"n": 2}),
+    ]
+    for write in (repo.submit_many, repo.insert_pending):
+        with pytest.raises(IdempotencyConflict, match="'k1'"):
+            await write(batch)
+    # A key given twice within one batch is refused before anything is written.
+    with pytest.raises(IdempotencyConflict, match="'k3'"):
+        await repo.submit_many(
+            [
+                new_run(tenant, lane, idempotency_key="k3"),
+                new_run(tenant, lane, idempotency_key="k3"),
+            ]
+        )
+    assert await repo.get(innocent) is None
+    assert await event_count(db, [innocent]) == 0
+    assert await tenant_run_count(db, tenant) == 1
+    assert await repo.find_by_idempotency_key(tenant, "k2") is None
+
+    # Keys are per tenant; runs without a key never conflict.
+    [elsewhere] = await repo.submit_many([new_run(other, lane, idempotency_key="k1")])
+    assert elsewhere.idempotency_key == "k1"
+    assert len(await repo.submit_many([new_run(tenant, lane), new_run(tenant, lane)])) == 2
+
+
+async def test_other_bad_batches_leave_nothing_written(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = RunsRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    [existing] = await repo.submit_many([new_run(tenant, lane)])
+    innocent = RunId(str(uuid.uuid4()))
+    ok = new_run(tenant, lane, run_id=innocent)
+    no_tenant = TenantId(str(uuid.uuid4()))
+    with pytest.raises(NotFound, match=no_tenant):
+        await repo.submit_many([ok, new_run(no_tenant, lane)])
+    with pytest.raises(Conflict, match=existing.run_id):
+        await repo.submit_many([ok, new_run(tenant, lane, run_id=existing.run_id)])
+    with pytest.raises(Conflict):
+        await repo.submit_many([ok, ok])
+    with pytest.raises(InvalidInput):
+        await repo.submit_many([ok, new_run(tenant, lane, input={"x": float("inf")})])
+    assert await repo.get(innocent) is None
+    assert await tenant_run_count(db, tenant) == 1
+    with pytest.raises(ValueError):
+        new_run(tenant, lane, delay_s=-1)
+    with pytest.raises(ValueError):
+        new_run(tenant, lane, max_attempts=0)
+
+
+# --- finish ---------------------------------------------------------------------------------
+
+
+async def test_success_records_output_and_events_in_order(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    [run] = await repo.submit_many([new_run(await tenants.new(), lane)])
+    [claimed] = await claim(queue, lane)
+    assert await repo.finish_many([Succeeded(fence=claimed.fence, output={"answer": 42})]) == [True]
+    done = await repo.get(run.run_id)
+    assert done is not None
+    assert (done.status, done.output, done.error, done.attempt) == (
+        RunStatus.SUCCEEDED,
+        {"answer": 42},
+        None,
+        1,
+    )
+    assert (done.lease_owner, done.lease_expires_at) == (None, None)
+    assert done.started_at is not None and done.finished_at is not None
+    assert done.elapsed_time is not None
+    expected = (done.finished_at - done.started_at).total_seconds()
+    assert done.elapsed_time == pytest.approx(expected, abs=1e-3)
+    listed = await EventsRepo(db).list(run.run_id)
+    assert [(e.seq, e.type, e.attempt) for e in listed] == [
+        (1, "queued", 0),
+        (2, "started", 1),
+        (3, "succeeded", 1),
+    ]
+    assert all(isinstance(e, Event) and e.run_id == run.run_id for e in listed)
+    assert [e.created_at for e in listed] == sorted(e.created_at for e in listed)
+    assert listed[2].created_at == done.finished_at
+    # Paging: after a seq, and a limit.
+    assert [e.seq for e in await EventsRepo(db).list(run.run_id, after_seq=1)] == [2, 3]
+    assert [e.seq for e in await EventsRepo(db).list(run.run_id, after_seq=1, limit=1)] == [2]
+    assert await EventsRepo(db).list(run.run_id, limit=0) == []
+
+
+async def test_stale_fences_change_nothing_while_the_rest_of_the_batch_applies(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    await repo.submit_many([new_run(await tenants.new(), lane) for _ in range(5)])
+    good, old_attempt, wrong_owner, reaped, failing = await claim(queue, lane)
+    await set_lease_expiry(db, [reaped.run.run_id], -5)
+    assert [r.run_id for r in await queue.reap_expired()] == [reaped.run.run_id]
+    stale = [old_attempt.run.run_id, wrong_owner.run.run_id, reaped.run.run_id]
+    before = await repo.get_many(stale)
+    events_before = {run_id: await event_rows(db, run_id) for run_id in stale}
+
+    error: JSONObject = {"type": "ValueError", "message": "bad", "reason": "non-retryable"}
+    batch: list[Outcome] = [
+        Succeeded(fence=good.fence, output="ok"),
+        Succeeded(fence=replace(old_attempt.fence, attempt=Attempt(0)), output="late"),
+        Failed(fence=replace(wrong_owner.fence, owner="intruder"), error=error, retry_delay_s=None),
+        Succeeded(fence=reaped.fence, output="after the reap"),
+        Failed(fence=failing.fence, error=error, retry_delay_s=None),
+    ]
+    assert await repo.finish_many(batch) == [True, False, False, False, True]
+    assert await repo.get_many(stale) == before  # not a column changed
+    assert {run_id: await event_rows(db, run_id) for run_id in stale} == events_before
+    after = await repo.get_many([good.run.run_id, failing.run.run_id])
+    assert after[good.run.run_id].status == RunStatus.SUCCEEDED
+    assert after[failing.run.run_id].status == RunStatus.FAILED
+    # The stale attempts' owners are still fenced out, the live ones finish normally.
+    assert await repo.finish_many([Succeeded(fence=old_attempt.fence, output="mine")]) == [True]
+    assert await repo.finish_many([Succeeded(fence=wrong_owner.fence, output="mine")]) == [True]
+
+
+async def test_retry_requeues_after_a_delay_by_database_time(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    [run] = await repo.submit_many([new_run(await tenants.new(), lane)])
+    [first] = await claim(queue, lane)
+    error: JSONObject = {"type": "TimeoutError", "message": "slow", "reason": "retry"}
+    assert await repo.finish_many([Failed(fence=first.fence, error=error, retry_delay_s=60)]) == [
+        True
+    ]
+    now = await database_now(db)
+    waiting = await repo.get(run.run_id)
+    assert waiting is not None
+    assert (waiting.status, waiting.error, waiting.attempt) == (RunStatus.QUEUED, error, 1)
+    assert (waiting.lease_owner, waiting.lease_expires_at, waiting.finished_at) == (None,) * 3
+    assert timedelta(seconds=55) < waiting.not_before - now <= timedelta(seconds=60)
+    assert await claim(queue, lane) == []
+    [*_, retrying] = await EventsRepo(db).list(run.run_id)
+    assert (retrying.type, retrying.attempt, retrying.data) == (
+        "retrying",
+        1,
+        {"delay_s": 60, "error": error},
+    )
+    # The old attempt cannot finish the requeued run.
+    assert await repo.finish_many([Succeeded(fence=first.fence, output=None)]) == [False]
+
+    # A short delay: not claimable at once, claimable once database time passes not_before.
+    [quick] = await repo.submit_many([new_run(await tenants.new(), lane)])
+    [attempt] = [c for c in await claim(queue, lane) if c.run.run_id == quick.run_id]
+    assert await repo.finish_many([Failed(fence=attempt.fence, error=error, retry_delay_s=0.3)])
+    assert await claim(queue, lane) == []
+    [again] = await wait_for(lambda: claim(queue, lane), timeout_s=10, message="the retry")
+    requeued = await repo.get(quick.run_id)
+    assert requeued is not None and again.run.run_id == quick.run_id
+    assert again.run.attempt == 2 and again.run.error == error  # error kept until it ends
+    assert await database_now(db) >= requeued.not_before
+
+
+async def test_failed_is_terminal(db: DatabaseManager, tenants: Tenants) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    [run] = await repo.submit_many([new_run(await tenants.new(), lane, max_attempts=1)])
+    [claimed] = await claim(queue, lane)
+    error: JSONObject = {"type": "ValueError", "message": "no", "reason": "max attempts"}
+    failed = Failed(fence=claimed.fence, error=error, retry_delay_s=None)
+    assert await repo.finish_many([failed]) == [True]
+    done = await repo.get(run.run_id)
+    assert done is not None
+    assert (done.status, done.error, done.output) == (RunStatus.FAILED, error, None)
+    assert done.finished_at is not None and done.elapsed_time is not None
+    assert done.lease_owner is None
+    # Terminal: no second finish of any kind, and no claim.
+    again: list[Outcome] = [failed, Succeeded(fence=claimed.fence, output=1)]
+    assert await repo.finish_many(again) == [False, False]
+    retry = Failed(fence=claimed.fence, error=error, retry_delay_s=0)
+    assert await repo.finish_many([retry]) == [False]
+    assert await claim(queue, lane) == []
+    assert await repo.get(run.run_id) == done
+    events_ = await EventsRepo(db).list(run.run_id)
+    assert [(e.type, e.data) for e in events_][-1] == ("failed", error)
+    assert [e.type for e in events_] == ["queued", "started", "failed"]
+
+
+async def test_one_batch_finishes_the_same_run_once(db: DatabaseManager, tenants: Tenants) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    await repo.submit_many([new_run(await tenants.new(), lane)])
+    [claimed] = await claim(queue, lane)
+    twice: list[Outcome] = [
+        Succeeded(fence=claimed.fence, output=1),
+        Succeeded(fence=claimed.fence, output=2),
+    ]
+    assert await repo.finish_many(twice) == [True, False]
+    done = await repo.get(claimed.run.run_id)
+    assert done is not None and done.output == 1
+    assert [t for _, t, _ in await event_rows(db, claimed.run.run_id)].count("succeeded") == 1
