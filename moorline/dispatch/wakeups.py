@@ -1,0 +1,514 @@
+"""Wake-ups: telling waiting workers that a lane has new work, without polling hard.
+
+A notification is a hint, never the source of truth. A worker claims after every wake-up *and*
+after every timeout of its wait, so a lost notification (Redis Pub/Sub and LISTEN/NOTIFY are
+at-most-once, and nothing is delivered while a listener reconnects) costs latency, never a run:
+the timeout is the slow poll.
+
+Three transports behind one pair of Protocols, :class:`Notifier` (producers: enqueue, retry,
+the reaper) and :class:`Waiter` (worker loops):
+
+- :class:`LocalWakeups`: one :class:`asyncio.Event` per lane, for producers and workers that
+  share a process (and the in-process half of the other two).
+- :class:`PostgresWakeups`: ``SELECT pg_notify(channel, payload)`` through the pool, and
+  ``LISTEN`` on a dedicated asyncpg connection that is not part of the pool.
+- :class:`RedisWakeups`: ``PUBLISH`` and ``SUBSCRIBE`` on ``<redis_prefix>:wakeups``.
+
+The two remote ones fan out: ``notify`` wakes this process's waiters directly, then tells the
+other processes. Each payload carries the sender's origin id, so a listener skips what its own
+process sent and a local waiter is not woken twice. A listener that (re)connects wakes every
+lane of its process, because anything sent while it was away was lost; it reconnects after a
+lost connection (``pg_terminate_backend``, ``CLIENT KILL``, a server restart) with a capped
+backoff and notices a silently dead one by pinging it.
+
+:func:`make_wakeups` picks the transport from the settings: Redis when ``redis_url`` is set,
+else LISTEN/NOTIFY on PostgreSQL, else in-process only.
+"""
+
+import asyncio
+import logging
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any, ClassVar, Protocol
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+from moorline.db.dialects import is_transient
+from moorline.db.dsn import make_failover_creator
+from moorline.db.manager import DatabaseManager
+from moorline.errors import BackendUnavailable, ConfigError
+from moorline.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+PG_CHANNEL = "moorline_wakeups"
+"""The LISTEN/NOTIFY channel; channels are per database, so one name serves every lane."""
+
+REDIS_CHANNEL_SUFFIX = "wakeups"
+
+NOTIFY_TIMEOUT_S = 2.0
+"""Longest a remote ``notify`` may take before the hint is given up (logged, not raised)."""
+
+PING_INTERVAL_S = 5.0
+"""Seconds of silence after which a listener pings its connection to prove it alive."""
+
+PING_TIMEOUT_S = 5.0
+"""Seconds a listener's ping may take before the connection counts as dead."""
+
+RECONNECT_MIN_S = 0.05
+RECONNECT_MAX_S = 5.0
+"""Backoff between reconnection attempts: doubles from the minimum up to the maximum."""
+
+
+def redis_channel(prefix: str) -> str:
+    """The Pub/Sub channel of lane wake-ups under the Redis prefix ``prefix``."""
+    return f"{prefix}:{REDIS_CHANNEL_SUFFIX}"
+
+
+class Notifier(Protocol):
+    """The producer side: tells waiters that runs may have become claimable."""
+
+    async def notify(self, lanes: set[str]) -> None:
+        """Wake every waiter of each lane in ``lanes``, in this process and (remote) others.
+
+        Call it after the transaction that made the runs claimable has committed, so a woken
+        worker's claim sees them. Transport failures are logged and dropped, never raised:
+        a lost notification costs a worker's slow poll, nothing more.
+        """
+        ...
+
+
+class Waiter(Protocol):
+    """The worker side: waits for a lane's notification, or for the slow-poll timeout."""
+
+    async def start(self) -> None:
+        """Start listening; returns once the first connection attempt succeeded or failed.
+
+        After a failed first attempt the waiter keeps reconnecting in the background, and
+        ``wait`` still returns on its timeouts.
+        """
+        ...
+
+    async def wait(self, lane: str, timeout_s: float) -> bool:
+        """Wait until ``lane`` is notified or ``timeout_s`` seconds pass.
+
+        A notification that arrived while no task of this process was waiting on the lane is
+        kept for the next ``wait`` on it, so one sent between a worker's empty claim and its
+        ``wait`` is not lost. All tasks waiting on the lane wake together.
+
+        Returns:
+            True when woken (by a notification or a listener reconnect), False on timeout.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Stop listening and release connections; idempotent."""
+        ...
+
+
+class LocalWakeups(Notifier, Waiter):
+    """Wake-ups between the tasks of one event loop; also the local half of the others.
+
+    One :class:`asyncio.Event` per lane, level-triggered: a notification sets it and a waiter
+    that returns clears it, before its caller claims, so every notification either finds the
+    lane's waiters (all of them wake: setting an event releases every task waiting on it) or
+    is kept for the next one. Lanes are the handful of names the plans route to, so the map
+    never grows past them.
+    """
+
+    def __init__(self) -> None:
+        self.origin = uuid.uuid4().hex
+        """Id of this process's wake-ups, carried by remote payloads to skip our own echo."""
+        self._events: dict[str, asyncio.Event] = {}
+
+    def _event(self, lane: str) -> asyncio.Event:
+        event = self._events.get(lane)
+        if event is None:
+            event = self._events[lane] = asyncio.Event()
+        return event
+
+    def wake(self, lanes: Iterable[str]) -> None:
+        """Wake the waiters of ``lanes`` now (synchronous, for listener callbacks)."""
+        for lane in lanes:
+            self._event(lane).set()
+
+    def wake_all(self) -> None:
+        """Wake every lane this process has waited on or been notified about."""
+        for event in self._events.values():
+            event.set()
+
+    async def notify(self, lanes: set[str]) -> None:
+        self.wake(lanes)
+
+    async def start(self) -> None:
+        return None
+
+    async def wait(self, lane: str, timeout_s: float) -> bool:
+        event = self._event(lane)
+        if not event.is_set():
+            if timeout_s <= 0:
+                return False
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await event.wait()
+            except TimeoutError:
+                # A notification landing together with the timeout stays set for the next
+                # wait: it is late, not lost.
+                return False
+        event.clear()
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+class ListeningWakeups(Notifier, Waiter, ABC):
+    """Shared machinery of the remote transports: fan-out, the listener task, reconnects.
+
+    A subclass sends a payload (:meth:`_publish`) and listens on one connection until it is
+    lost (:meth:`_listen`); this class runs the listener as a named task, reconnects it with a
+    capped backoff, and surfaces a listener that died of a programming error from ``wait``.
+    """
+
+    transport: ClassVar[str]
+
+    def __init__(
+        self,
+        *,
+        hub: LocalWakeups | None,
+        notify_timeout_s: float,
+        ping_interval_s: float,
+    ) -> None:
+        self.hub = hub if hub is not None else LocalWakeups()
+        """The in-process half: notified first, woken by the listener."""
+        self._notify_timeout_s = notify_timeout_s
+        self._ping_interval_s = ping_interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._first_attempt = asyncio.Event()
+        self._connections = 0
+
+    @property
+    def connections(self) -> int:
+        """How many times the listener has connected (and subscribed) so far."""
+        return self._connections
+
+    def _payload(self, lane: str) -> str:
+        return f"{self.hub.origin}:{lane}"
+
+    def _receive(self, payload: str) -> None:
+        origin, sep, lane = payload.partition(":")
+        if not sep:  # a bare lane, from a sender that does not tag its payloads
+            origin, lane = "", payload
+        if origin != self.hub.origin:
+            self.hub.wake((lane,))
+
+    def _on_listening(self) -> None:
+        """Called by :meth:`_listen` once the listener is subscribed on a new connection."""
+        self._connections += 1
+        if self._connections > 1:
+            logger.info("%s wake-up listener reconnected", self.transport)
+        # Whatever was sent while the listener was away is lost: wake every lane so the
+        # workers claim once, instead of waiting for their slow poll.
+        self.hub.wake_all()
+        self._first_attempt.set()
+
+    async def notify(self, lanes: set[str]) -> None:
+        if not lanes:
+            return
+        self.hub.wake(lanes)
+        try:
+            async with asyncio.timeout(self._notify_timeout_s):
+                await self._publish(sorted(lanes))
+        except Exception as exc:
+            if not self._is_transport_error(exc):
+                raise
+            logger.warning(
+                "could not send a %s wake-up for lanes %s; workers elsewhere find the runs "
+                "on their next poll: %s",
+                self.transport,
+                ", ".join(sorted(lanes)),
+                _describe(exc),
+            )
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(
+                self._listen_forever(), name=f"moorline-wakeups-{self.transport}"
+            )
+        await self._first_attempt.wait()
+        self._raise_if_dead()
+
+    async def wait(self, lane: str, timeout_s: float) -> bool:
+        self._raise_if_dead()
+        return await self.hub.wait(lane, timeout_s)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            [outcome] = await asyncio.gather(task, return_exceptions=True)
+            if isinstance(outcome, Exception):
+                logger.error("%s wake-up listener had died", self.transport, exc_info=outcome)
+        await self._close_transport()
+
+    def _raise_if_dead(self) -> None:
+        task = self._task
+        if task is not None and task.done() and not task.cancelled():
+            error = task.exception()
+            if error is not None:
+                raise error
+
+    async def _listen_forever(self) -> None:
+        delay_s = RECONNECT_MIN_S
+        try:
+            while True:
+                connections = self._connections
+                try:
+                    await self._listen()
+                    why = "the connection was closed"
+                except Exception as exc:
+                    if not self._is_transport_error(exc):
+                        raise
+                    why = _describe(exc)
+                if self._connections != connections:
+                    delay_s = RECONNECT_MIN_S  # it was listening: this is a fresh outage
+                logger.warning(
+                    "%s wake-up listener is not listening; reconnecting in %.2fs: %s",
+                    self.transport,
+                    delay_s,
+                    why,
+                )
+                self._first_attempt.set()
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, RECONNECT_MAX_S)
+        finally:
+            self._first_attempt.set()
+
+    @abstractmethod
+    async def _publish(self, lanes: list[str]) -> None:
+        """Send one payload per lane to every other process."""
+
+    @abstractmethod
+    async def _listen(self) -> None:
+        """Connect, subscribe, call :meth:`_on_listening`, deliver payloads until lost.
+
+        Returns or raises a transport error when the connection is lost; never returns
+        while it is healthy.
+        """
+
+    @abstractmethod
+    def _is_transport_error(self, exc: Exception) -> bool:
+        """Whether ``exc`` is the transport failing (reconnect), not a programming error."""
+
+    async def _close_transport(self) -> None:
+        return None
+
+
+class PostgresWakeups(ListeningWakeups):
+    """Wake-ups across processes through PostgreSQL LISTEN/NOTIFY.
+
+    ``notify`` sends ``pg_notify`` through the manager's pool, in a transaction of its own
+    (NOTIFY is delivered at commit). The listener holds a dedicated asyncpg connection opened
+    by the manager's primary-first failover creator, so it follows a database failover too.
+    A lost connection is noticed at once by asyncpg's termination callback, and a silently
+    dead one by a ``SELECT 1`` after ``ping_interval_s`` of silence.
+    """
+
+    transport = "postgresql"
+
+    def __init__(
+        self,
+        db: DatabaseManager,
+        *,
+        channel: str = PG_CHANNEL,
+        hub: LocalWakeups | None = None,
+        notify_timeout_s: float = NOTIFY_TIMEOUT_S,
+        ping_interval_s: float = PING_INTERVAL_S,
+    ) -> None:
+        """Create PostgreSQL wake-ups; nothing connects before ``start`` or ``notify``.
+
+        Args:
+            db: The manager whose database (and failover addresses) to use.
+            channel: The LISTEN/NOTIFY channel (at most 63 bytes).
+            hub: The in-process wake-ups to fan out to; a new one when None.
+            notify_timeout_s: Longest a ``notify`` may take before it is given up.
+            ping_interval_s: Seconds of silence before the listener pings its connection.
+
+        Raises:
+            ConfigError: ``db`` is not a PostgreSQL database.
+        """
+        if db.dialect != "postgresql":
+            raise ConfigError(f"LISTEN/NOTIFY wake-ups need PostgreSQL, not {db.dialect}")
+        super().__init__(
+            hub=hub, notify_timeout_s=notify_timeout_s, ping_interval_s=ping_interval_s
+        )
+        self._db = db
+        self.channel = channel
+        self._connect = make_failover_creator(db.targets)
+        self._backend_pid: int | None = None
+
+    @property
+    def backend_pid(self) -> int | None:
+        """Server process id of the listener connection while it is connected."""
+        return self._backend_pid
+
+    async def _publish(self, lanes: list[str]) -> None:
+        sends = [func.pg_notify(self.channel, self._payload(lane)) for lane in lanes]
+        async with self._db.transaction() as conn:
+            await conn.execute(select(*sends))
+
+    async def _listen(self) -> None:
+        conn = await self._connect()
+        try:
+            lost = asyncio.Event()
+            conn.add_termination_listener(lambda _conn: lost.set())
+            await conn.add_listener(self.channel, self._on_notification)
+            self._backend_pid = conn.get_server_pid()
+            self._on_listening()
+            while not lost.is_set():
+                try:
+                    async with asyncio.timeout(self._ping_interval_s):
+                        await lost.wait()
+                except TimeoutError:
+                    async with asyncio.timeout(PING_TIMEOUT_S):
+                        await conn.fetchval("SELECT 1")
+            raise ConnectionResetError("the LISTEN connection was closed")
+        finally:
+            self._backend_pid = None
+            conn.terminate()
+
+    def _on_notification(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        self._receive(payload)
+
+    def _is_transport_error(self, exc: Exception) -> bool:
+        import asyncpg
+
+        return (
+            is_transient(exc)
+            or isinstance(exc, BackendUnavailable | PoolTimeoutError | OSError | TimeoutError)
+            or isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError)
+        )
+
+
+class RedisWakeups(ListeningWakeups):
+    """Wake-ups across processes through Redis Pub/Sub on ``<prefix>:wakeups``.
+
+    One client serves both sides: ``PUBLISH`` on pooled connections, ``SUBSCRIBE`` on a
+    connection of its own. Its connections are named ``<prefix>:wakeups`` (``CLIENT LIST``).
+    redis-py retries a failed read once, reconnecting and subscribing again; every subscribe
+    confirmation counts as a (re)connect, so a reconnect made inside redis-py wakes the lanes
+    just as one made here does.
+    """
+
+    transport = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "mo",
+        hub: LocalWakeups | None = None,
+        notify_timeout_s: float = NOTIFY_TIMEOUT_S,
+        ping_interval_s: float = PING_INTERVAL_S,
+    ) -> None:
+        """Create Redis wake-ups; nothing connects before ``start`` or ``notify``.
+
+        Args:
+            url: The Redis URL (``MOORLINE_REDIS_URL``).
+            prefix: The key and channel prefix (``MOORLINE_REDIS_PREFIX``).
+            hub: The in-process wake-ups to fan out to; a new one when None.
+            notify_timeout_s: Longest a ``notify`` may take before it is given up.
+            ping_interval_s: Seconds of silence before the listener pings its connection.
+
+        Raises:
+            ConfigError: the ``redis`` package is not installed.
+        """
+        try:
+            from redis.asyncio import Redis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+        except ImportError:  # pragma: no cover - the test environment installs every extra
+            raise ConfigError(
+                "MOORLINE_REDIS_URL: the redis package is missing; install moorline[redis]"
+            ) from None
+        super().__init__(
+            hub=hub, notify_timeout_s=notify_timeout_s, ping_interval_s=ping_interval_s
+        )
+        self.channel = redis_channel(prefix)
+        self.client_name = f"{prefix}:{REDIS_CHANNEL_SUFFIX}"
+        self._client = Redis.from_url(
+            url,
+            client_name=self.client_name,
+            socket_connect_timeout=PING_TIMEOUT_S,
+            socket_timeout=PING_TIMEOUT_S,
+            # One immediate retry: enough to ride over a killed connection; a server that is
+            # down fails fast into this class's own reconnect loop and its backoff.
+            retry=Retry(NoBackoff(), 1),
+        )
+
+    async def _publish(self, lanes: list[str]) -> None:
+        async with self._client.pipeline(transaction=False) as pipe:
+            for lane in lanes:
+                pipe.publish(self.channel, self._payload(lane))
+            await pipe.execute()
+
+    async def _listen(self) -> None:
+        pubsub = self._client.pubsub()
+        try:
+            await pubsub.subscribe(self.channel)
+            loop = asyncio.get_running_loop()
+            heard = loop.time()
+            ping_at = heard + self._ping_interval_s
+            while True:
+                message = await pubsub.get_message(timeout=max(0.0, ping_at - loop.time()))
+                now = loop.time()
+                if message is not None:
+                    heard = now
+                    self._on_message(message)
+                if now >= ping_at:
+                    if now - heard > 1.5 * self._ping_interval_s:
+                        raise ConnectionResetError("the Pub/Sub connection stopped answering")
+                    await pubsub.ping()
+                    ping_at = now + self._ping_interval_s
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "subscribe":
+            self._on_listening()
+        elif kind == "message":
+            data = message["data"]
+            self._receive(data.decode() if isinstance(data, bytes) else str(data))
+
+    def _is_transport_error(self, exc: Exception) -> bool:
+        from redis.exceptions import RedisError
+
+        return isinstance(exc, RedisError | OSError | TimeoutError)
+
+    async def _close_transport(self) -> None:
+        await self._client.aclose()
+
+
+def make_wakeups(settings: Settings, db: DatabaseManager) -> tuple[Notifier, Waiter]:
+    """The wake-ups this deployment should use: Redis, else LISTEN/NOTIFY, else in-process.
+
+    Both halves are one object that fans out to the in-process waiters as well. ``start`` the
+    waiter in processes that wait for work; ``close`` it on shutdown in every process, since
+    it also releases the notifier's connections.
+    """
+    wakeups: LocalWakeups | ListeningWakeups
+    if settings.redis_url:
+        wakeups = RedisWakeups(settings.redis_url, prefix=settings.redis_prefix)
+    elif db.dialect == "postgresql":
+        wakeups = PostgresWakeups(db)
+    else:
+        wakeups = LocalWakeups()
+    return wakeups, wakeups
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

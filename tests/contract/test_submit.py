@@ -1,0 +1,178 @@
+"""Group commit of submissions on every backend: few transactions, each caller its own answer."""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import func, select
+
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.records import Run
+from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.db.schema import events, runs
+from moorline.dispatch.submit import Submitter, new_run_for_plan
+from moorline.errors import IdempotencyConflict
+from moorline.plans import COMMUNITY_LANE, DEFAULT_PLANS, for_edition
+from moorline.settings import Edition
+from moorline.types import RunId, RunStatus, TenantId
+from tests.contract.queue_helpers import Tenants, unique
+
+CONCURRENT = 500
+
+
+@pytest.fixture
+async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
+    made = Tenants(db)
+    yield made
+    await made.purge()
+
+
+def new_run(tenant: TenantId, lane: str, index: int, key: str | None = None) -> NewRun:
+    return NewRun(
+        tenant_id=tenant, workflow="noop", input={"i": index}, lane=lane, idempotency_key=key
+    )
+
+
+async def stored_counts(db: DatabaseManager, tenant: TenantId) -> tuple[int, int]:
+    """(queued runs, queued events) of the tenant."""
+    async with db.connect() as conn:
+        queued = (
+            await conn.execute(
+                select(func.count()).where(
+                    runs.c.tenant_id == tenant, runs.c.status == RunStatus.QUEUED.value
+                )
+            )
+        ).scalar_one()
+        queued_events = (
+            await conn.execute(
+                select(func.count())
+                .select_from(events.join(runs, runs.c.id == events.c.run_id))
+                .where(runs.c.tenant_id == tenant, events.c.type == "queued")
+            )
+        ).scalar_one()
+    return queued, queued_events
+
+
+async def test_concurrent_submits_share_few_transactions(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant = await tenants.new()
+    lanes = [unique("lane"), unique("lane")]
+    woken: list[set[str]] = []
+    submitter = Submitter(RunsRepo(db), max_batch=256, on_enqueued=woken.append)
+    try:
+        results = await asyncio.gather(
+            *(submitter.submit(new_run(tenant, lanes[i % 2], i)) for i in range(CONCURRENT))
+        )
+    finally:
+        await submitter.close()
+    # Every caller got its own run: its own input, its own lane, a distinct id.
+    assert [run.input for run in results] == [{"i": i} for i in range(CONCURRENT)]
+    assert [run.lane for run in results] == [lanes[i % 2] for i in range(CONCURRENT)]
+    assert len({run.run_id for run in results}) == CONCURRENT
+    assert {run.status for run in results} == {RunStatus.QUEUED}
+    assert await stored_counts(db, tenant) == (CONCURRENT, CONCURRENT)
+    # Far fewer transactions than runs: batches of up to 256.
+    assert submitter.runs_written == CONCURRENT
+    assert 2 <= submitter.batches_written <= 10
+    assert len(woken) == submitter.batches_written
+    assert set().union(*woken) == set(lanes)
+
+
+async def test_a_conflicting_key_fails_only_its_caller(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant = await tenants.new()
+    lane = unique("lane")
+    repo = RunsRepo(db)
+    [taken] = await repo.submit_many([new_run(tenant, lane, -1, key="taken")])
+    submitter = Submitter(repo)
+    try:
+        results = await asyncio.gather(
+            *(
+                submitter.submit(new_run(tenant, lane, i, key="taken" if i == 7 else f"k{i}"))
+                for i in range(20)
+            ),
+            return_exceptions=True,
+        )
+    finally:
+        await submitter.close()
+    conflict = results.pop(7)
+    assert isinstance(conflict, IdempotencyConflict)
+    stored = [result for result in results if isinstance(result, Run)]
+    assert len(stored) == 19
+    assert [run.idempotency_key for run in stored] == [f"k{i}" for i in range(20) if i != 7]
+    got = await repo.get_many([run.run_id for run in stored])
+    assert {run.status for run in got.values()} == {RunStatus.QUEUED} and len(got) == 19
+    assert await repo.find_by_idempotency_key(tenant, "taken") == taken
+    assert await stored_counts(db, tenant) == (20, 20)
+
+
+async def test_close_writes_what_was_submitted_then_refuses(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant = await tenants.new()
+    lane = unique("lane")
+    submitter = Submitter(RunsRepo(db), max_batch=4)
+    # Tasks start in order: every submit is queued before close puts its stop marker.
+    *results, _ = await asyncio.gather(
+        *(submitter.submit(new_run(tenant, lane, i)) for i in range(10)), submitter.close()
+    )
+    assert [run.input for run in results if isinstance(run, Run)] == [{"i": i} for i in range(10)]
+    assert submitter.batches_written >= 3  # no batch above max_batch
+    with pytest.raises(RuntimeError, match="closed"):
+        await submitter.submit(new_run(tenant, lane, 99))
+    await submitter.close()  # closing twice is harmless
+    assert await stored_counts(db, tenant) == (10, 10)
+
+
+async def test_a_cancelled_caller_and_a_failing_hook_do_not_stop_the_writer(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant = await tenants.new()
+    lane = unique("lane")
+
+    def broken_hook(lanes: set[str]) -> None:
+        raise RuntimeError("hook failed")
+
+    submitter = Submitter(RunsRepo(db), on_enqueued=broken_hook)
+    gone = asyncio.create_task(submitter.submit(new_run(tenant, lane, 0)))
+
+    async def cancel_gone() -> None:
+        gone.cancel()
+
+    try:
+        # Tasks start in order: both submissions are queued, then the first caller gives up,
+        # all before the writer task (created by the first submission) takes its batch.
+        kept, _ = await asyncio.gather(submitter.submit(new_run(tenant, lane, 1)), cancel_gone())
+        assert kept.input == {"i": 1}
+        assert (await submitter.submit(new_run(tenant, lane, 2))).input == {"i": 2}
+    finally:
+        await submitter.close()
+    assert gone.cancelled()
+    # The cancelled caller's run was dropped before its batch was written.
+    assert await stored_counts(db, tenant) == (2, 2)
+
+
+def test_new_run_for_plan_takes_lane_and_priority_from_the_plan() -> None:
+    tenant = TenantId("t-1")
+    team = DEFAULT_PLANS["team"]
+    new = new_run_for_plan(
+        team,
+        tenant_id=tenant,
+        workflow="review_pr",
+        input={"pr": 1},
+        max_attempts=5,
+        idempotency_key="delivery-1",
+        delay_s=2.0,
+        run_id=RunId("r-1"),
+    )
+    assert (new.lane, new.priority, new.max_attempts) == ("workflow_team", 50, 5)
+    assert (new.tenant_id, new.workflow, new.input) == (tenant, "review_pr", {"pr": 1})
+    assert (new.idempotency_key, new.delay_s, new.run_id) == ("delivery-1", 2.0, "r-1")
+    community = for_edition(DEFAULT_PLANS, Edition.COMMUNITY)
+    routed = {
+        name: new_run_for_plan(plan, tenant_id=tenant, workflow="w", input={}, max_attempts=3).lane
+        for name, plan in community.items()
+    }
+    assert set(routed.values()) == {COMMUNITY_LANE}
