@@ -33,6 +33,8 @@ format: install
 
 bench: install
 	$(BIN)/python bench/db_commit.py
+	$(BIN)/python bench/enqueue.py
+	$(BIN)/python bench/dispatch.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

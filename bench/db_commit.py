@@ -12,15 +12,13 @@ Prints the median of ``--rounds`` rounds with min and max.
 import argparse
 import asyncio
 import statistics
-import subprocess
-import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
+from common import on_fresh_database, summary
 from sqlalchemy import insert
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.manager import DatabaseManager
@@ -28,19 +26,6 @@ from moorline.db.migrate import upgrade
 from moorline.db.schema import events, runs, tenants
 from moorline.db.types import utcnow
 from moorline.settings import Settings
-
-ADMIN = {
-    "postgresql": "postgresql+asyncpg://postgres@127.0.0.1:5432/test",
-    "mysql": "mysql+aiomysql://root@127.0.0.1:3306/test",
-}
-
-
-def admin_sql(backend: str, sql: str) -> None:
-    if backend == "postgresql":
-        cmd = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-d", "test", "-qc", sql]
-    else:
-        cmd = ["mysql", "-uroot", "-h", "127.0.0.1", "-e", sql]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
 
 
 async def seed(db: DatabaseManager) -> str:
@@ -111,26 +96,6 @@ async def measure(url: str, commits: int, rounds: int) -> tuple[list[float], lis
         await db.dispose()
 
 
-async def on_backend(
-    backend: str, run: Callable[[str], Awaitable[tuple[list[float], list[float]]]]
-) -> tuple[list[float], list[float]]:
-    if backend == "sqlite":
-        with tempfile.TemporaryDirectory() as folder:
-            return await run(f"sqlite+aiosqlite:///{folder}/bench.db")
-    name = f"moorline_bench_{uuid.uuid4().hex[:10]}"
-    admin_sql(backend, f"CREATE DATABASE {name}")
-    try:
-        url = make_url(ADMIN[backend]).set(database=name).render_as_string(hide_password=False)
-        return await run(url)
-    finally:
-        force = " WITH (FORCE)" if backend == "postgresql" else ""
-        admin_sql(backend, f"DROP DATABASE IF EXISTS {name}{force}")
-
-
-def summary(values: list[float]) -> str:
-    return f"{statistics.median(values):8.0f}/s (min {min(values):.0f}, max {max(values):.0f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commits", type=int, default=500)
@@ -140,7 +105,7 @@ def main() -> None:
     print(f"one-row write transactions, {args.commits} per round, median of {args.rounds}")
     for backend in args.backends.split(","):
         managed, bare = asyncio.run(
-            on_backend(backend, lambda url: measure(url, args.commits, args.rounds))
+            on_fresh_database(backend, lambda url: measure(url, args.commits, args.rounds))
         )
         ratio = statistics.median(managed) / statistics.median(bare)
         print(f"{backend:10} manager {summary(managed)}  bare {summary(bare)}  ratio {ratio:.2f}")

@@ -9,6 +9,7 @@ The command tree is built by :func:`build_cli` on each call rather than held in 
 """
 
 import asyncio
+import logging
 import signal
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,8 +23,14 @@ from rich.text import Text
 from moorline.api.app import create_app
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
+from moorline.dispatch.lanes import resolve_lanes
+from moorline.dispatch.wakeups import make_wakeups
+from moorline.engine.loader import load_app
+from moorline.engine.registry import Moorline
 from moorline.errors import MoorlineError
+from moorline.plans import PlansProvider
 from moorline.settings import Settings, load_settings
+from moorline.worker.process import install_stop_signals, run_worker_process
 
 EXIT_ERROR = 1
 EXIT_STARTUP_FAILED = 3  # as uvicorn.run: the server never started (port taken, lifespan error)
@@ -44,6 +51,7 @@ def build_cli() -> typer.Typer:
         rich_markup_mode="markdown",
     )
     cli.command("serve")(serve)
+    cli.command("worker")(worker)
     db_cli = typer.Typer(
         help="Manage the database schema.", no_args_is_help=True, rich_markup_mode="markdown"
     )
@@ -61,6 +69,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(EXIT_ERROR) from None
     except KeyboardInterrupt:
         raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def configure_logging() -> None:
+    """Log INFO and above to stderr, one line per record."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def print_error(message: str) -> None:
@@ -182,3 +198,68 @@ def _shutdown_signals_end_cleanly() -> Iterator[None]:
 
 def _ignore_after_shutdown(signum: int, frame: object) -> None:
     del signum, frame  # the server has already shut down gracefully
+
+
+# --- moorline worker -------------------------------------------------------------------------
+
+
+def worker(
+    app: Annotated[
+        str | None,
+        typer.Option(
+            "--app",
+            metavar="MODULE:ATTR",
+            help="The Moorline app with your workflows (default MOORLINE_APP, else the "
+            "bundled example app).",
+            show_default=False,
+        ),
+    ] = None,
+    lanes: Annotated[
+        str | None,
+        typer.Option(
+            "--lanes",
+            metavar="LANE=SLOTS,...",
+            help="Lanes to serve and slots in each (default: every plan's lane with its "
+            "plan's slots).",
+            show_default=False,
+        ),
+    ] = None,
+    grace: Annotated[
+        float,
+        typer.Option(min=0, help="Seconds running runs may finish after SIGTERM before release."),
+    ] = 30.0,
+) -> None:
+    """Claim and execute runs until SIGTERM (graceful) or a second Ctrl-C (immediate).
+
+    Every worker also runs the reaper loop; only the elected leader acts.
+    """
+    settings = load_settings()
+    configure_logging()
+    application = load_app(app or settings.app)
+    served = resolve_lanes(lanes, PlansProvider(settings).lane_slots())
+    asyncio.run(_work(settings, application, served, grace))
+
+
+async def _work(settings: Settings, app: Moorline, lanes: dict[str, int], grace_s: float) -> None:
+    db = DatabaseManager(settings)
+    try:
+        await db.initialize()
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        notifier, waiter = make_wakeups(settings, db)
+        await waiter.start()
+        try:
+            await run_worker_process(
+                settings,
+                app,
+                db,
+                lanes=lanes,
+                stop=stop,
+                notifier=notifier,
+                waiter=waiter,
+                grace_s=grace_s,
+            )
+        finally:
+            await waiter.close()
+    finally:
+        await db.dispose()

@@ -1,0 +1,32 @@
+"""Find the user's :class:`~moorline.engine.registry.Moorline` app from ``MODULE:ATTR``."""
+
+import importlib
+
+from moorline.engine.registry import Moorline
+from moorline.errors import ConfigError
+
+DEFAULT_APP = "moorline.examples.app:app"
+"""The bundled example app, used when neither ``--app`` nor ``MOORLINE_APP`` names one."""
+
+
+def load_app(spec: str | None) -> Moorline:
+    """Import ``MODULE:ATTR`` and return the Moorline app it names.
+
+    Raises:
+        ConfigError: one line saying what is wrong with ``spec``.
+    """
+    spec = spec or DEFAULT_APP
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"--app {spec!r}: expected MODULE:ATTR, e.g. myproject.workflows:app")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"--app {spec!r}: cannot import {module_name!r}: {exc}") from None
+    try:
+        app = getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"--app {spec!r}: module {module_name!r} has no {attr!r}") from None
+    if not isinstance(app, Moorline):
+        raise ConfigError(f"--app {spec!r}: {attr!r} is a {type(app).__name__}, not a Moorline app")
+    return app

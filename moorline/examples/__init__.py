@@ -1,0 +1,1 @@
+"""Example workflows bundled with Moorline (the default ``--app``)."""

@@ -1,0 +1,382 @@
+"""The worker: lanes with their own slots, claims, heartbeats, self-fencing, graceful shutdown.
+
+One :class:`Worker` per process (or per in-process loop of ``moorline serve``):
+
+- **Lanes and slots.** Each lane has its own slots and its own claim loop, so a flooded
+  sandbox lane never takes a professional slot. A loop claims as many runs as it has free
+  slots, in one statement (:meth:`~moorline.db.repos.queue.QueueRepo.claim_batch`, which also
+  enforces tenant caps and round-robin between tenants), then sleeps until a wake-up, a freed
+  slot or the slow poll.
+- **Leases.** A heartbeat loop renews every held lease each ``LEASE_TTL/3`` with a statement
+  fenced by (run, attempt, owner, running). A renewal that matches no row means the lease is
+  gone (reaped, cancelled): the execution is cancelled at once and writes nothing more.
+- **Self-fencing.** Each execution also has a deadline on the monotonic clock, pushed back by
+  every successful renewal: ``last renewal + LEASE_TTL - margin``. When the database could not
+  be reached in time (or the process was paused), the deadline cancels the execution before
+  the lease can expire, so a worker never keeps working on a run another may have taken.
+- **Outcomes** go through the :class:`~moorline.worker.completions.Completer` (group commit).
+- **Shutdown** (``stop`` set): claiming stops, in-flight runs get ``grace_s`` to finish, the
+  rest are cancelled and released (back to ``queued`` at once, their attempt fenced out).
+- **Supervision.** The long-lived loops run in one task group: if one dies, the others are
+  stopped, running executions are abandoned to the reaper, and :class:`WorkerCrashed` is
+  raised so the process exits non-zero instead of limping on without, say, heartbeats.
+"""
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.queue import Claim, QueueRepo
+from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Succeeded
+from moorline.dispatch.retry import RetryPolicy
+from moorline.engine.runner import Runner
+from moorline.errors import MoorlineError
+from moorline.worker.completions import Completer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 1.0
+DEFAULT_GRACE_S = 30.0
+SELF_FENCE_MARGIN_FRACTION = 1 / 6
+"""Share of LEASE_TTL kept in hand: with heartbeats every TTL/3, a worker that missed two
+renewals stops the run at 5/6 of the TTL, before the reaper can see the lease expire."""
+
+
+class WorkerCrashed(MoorlineError):
+    """A long-lived worker loop died; the process should exit non-zero."""
+
+    code = "worker_crashed"
+
+
+class Waiter(Protocol):
+    """Wakes a lane's claim loop when new work may be there (see ``moorline.dispatch``)."""
+
+    async def wait(self, lane: str, timeout_s: float) -> bool:
+        """Return True when woken for ``lane``, False after ``timeout_s``."""
+        ...
+
+
+def make_owner_id() -> str:
+    """A lease owner id unique to this worker: host, process and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(eq=False)
+class _Execution:
+    claim: Claim
+    lane: str
+    task: asyncio.Task[None] | None = None
+    fence_timer: asyncio.TimerHandle | None = None
+    lost: bool = False
+    """The lease is gone (or self-fenced): write nothing more for this attempt."""
+    releasing: bool = False
+    """Cancelled by shutdown: give the run back instead of failing it."""
+    started: float = field(default_factory=time.monotonic)
+
+
+class Worker:
+    """Claims and executes runs on its lanes until ``stop`` is set."""
+
+    def __init__(
+        self,
+        db: DatabaseManager,
+        runner: Runner,
+        *,
+        lanes: Mapping[str, int],
+        lease_ttl_s: float,
+        tenant_caps: Callable[[], Mapping[str, int]],
+        waiter: Waiter | None = None,
+        retry_policy: RetryPolicy | None = None,
+        owner: str | None = None,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        grace_s: float = DEFAULT_GRACE_S,
+        rng: random.Random | None = None,
+    ) -> None:
+        """Create a worker; nothing runs before :meth:`run`.
+
+        Args:
+            db: The database.
+            runner: Executes one attempt of a claimed run (the engine).
+            lanes: Lane → slots served by this worker.
+            lease_ttl_s: ``MOORLINE_LEASE_TTL``.
+            tenant_caps: Plan → tenant concurrency cap, asked before every claim (plans
+                files are re-read through a TTL cache).
+            waiter: Wake-ups for new work; without one the loops poll.
+            retry_policy: Backoff and retryability of failed attempts.
+            owner: Lease owner id; unique per worker (default: host, pid, random).
+            poll_interval_s: Slowest a lane notices work when no wake-up arrives.
+            grace_s: How long in-flight runs may finish after ``stop`` before release.
+            rng: Jitter source for retry backoff.
+        """
+        if not lanes:
+            raise ValueError("a worker needs at least one lane")
+        self._db = db
+        self._queue = QueueRepo(db)
+        self._runs = RunsRepo(db)
+        self._runner = runner
+        self._lanes = dict(lanes)
+        self._lease_ttl_s = lease_ttl_s
+        self._tenant_caps = tenant_caps
+        self._waiter = waiter
+        self._policy = retry_policy or RetryPolicy()
+        self.owner = owner or make_owner_id()
+        self._poll_interval_s = poll_interval_s
+        self._grace_s = grace_s
+        self._rng = rng or random.Random()
+        self._completer = Completer(self._runs)
+        self._executions: set[_Execution] = set()
+        self._in_lane = dict.fromkeys(self._lanes, 0)
+        self._slot_freed = {lane: asyncio.Event() for lane in self._lanes}
+        self._claiming = True
+        self._closing = asyncio.Event()
+        self.claimed = 0
+        self.finished = 0
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Seconds between two renewals of every held lease."""
+        return self._lease_ttl_s / 3
+
+    @property
+    def in_flight(self) -> int:
+        """Executions running now."""
+        return len(self._executions)
+
+    # --- the process -------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve the lanes until ``stop`` is set, then shut down gracefully.
+
+        Raises:
+            WorkerCrashed: a long-lived loop died (the cause is chained and logged).
+        """
+        logger.info(
+            "worker %s serving %s",
+            self.owner,
+            ", ".join(f"{lane}={slots}" for lane, slots in self._lanes.items()),
+        )
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._completer.run(), name="completer")
+                group.create_task(self._heartbeat_loop(), name="heartbeat")
+                claimers = [
+                    group.create_task(self._claim_loop(lane, stop), name=f"claim:{lane}")
+                    for lane in self._lanes
+                ]
+                await stop.wait()
+                self._claiming = False
+                for lane in self._lanes:
+                    self._slot_freed[lane].set()
+                await asyncio.gather(*claimers)
+                await self._drain()
+                self._completer.close()
+                self._closing.set()
+        except BaseExceptionGroup as group_error:
+            # A loop died: nobody renews leases or writes outcomes any more, so running
+            # executions must stop now; their runs return through the reaper.
+            self._abandon_all()
+            cause = group_error.exceptions[0]
+            logger.critical("worker %s: a loop died: %r", self.owner, cause, exc_info=cause)
+            raise WorkerCrashed(f"worker loop died: {cause!r}") from cause
+        logger.info("worker %s stopped", self.owner)
+
+    async def _drain(self) -> None:
+        """Give in-flight runs ``grace_s`` to finish, then cancel and release the rest."""
+        tasks = [e.task for e in self._executions if e.task is not None]
+        if tasks:
+            logger.info("waiting up to %.1fs for %d running runs", self._grace_s, len(tasks))
+            await asyncio.wait(tasks, timeout=self._grace_s)
+        remaining = [e for e in self._executions if e.task is not None and not e.task.done()]
+        for execution in remaining:
+            execution.releasing = True
+            assert execution.task is not None
+            execution.task.cancel()
+        await asyncio.gather(
+            *(e.task for e in remaining if e.task is not None), return_exceptions=True
+        )
+
+    def _abandon_all(self) -> None:
+        for execution in list(self._executions):
+            execution.lost = True
+            if execution.task is not None:
+                execution.task.cancel()
+
+    # --- claiming ----------------------------------------------------------------------------
+
+    async def _claim_loop(self, lane: str, stop: asyncio.Event) -> None:
+        slots = self._lanes[lane]
+        while self._claiming:
+            free = slots - self._in_lane[lane]
+            if free <= 0:
+                self._slot_freed[lane].clear()
+                await self._slot_freed[lane].wait()
+                continue
+            claims = await self._queue.claim_batch(
+                lane,
+                self.owner,
+                limit=free,
+                lease_ttl_s=self._lease_ttl_s,
+                tenant_caps=self._tenant_caps(),
+            )
+            for claim in claims:
+                self._start(claim, lane)
+            if len(claims) < free and self._claiming:
+                await self._wait_for_work(lane, stop)
+
+    async def _wait_for_work(self, lane: str, stop: asyncio.Event) -> None:
+        """Until a wake-up for ``lane``, a freed slot, ``stop``, or the slow poll."""
+        waits: list[asyncio.Future[Any]] = [
+            asyncio.ensure_future(stop.wait()),
+            asyncio.ensure_future(self._slot_freed[lane].wait()),
+        ]
+        if self._waiter is not None:
+            waits.append(asyncio.ensure_future(self._waiter.wait(lane, self._poll_interval_s)))
+        self._slot_freed[lane].clear()
+        try:
+            await asyncio.wait(waits, timeout=self._poll_interval_s, return_when="FIRST_COMPLETED")
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    def _start(self, claim: Claim, lane: str) -> None:
+        execution = _Execution(claim=claim, lane=lane)
+        self._executions.add(execution)
+        self._in_lane[lane] += 1
+        self.claimed += 1
+        self._arm_self_fence(execution)
+        execution.task = asyncio.create_task(
+            self._execute(execution), name=f"run:{claim.fence.run_id}:{claim.fence.attempt}"
+        )
+
+    # --- one execution -----------------------------------------------------------------------
+
+    async def _execute(self, execution: _Execution) -> None:
+        claim = execution.claim
+        try:
+            outcome = await self._attempt(execution)
+            if outcome is not None and not execution.lost:
+                applied = await self._completer.complete(outcome)
+                if not applied:
+                    logger.warning(
+                        "run %s attempt %d: lease lost before its outcome was written",
+                        claim.fence.run_id,
+                        claim.fence.attempt,
+                    )
+            elif execution.releasing and not execution.lost:
+                if await self._queue.release(claim.fence):
+                    logger.info("run %s released at shutdown", claim.fence.run_id)
+        except Exception:
+            # The outcome could not be written: the run stays running under a lease nobody
+            # renews once this execution is gone, and the reaper takes it back.
+            logger.exception("run %s: could not record its outcome", claim.fence.run_id)
+        finally:
+            self._finish(execution)
+
+    async def _attempt(self, execution: _Execution) -> Outcome | None:
+        """Run the workflow once; its outcome, or None when it was cancelled by us."""
+        claim = execution.claim
+        try:
+            output = await self._runner.run(claim)
+        except asyncio.CancelledError:
+            if execution.lost or execution.releasing:
+                return None
+            raise
+        except Exception as exc:
+            decision = self._policy.decide(
+                exc, claim.fence.attempt, claim.run.max_attempts, self._rng
+            )
+            logger.info(
+                "run %s attempt %d failed (%s): %r",
+                claim.fence.run_id,
+                claim.fence.attempt,
+                decision.reason,
+                exc,
+            )
+            return Failed(
+                fence=claim.fence,
+                error={"type": type(exc).__name__, "message": str(exc), "reason": decision.reason},
+                retry_delay_s=decision.delay_s if decision.retry else None,
+            )
+        return Succeeded(fence=claim.fence, output=output)
+
+    def _finish(self, execution: _Execution) -> None:
+        if execution.fence_timer is not None:
+            execution.fence_timer.cancel()
+        self._executions.discard(execution)
+        self._in_lane[execution.lane] -= 1
+        self._slot_freed[execution.lane].set()
+        self.finished += 1
+
+    # --- leases ------------------------------------------------------------------------------
+
+    def _arm_self_fence(self, execution: _Execution, renewed_at: float | None = None) -> None:
+        """Stop ``execution`` at ``renewed_at + LEASE_TTL - margin`` (loop's monotonic clock).
+
+        ``renewed_at`` is when the renewal was *sent*: the database extended the lease at some
+        instant after it, so counting from the send errs on the safe side.
+        """
+        if execution.fence_timer is not None:
+            execution.fence_timer.cancel()
+        loop = asyncio.get_running_loop()
+        since = loop.time() if renewed_at is None else renewed_at
+        budget = self._lease_ttl_s * (1 - SELF_FENCE_MARGIN_FRACTION)
+        execution.fence_timer = loop.call_at(
+            since + budget, self._lose, execution, "no renewal in time (self-fenced)"
+        )
+
+    def _lose(self, execution: _Execution, why: str) -> None:
+        if execution.lost:
+            return
+        execution.lost = True
+        logger.warning(
+            "run %s attempt %d: stopping, lease lost: %s",
+            execution.claim.fence.run_id,
+            execution.claim.fence.attempt,
+            why,
+        )
+        if execution.task is not None and not execution.task.done():
+            execution.task.cancel()
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                await asyncio.wait_for(self._closing.wait(), self.heartbeat_interval_s)
+                return
+            except TimeoutError:
+                pass
+            await self._renew_all()
+
+    async def _renew_all(self) -> None:
+        held = [
+            execution
+            for execution in self._executions
+            if not execution.lost and execution.task is not None and not execution.task.done()
+        ]
+        if not held:
+            return
+        sent = asyncio.get_running_loop().time()
+        try:
+            renewed = await self._queue.renew_leases(
+                [execution.claim.fence for execution in held], self._lease_ttl_s
+            )
+        except Exception as exc:
+            # The database is unreachable even after with_retry: try again at the next beat;
+            # the self-fence deadlines stop the runs if this goes on.
+            logger.warning("heartbeat for %d runs failed: %r", len(held), exc)
+            return
+        for execution in held:
+            fence = execution.claim.fence
+            if (fence.run_id, fence.attempt) in renewed:
+                if not execution.lost:
+                    self._arm_self_fence(execution, sent)
+            else:
+                self._lose(execution, "renewal matched no row (reclaimed, cancelled or finished)")

@@ -1,0 +1,143 @@
+"""Real worker processes for the fault tests: start, kill -9, SIGSTOP/SIGCONT, SIGTERM.
+
+Each worker is ``python -m moorline worker`` with the fault app, its own log file, and
+settings from the environment: short leases and a fast reaper so faults resolve in seconds.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.types import JSONObject, RunId, TenantId
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LANE = "workflow"  # the community edition's single lane
+PLAN = "bulk"
+LEASE_TTL_S = 3.0
+REAPER_INTERVAL_S = 0.5
+RECOVERY_BOUND_S = LEASE_TTL_S + REAPER_INTERVAL_S + 5.0
+"""Issue 3: an interrupted run is back within LEASE_TTL + reaper interval + 5 s."""
+
+
+def plans_file(folder: Path, *, tenant_concurrency: int) -> Path:
+    path = folder / "plans.yaml"
+    path.write_text(
+        "plans:\n"
+        f"  {PLAN}:\n"
+        f"    lane: {LANE}\n"
+        "    priority: 0\n"
+        "    daily_quota: 1000000\n"
+        '    rate_limit: "1000/second"\n'
+        f"    tenant_concurrency: {tenant_concurrency}\n"
+        "    lane_slots: 20\n"
+    )
+    return path
+
+
+@dataclass
+class Workers:
+    """The worker processes of one test; every one still alive is killed at the end."""
+
+    database_url: str
+    folder: Path
+    slots: int = 20
+    grace_s: float = 5.0
+    tenant_concurrency: int = 1000
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def env(self) -> dict[str, str]:
+        plans = plans_file(self.folder, tenant_concurrency=self.tenant_concurrency)
+        env = dict(os.environ)
+        env.update(
+            MOORLINE_DATABASE_URL=self.database_url,
+            MOORLINE_EDITION="community",
+            MOORLINE_PLANS_FILE=str(plans),
+            MOORLINE_LEASE_TTL=str(LEASE_TTL_S),
+            MOORLINE_REAPER_INTERVAL=str(REAPER_INTERVAL_S),
+            PYTHONPATH=str(REPO_ROOT),
+        )
+        env.pop("MOORLINE_DATABASE_URLS", None)
+        env.pop("MOORLINE_REDIS_URL", None)
+        return env
+
+    def start(self) -> subprocess.Popen[bytes]:
+        index = len(self.procs)
+        log = (self.folder / f"worker-{index}.log").open("wb")
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moorline",
+                "worker",
+                "--app",
+                "tests.faults.app:app",
+                "--lanes",
+                f"{LANE}={self.slots}",
+                "--grace",
+                str(self.grace_s),
+            ],
+            cwd=REPO_ROOT,
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def log(self, proc: subprocess.Popen[bytes]) -> str:
+        return (self.folder / f"worker-{self.procs.index(proc)}.log").read_text(errors="replace")
+
+    def is_serving(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Whether the worker has started its loops (and its signal handlers)."""
+        return " serving " in self.log(proc)
+
+    def alive(self) -> list[subprocess.Popen[bytes]]:
+        return [proc for proc in self.procs if proc.poll() is None]
+
+    def terminate_all(self, timeout_s: float = 30.0) -> None:
+        for proc in self.alive():
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def kill_all(self) -> None:
+        for proc in self.alive():
+            proc.kill()
+            proc.wait()
+
+
+def owner_pattern(proc: subprocess.Popen[bytes]) -> str:
+    """A LIKE pattern matching the lease owner ids of one worker process (host:pid:random)."""
+    return f"%:{proc.pid}:%"
+
+
+async def submit(
+    runs: RunsRepo,
+    tenant_ids: list[TenantId],
+    workflow: str,
+    inputs: Sequence[JSONObject],
+    *,
+    max_attempts: int = 50,
+) -> list[RunId]:
+    new = [
+        NewRun(
+            tenant_id=tenant_ids[index % len(tenant_ids)],
+            workflow=workflow,
+            input=value,
+            lane=LANE,
+            max_attempts=max_attempts,
+        )
+        for index, value in enumerate(inputs)
+    ]
+    return [run.run_id for run in await runs.submit_many(new)]

@@ -1,0 +1,257 @@
+"""The Worker in-process on every backend: draining, retries, slots, lost leases, shutdown."""
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.queue import QueueRepo
+from moorline.db.schema import runs
+from moorline.dispatch.retry import RetryPolicy
+from moorline.engine.context import Context
+from moorline.engine.registry import Moorline
+from moorline.engine.runner import WorkflowRunner
+from moorline.worker.worker import Worker, WorkerCrashed
+from tests.contract.queue_helpers import (
+    NO_CAP,
+    Tenants,
+    add_runs,
+    event_counts,
+    event_types,
+    set_lease_expiry,
+    statuses,
+    unique,
+)
+from tests.helpers import wait_for
+
+NO_BACKOFF = RetryPolicy(base_s=0.0, cap_s=0.0)
+
+
+class Probe:
+    """What the test workflows saw: concurrency, cancellations, a gate to hold them."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.most_active = 0
+        self.cancelled = 0
+        self.gate = asyncio.Event()
+        self.entered = 0
+
+
+def make_app(probe: Probe) -> Moorline:
+    app = Moorline()
+
+    @app.workflow("noop")
+    async def noop(ctx: Context) -> dict[str, Any]:
+        return {"attempt": ctx.attempt}
+
+    @app.workflow("boom")
+    async def boom(ctx: Context) -> None:
+        raise ValueError(f"boom on attempt {ctx.attempt}")
+
+    @app.workflow("misused")
+    async def misused(ctx: Context) -> None:
+        raise TypeError("a bug no retry cures")
+
+    @app.workflow("gated")
+    async def gated(ctx: Context) -> str:
+        probe.active += 1
+        probe.entered += 1
+        probe.most_active = max(probe.most_active, probe.active)
+        try:
+            await probe.gate.wait()
+        except asyncio.CancelledError:
+            probe.cancelled += 1
+            raise
+        finally:
+            probe.active -= 1
+        return "opened"
+
+    return app
+
+
+@pytest.fixture
+async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
+    made = Tenants(db)
+    yield made
+    await made.purge()
+
+
+async def set_workflow(db: DatabaseManager, run_ids: Sequence[str], workflow: str) -> None:
+    async with db.transaction() as conn:
+        await conn.execute(runs.update().where(runs.c.id.in_(run_ids)).values(workflow=workflow))
+
+
+class Running:
+    """A Worker running in a task of this event loop, stopped and awaited on exit."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> "Running":
+        self.task = asyncio.create_task(self.worker.run(self.stop))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop.set()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 30)
+
+
+def make_worker(
+    db: DatabaseManager,
+    probe: Probe,
+    lanes: Mapping[str, int],
+    *,
+    lease_ttl_s: float = 30.0,
+    grace_s: float = 5.0,
+) -> Worker:
+    return Worker(
+        db,
+        WorkflowRunner(make_app(probe)),
+        lanes=lanes,
+        lease_ttl_s=lease_ttl_s,
+        tenant_caps=lambda: NO_CAP,
+        retry_policy=NO_BACKOFF,
+        poll_interval_s=0.05,
+        grace_s=grace_s,
+    )
+
+
+async def all_in(db: DatabaseManager, run_ids: Sequence[str], status: str) -> bool:
+    return all(s == status for s, _ in (await statuses(db, run_ids)).values())
+
+
+async def test_a_worker_drains_its_lane_and_each_run_succeeds_once(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    lane = unique("lane")
+    run_ids = await add_runs(db, await tenants.new(), lane, 120)
+    async with Running(make_worker(db, Probe(), {lane: 8})):
+        await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="all runs succeeded")
+    assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
+    assert await event_types(db, run_ids[0]) == ["started", "succeeded"]
+    async with db.connect() as conn:
+        outputs = (await conn.execute(select(runs.c.output).where(runs.c.id == run_ids[0]))).one()
+    assert outputs.output == {"attempt": 1}
+
+
+async def test_a_failing_run_is_retried_then_fails_with_its_last_error(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    lane = unique("lane")
+    [run_id] = await add_runs(db, await tenants.new(), lane, 1, max_attempts=3)
+    await set_workflow(db, [run_id], "boom")
+    async with Running(make_worker(db, Probe(), {lane: 2})):
+        await wait_for(lambda: all_in(db, [run_id], "failed"), message="run failed")
+    assert (await statuses(db, [run_id]))[run_id] == ("failed", 3)
+    assert await event_types(db, run_id) == [
+        "started",
+        "retrying",
+        "started",
+        "retrying",
+        "started",
+        "failed",
+    ]
+    async with db.connect() as conn:
+        error = (await conn.execute(select(runs.c.error).where(runs.c.id == run_id))).scalar_one()
+    assert error["message"] == "boom on attempt 3"
+    assert error["reason"] == "max attempts"
+
+
+async def test_a_non_retryable_error_fails_the_run_at_once(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    lane = unique("lane")
+    [run_id] = await add_runs(db, await tenants.new(), lane, 1, max_attempts=5)
+    await set_workflow(db, [run_id], "misused")
+    async with Running(make_worker(db, Probe(), {lane: 2})):
+        await wait_for(lambda: all_in(db, [run_id], "failed"), message="run failed")
+    assert (await statuses(db, [run_id]))[run_id] == ("failed", 1)
+
+
+async def test_a_lane_never_runs_more_than_its_slots(db: DatabaseManager, tenants: Tenants) -> None:
+    probe = Probe()
+    lane, other = unique("lane"), unique("lane")
+    tenant = await tenants.new()
+    run_ids = await add_runs(db, tenant, lane, 10)
+    other_ids = await add_runs(db, tenant, other, 3)
+    await set_workflow(db, run_ids + other_ids, "gated")
+    async with Running(make_worker(db, probe, {lane: 2, other: 3})):
+        # Both lanes fill their own slots; the flooded lane never borrows the other's.
+        await wait_for(lambda: _entered(probe, 5), message="five gated runs entered")
+        counts = await statuses(db, run_ids)
+        assert sum(1 for s, _ in counts.values() if s == "running") == 2
+        probe.gate.set()
+        await wait_for(lambda: all_in(db, run_ids + other_ids, "succeeded"), message="drained")
+    assert probe.most_active == 5
+
+
+async def _entered(probe: Probe, count: int) -> bool:
+    return probe.entered >= count
+
+
+async def test_a_reclaimed_run_is_stopped_within_a_heartbeat_and_writes_nothing(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    probe = Probe()
+    lane = unique("lane")
+    [run_id] = await add_runs(db, await tenants.new(), lane, 1)
+    await set_workflow(db, [run_id], "gated")
+    worker = make_worker(db, probe, {lane: 1}, lease_ttl_s=0.9)
+    async with Running(worker):
+        await wait_for(lambda: _entered(probe, 1), message="run started")
+        # The reaper takes the run back (as if this worker had been paused past its lease);
+        # hold the slot busy so the worker does not simply claim it again.
+        await set_lease_expiry(db, [run_id], -1.0)
+        [reaped] = await QueueRepo(db).reap_expired()
+        assert reaped.run_id == run_id
+        await set_workflow(db, [run_id], "unknown-to-this-worker")
+        await wait_for(
+            lambda: _cancelled(probe), timeout_s=worker.heartbeat_interval_s + 1.0, message="stop"
+        )
+    assert "succeeded" not in await event_types(db, run_id)
+
+
+async def _cancelled(probe: Probe) -> bool:
+    return probe.cancelled >= 1
+
+
+async def test_stop_releases_runs_that_outlive_the_grace_period(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    probe = Probe()
+    lane = unique("lane")
+    run_ids = await add_runs(db, await tenants.new(), lane, 2)
+    await set_workflow(db, run_ids, "gated")
+    async with Running(make_worker(db, probe, {lane: 2}, grace_s=0.1)):
+        await wait_for(lambda: _entered(probe, 2), message="both runs started")
+    # Back in the queue at once, lease cleared, the old attempt fenced out by the next claim.
+    assert await statuses(db, run_ids) == {run_id: ("queued", 1) for run_id in run_ids}
+    assert await event_types(db, run_ids[0]) == ["started", "released"]
+    assert probe.cancelled == 2
+
+
+async def test_a_dying_loop_crashes_the_worker_instead_of_limping_on(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    lane = unique("lane")
+    await add_runs(db, await tenants.new(), lane, 1)
+
+    def broken_caps() -> dict[str, int]:
+        raise RuntimeError("plans unreadable")
+
+    worker = Worker(
+        db,
+        WorkflowRunner(make_app(Probe())),
+        lanes={lane: 1},
+        lease_ttl_s=30.0,
+        tenant_caps=broken_caps,
+    )
+    with pytest.raises(WorkerCrashed, match="plans unreadable"):
+        await asyncio.wait_for(worker.run(asyncio.Event()), 10)
