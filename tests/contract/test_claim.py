@@ -258,7 +258,7 @@ async def test_a_backlog_does_not_delay_another_tenant(
     queue = QueueRepo(db)
     flood, small = await tenants.new(), await tenants.new()
     lane = unique("lane")
-    await add_runs(db, flood, lane, 500)
+    await add_runs(db, flood, lane, 5_000)  # the backlog size
     [late] = await add_runs(db, small, lane, 1)  # created after the whole backlog
     first = await queue.claim_batch(lane, "w", limit=10, lease_ttl_s=TTL_S, tenant_caps=NO_CAP)
     assert late in ids(first)
