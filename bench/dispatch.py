@@ -31,6 +31,7 @@ from moorline.dispatch.wakeups import LocalWakeups
 from moorline.engine.context import Context
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
+from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
 from moorline.types import TenantId
 from moorline.worker.worker import Worker
@@ -76,9 +77,10 @@ async def enqueue_rate(db: DatabaseManager, tenant: TenantId, count: int, produc
 
 
 def make_worker(db: DatabaseManager, slots: int, wakeups: LocalWakeups | None = None) -> Worker:
+    runner = WorkflowRunner(app, db=db, store=InMemoryRuntimeStore(), settings=Settings())
     return Worker(
         db,
-        WorkflowRunner(app),
+        runner,
         lanes={LANE: slots},
         lease_ttl_s=90.0,
         tenant_caps=lambda: CAPS,

@@ -1,5 +1,7 @@
 """Moorline: durable, multi-tenant execution for LLM and agent workloads."""
 
+from moorline.engine.context import Cancelled, Context, Decision
+from moorline.engine.registry import Moorline
 from moorline.errors import (
     BackendUnavailable,
     ConfigError,
@@ -15,9 +17,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable",
+    "Cancelled",
     "ConfigError",
     "Conflict",
+    "Context",
+    "Decision",
     "LimitExceeded",
+    "Moorline",
     "MoorlineError",
     "NotFound",
     "RunStatus",

@@ -11,6 +11,8 @@ back together too, while full jitter spreads them over the whole window.
 import random
 from dataclasses import dataclass
 
+from moorline.db.repos.interrupts import InterruptMismatch
+from moorline.db.repos.steps import StepMismatch
 from moorline.errors import ConfigError
 
 DEFAULT_BASE_S = 1.0
@@ -20,9 +22,12 @@ DEFAULT_NON_RETRYABLE: tuple[type[BaseException], ...] = (
     ConfigError,
     TypeError,
     NotImplementedError,
+    StepMismatch,
+    InterruptMismatch,
 )
 """Errors a retry cannot cure: configuration and programming mistakes (a workflow called
-with the wrong arguments, a missing implementation) fail the run at once."""
+with the wrong arguments, a missing implementation) and non-deterministic replays (a step or
+interrupt key recorded for another call) fail the run at once."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

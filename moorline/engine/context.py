@@ -1,22 +1,444 @@
-"""``Context``: what a workflow knows about the run it executes, and how it acts on it."""
+"""``Context``: what a workflow knows about the run it executes, and how it acts on it.
 
+Every write a ``Context`` makes (step checkpoints, events, interrupts) carries the claim's
+fence. When one finds the lease gone it raises
+:class:`~moorline.db.repos.steps.LeaseLost`; the context remembers it and raises it again from
+every later call, and the runner raises it even if the workflow swallowed it, so the worker
+stops the attempt and writes nothing more (invariant 2).
+
+Cancellation and injected messages come through the RuntimeStore. :class:`Cancelled` is raised
+at step boundaries (and during a step's retry pauses) once the run is cancelled; like
+``asyncio.CancelledError`` it is a ``BaseException``, so ``except Exception`` cannot swallow it.
+"""
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 
-from moorline.types import Attempt, RunId, TenantId
+from moorline.db.repos.events import (
+    EVENT_CANCELLED,
+    EVENT_FAILED,
+    EVENT_QUEUED,
+    EVENT_RECLAIMED,
+    EVENT_RELEASED,
+    EVENT_RETRYING,
+    EVENT_STARTED,
+    EVENT_SUCCEEDED,
+    EventsRepo,
+)
+from moorline.db.repos.interrupts import InterruptResolved, InterruptsRepo
+from moorline.db.repos.queue import Claim
+from moorline.db.repos.records import DecisionReason, Fence, Interrupt
+from moorline.db.repos.steps import LeaseLost, StepsRepo
+from moorline.engine.steps import (
+    backoff_delay_s,
+    call_hash,
+    call_step_function,
+    function_name,
+    to_json,
+)
+from moorline.errors import BackendUnavailable, MoorlineError
+from moorline.runtime.base import CANCELLED_DECISION, RuntimeStore, StoreShutdown
+from moorline.types import Attempt, JSONObject, JSONValue, RunId, TenantId
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_STEP_BACKOFF_S = 1.0
+"""Pause after a step's first failed try, in seconds; doubled after each further one."""
+
+DEFAULT_INTERRUPT_POLL_S = 3.0
+"""How often a permission wait re-reads its interrupt from the database, in seconds: a
+wake-up lost by the RuntimeStore then costs this much latency, never the decision."""
+
+STORE_INTERRUPT_MARGIN_S = 60.0
+"""Extra seconds an interrupt stays in the RuntimeStore past its deadline."""
+
+SYSTEM_EVENT_TYPES = frozenset(
+    {
+        EVENT_QUEUED,
+        EVENT_STARTED,
+        EVENT_RETRYING,
+        EVENT_RECLAIMED,
+        EVENT_SUCCEEDED,
+        EVENT_FAILED,
+        EVENT_CANCELLED,
+        EVENT_RELEASED,
+    }
+)
+"""Event types Moorline writes for run transitions; ``ctx.emit`` may not use them."""
+
+# The step running in this task (or in the thread a sync step runs in): (run id, step key).
+_CURRENT_STEP: ContextVar[tuple[RunId, str] | None] = ContextVar(
+    "moorline_current_step", default=None
+)
+
+
+class Cancelled(BaseException):
+    """The run was cancelled: raised at the next step boundary or wait.
+
+    A ``BaseException``, like ``asyncio.CancelledError``, so ``except Exception`` in workflow
+    code cannot swallow it. Catch it only to clean up, then re-raise.
+    """
+
+    code = "cancelled"
+
+    def __init__(self, run_id: RunId) -> None:
+        super().__init__(f"run {run_id} was cancelled")
+        self.run_id = run_id
+
+
+class NotInStep(MoorlineError):
+    """``ctx.idempotency_key()`` was called outside ``ctx.step``."""
+
+    code = "not_in_step"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    """The answer to ``ctx.request_permission``.
+
+    Attributes:
+        approved: Whether the action may go ahead.
+        reason: ``approved``, ``denied``, ``timeout``, ``cancelled`` or ``shutdown``.
+        data: What the approver sent with the decision, if anything.
+    """
+
+    approved: bool
+    reason: str
+    data: JSONObject | None
+
+
+def _decision_of(interrupt: Interrupt) -> Decision:
+    reason = interrupt.reason or (
+        DecisionReason.APPROVED if interrupt.approved else DecisionReason.DENIED
+    )
+    return Decision(approved=interrupt.approved, reason=reason.value, data=interrupt.decision)
+
+
 class Context:
     """The first argument of every workflow: the run being executed, attempt by attempt.
 
-    Attributes:
-        run_id: The run's id, the same on every attempt.
-        attempt: This attempt's number (1 for the first claim); the run's fencing token.
-        tenant_id: The tenant that owns the run.
-        conversation_id: The conversation the run belongs to, if any.
+    Built by the runner for one claim; workflows never construct it.
     """
 
-    run_id: RunId
-    attempt: Attempt
-    tenant_id: TenantId
-    conversation_id: str | None
+    def __init__(
+        self,
+        claim: Claim,
+        *,
+        steps: StepsRepo,
+        events: EventsRepo,
+        interrupts: InterruptsRepo,
+        store: RuntimeStore,
+        permission_timeout_s: float,
+        interrupt_poll_s: float = DEFAULT_INTERRUPT_POLL_S,
+    ) -> None:
+        self._fence: Fence = claim.fence
+        self._run = claim.run
+        self._steps = steps
+        self._events = events
+        self._interrupts = interrupts
+        self._store = store
+        self._permission_timeout_s = permission_timeout_s
+        self._interrupt_poll_s = interrupt_poll_s
+        self._permissions = 0
+        self._lost: LeaseLost | None = None
+        self._is_cancelled = False
+
+    @property
+    def run_id(self) -> RunId:
+        """The run's id, the same on every attempt."""
+        return self._fence.run_id
+
+    @property
+    def attempt(self) -> Attempt:
+        """This attempt's number (1 for the first claim); the run's fencing token."""
+        return self._fence.attempt
+
+    @property
+    def tenant_id(self) -> TenantId:
+        """The tenant that owns the run."""
+        return self._run.tenant_id
+
+    @property
+    def conversation_id(self) -> str | None:
+        """The conversation the run belongs to, if any."""
+        return self._run.conversation_id
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the run's cancellation was seen.
+
+        The RuntimeStore is asked at every step boundary, wait, ``emit`` and
+        ``drain_messages``; this property reports the latest answer without a round trip.
+        """
+        return self._is_cancelled
+
+    # --- steps -------------------------------------------------------------------------------
+
+    async def step(
+        self,
+        key: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        retries: int = 0,
+        backoff: float = DEFAULT_STEP_BACKOFF_S,
+        **kwargs: Any,
+    ) -> JSONValue:
+        """Run ``fn(*args, **kwargs)`` once per run, checkpointed under ``key``.
+
+        When step ``key`` already succeeded in this run its stored result is returned and
+        ``fn`` is not called. A sync ``fn`` runs in a thread; an async one is awaited.
+
+        Args:
+            key: The step's key, unique within the run (``f"llm:{i}"`` in loops).
+            fn: The function; its result must be JSON-serialisable.
+            *args: Positional arguments of ``fn`` (JSON-serialisable).
+            retries: Further tries after a failed one, within this attempt.
+            backoff: Seconds before the first retry, doubled for each further one.
+            **kwargs: Keyword arguments of ``fn`` (JSON-serialisable).
+
+        Returns:
+            ``fn``'s result as stored (JSON: tuples come back as lists).
+
+        Raises:
+            Cancelled: The run was cancelled before the step started.
+            StepMismatch: ``key`` already succeeded for a different call (the workflow's
+                code changed between attempts); fails the run.
+            TypeError: The arguments or the result are not JSON-serialisable.
+            LeaseLost: This attempt no longer holds the run.
+        """
+        if retries < 0 or backoff < 0:
+            raise ValueError(f"step {key!r}: retries and backoff must not be negative")
+        function = function_name(fn)
+        digest = call_hash(function, args, kwargs)
+        failures = 0
+        while True:
+            await self._check_boundary()
+            start = await self._fenced(self._steps.start(self._fence, key, function, digest))
+            if start.replay:
+                return start.step.output
+            token = _CURRENT_STEP.set((self.run_id, key))
+            try:
+                result = await call_step_function(fn, args, kwargs)
+                output = to_json(result, f"the result of step {key!r}")
+            except Exception as exc:
+                await self._fenced(
+                    self._steps.fail(self._fence, key, f"{type(exc).__name__}: {exc}")
+                )
+                failures += 1
+                if failures > retries or isinstance(exc, TypeError):
+                    raise
+                delay_s = backoff_delay_s(backoff, failures)
+                logger.info(
+                    "run %s step %r failed (try %d of %d), retrying in %.2fs: %r",
+                    self.run_id,
+                    key,
+                    failures,
+                    retries + 1,
+                    delay_s,
+                    exc,
+                    extra=self._log_extra(),
+                )
+                await self._pause(delay_s)
+                continue
+            finally:
+                _CURRENT_STEP.reset(token)
+            await self._fenced(self._steps.succeed(self._fence, key, output))
+            return output
+
+    def idempotency_key(self) -> str:
+        """``"<run id>:<step key>"`` of the step running now, the same on every attempt.
+
+        Raises:
+            NotInStep: Called outside ``ctx.step``.
+        """
+        current = _CURRENT_STEP.get()
+        if current is None or current[0] != self.run_id:
+            raise NotInStep("ctx.idempotency_key() is only available inside a step (ctx.step)")
+        return f"{current[0]}:{current[1]}"
+
+    # --- events and messages -----------------------------------------------------------------
+
+    async def emit(self, type: str, data: JSONObject) -> None:
+        """Record an event of the run and stream it to live subscribers.
+
+        Raises:
+            ValueError: ``type`` is empty or one Moorline uses for run transitions.
+            TypeError: ``data`` is not a JSON object.
+            LeaseLost: This attempt no longer holds the run; nothing was written.
+        """
+        if not type or type in SYSTEM_EVENT_TYPES:
+            raise ValueError(f"event type {type!r} is reserved or empty")
+        payload = to_json(data, f"the data of event {type!r}")
+        if not isinstance(payload, dict):
+            raise TypeError(f"the data of event {type!r} must be a JSON object")
+        self._check_lease()
+        await self._refresh_cancelled()
+        event = await self._fenced(self._events.append(self._fence, type, payload))
+        live: JSONObject = {
+            "seq": event.seq,
+            "type": event.type,
+            "attempt": event.attempt,
+            "data": event.data,
+            "created_at": event.created_at.isoformat(),
+        }
+        try:
+            await self._store.publish_event(self.run_id, live)
+        except BackendUnavailable as exc:
+            # Live fan-out is best-effort: subscribers read stored events and catch up.
+            logger.warning("run %s: live event not published: %r", self.run_id, exc)
+
+    async def drain_messages(self) -> list[str]:
+        """Take every message injected into the run so far, oldest first."""
+        self._check_lease()
+        await self._refresh_cancelled()
+        return await self._store.drain_messages(self.run_id)
+
+    # --- permissions -------------------------------------------------------------------------
+
+    async def request_permission(
+        self,
+        action: str,
+        data: JSONValue,
+        timeout: float | None = None,  # noqa: ASYNC109 - DESIGN.md's contract
+    ) -> Decision:
+        """Pause until a person approves or denies ``action``, or the wait ends otherwise.
+
+        The interrupt is persisted before the wait, keyed by the position of this request
+        among the run's permission requests, so a replayed run finds the same interrupt and
+        the same decision. The wait always ends: a decision, ``timeout`` (at the deadline),
+        ``cancelled`` (the run was cancelled) or ``shutdown`` (the runtime store is shutting
+        down); every outcome is persisted and only the first one counts.
+
+        Args:
+            action: What permission is asked for, shown to the approver.
+            data: Details for the approver (JSON).
+            timeout: Seconds to wait; ``MOORLINE_PERMISSION_TIMEOUT`` when None.
+
+        Raises:
+            LeaseLost: This attempt no longer holds the run; nothing was written.
+            InterruptMismatch: A replay asked a different action at this position.
+        """
+        timeout_s = self._permission_timeout_s if timeout is None else timeout
+        if timeout_s <= 0:
+            raise ValueError(f"permission {action!r}: timeout must be positive")
+        payload = to_json(data, f"the data of permission {action!r}")
+        self._check_lease()
+        self._permissions += 1
+        key = f"permission:{self._permissions}"
+        interrupt = await self._fenced(
+            self._interrupts.open(self._fence, key, action, payload, timeout_s)
+        )
+        if not interrupt.is_pending:
+            return _decision_of(interrupt)
+        left_s = (interrupt.expires_at - datetime.now(UTC)).total_seconds()
+        remaining_s = max(0.0, min(timeout_s, left_s))
+        return await self._await_decision(interrupt, remaining_s)
+
+    async def _await_decision(self, interrupt: Interrupt, remaining_s: float) -> Decision:
+        store, iid = self._store, interrupt.interrupt_id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + remaining_s
+        try:
+            await store.open_interrupt(self.run_id, iid, remaining_s + STORE_INTERRUPT_MARGIN_S)
+            while True:
+                found = await self._interrupts.get(iid)
+                if found is not None and not found.is_pending:
+                    return _decision_of(found)
+                left_s = deadline - loop.time()
+                if left_s <= 0:
+                    return await self._settle(interrupt, DecisionReason.TIMEOUT)
+                woke = await store.wait_interrupt(
+                    self.run_id, iid, min(left_s, self._interrupt_poll_s)
+                )
+                if woke == CANCELLED_DECISION:
+                    self._is_cancelled = True
+                    return await self._settle(interrupt, DecisionReason.CANCELLED)
+                if woke is None:
+                    # A poll slice ended, or the store forgot the interrupt: keep it open there
+                    # (idempotent) and read the database again.
+                    await store.open_interrupt(
+                        self.run_id,
+                        iid,
+                        max(0.0, deadline - loop.time()) + STORE_INTERRUPT_MARGIN_S,
+                    )
+                elif not await self._is_resolved(iid):
+                    # The store has a decision the database does not show yet: the approver
+                    # commits there first, so give its commit a poll slice to become visible.
+                    if await store.wait_cancelled(self.run_id, min(left_s, self._interrupt_poll_s)):
+                        self._is_cancelled = True
+                        return await self._settle(interrupt, DecisionReason.CANCELLED)
+        except StoreShutdown:
+            return await self._settle(interrupt, DecisionReason.SHUTDOWN)
+
+    async def _is_resolved(self, interrupt_id: str) -> bool:
+        found = await self._interrupts.get(interrupt_id)
+        return found is not None and not found.is_pending
+
+    async def _settle(self, interrupt: Interrupt, reason: DecisionReason) -> Decision:
+        """Deny the interrupt for ``reason`` in the database, unless a decision came first."""
+        self._check_lease()
+        try:
+            resolved = await self._interrupts.resolve(
+                self.run_id, interrupt.interrupt_id, approved=False, reason=reason, data=None
+            )
+        except InterruptResolved:
+            found = await self._interrupts.get(interrupt.interrupt_id)
+            if found is None:  # pragma: no cover - interrupts are never deleted while running
+                raise
+            resolved = found
+        return _decision_of(resolved)
+
+    # --- the attempt's state -----------------------------------------------------------------
+
+    def raise_if_stopped(self) -> None:
+        """Raise the stop this attempt saw (lease lost, cancelled), even if it was swallowed."""
+        self._check_lease()
+        if self._is_cancelled:
+            raise Cancelled(self.run_id)
+
+    def _check_lease(self) -> None:
+        if self._lost is not None:
+            raise LeaseLost(self._fence, "nothing more")
+
+    async def _fenced(self, write: Awaitable[T]) -> T:
+        try:
+            return await write
+        except LeaseLost as exc:
+            self._lost = exc
+            raise
+
+    async def _refresh_cancelled(self) -> bool:
+        if not self._is_cancelled:
+            try:
+                self._is_cancelled = await self._store.is_cancelled(self.run_id)
+            except BackendUnavailable as exc:
+                # A lost cancel check costs latency only: the cancel is seen at a later one.
+                logger.warning("run %s: cancel flag unreadable: %r", self.run_id, exc)
+        return self._is_cancelled
+
+    async def _check_boundary(self) -> None:
+        self._check_lease()
+        if await self._refresh_cancelled():
+            raise Cancelled(self.run_id)
+
+    async def _pause(self, delay_s: float) -> None:
+        """Sleep ``delay_s`` between two tries of a step; raise :class:`Cancelled` on cancel."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + delay_s
+        try:
+            if await self._store.wait_cancelled(self.run_id, delay_s):
+                self._is_cancelled = True
+                raise Cancelled(self.run_id)
+        except StoreShutdown:
+            # The worker is going away and will cancel this attempt; until then, just sleep.
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+
+    def _log_extra(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "attempt": self.attempt, "tenant_id": self.tenant_id}

@@ -16,6 +16,7 @@ from moorline.dispatch.wakeups import Notifier, Waiter
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
 from moorline.plans import PlansProvider
+from moorline.runtime.factory import make_runtime_store
 from moorline.settings import Settings
 from moorline.worker.worker import Worker, make_owner_id
 
@@ -43,19 +44,24 @@ async def run_worker_process(
     plans = PlansProvider(settings)
     owner = make_owner_id()
     reaper = make_reaper(settings, db, holder=owner, notifier=notifier)
-    worker = Worker(
-        db,
-        WorkflowRunner(app),
-        lanes=lanes,
-        lease_ttl_s=settings.lease_ttl,
-        tenant_caps=plans.tenant_caps,
-        waiter=waiter,
-        owner=owner,
-        grace_s=grace_s,
-    )
-    async with asyncio.TaskGroup() as group:
-        group.create_task(reaper.run(stop), name="reaper")
-        group.create_task(worker.run(stop), name="worker")
+    store = make_runtime_store(settings)
+    try:
+        worker = Worker(
+            db,
+            WorkflowRunner(app, db=db, store=store, settings=settings),
+            lanes=lanes,
+            lease_ttl_s=settings.lease_ttl,
+            tenant_caps=plans.tenant_caps,
+            waiter=waiter,
+            owner=owner,
+            grace_s=grace_s,
+        )
+        async with asyncio.TaskGroup() as group:
+            group.create_task(reaper.run(stop), name="reaper")
+            group.create_task(worker.run(stop), name="worker")
+    finally:
+        # After the worker: its runs have finished or been released, so no wait is cut short.
+        await store.close()
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

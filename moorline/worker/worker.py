@@ -36,7 +36,9 @@ from typing import Any, Protocol
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Succeeded
+from moorline.db.repos.steps import LeaseLost
 from moorline.dispatch.retry import RetryPolicy
+from moorline.engine.context import Cancelled
 from moorline.engine.runner import Runner
 from moorline.errors import MoorlineError
 from moorline.worker.completions import Completer
@@ -290,6 +292,18 @@ class Worker:
             if execution.lost or execution.releasing:
                 return None
             raise
+        except (LeaseLost, Cancelled) as stop:
+            # A fenced write found the run taken over, or the run was cancelled: this attempt
+            # writes nothing more. A cancelled run is ended by its cancel (or by the reaper,
+            # which never resurrects a run whose cancel was requested).
+            execution.lost = True
+            logger.info(
+                "run %s attempt %d stopped: %s",
+                claim.fence.run_id,
+                claim.fence.attempt,
+                stop,
+            )
+            return None
         except Exception as exc:
             decision = self._policy.decide(
                 exc, claim.fence.attempt, claim.run.max_attempts, self._rng

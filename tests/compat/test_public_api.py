@@ -4,9 +4,13 @@ import moorline
 
 EXPECTED = {
     "BackendUnavailable",
+    "Cancelled",
     "ConfigError",
     "Conflict",
+    "Context",
+    "Decision",
     "LimitExceeded",
+    "Moorline",
     "MoorlineError",
     "NotFound",
     "RunStatus",

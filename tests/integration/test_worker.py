@@ -14,6 +14,8 @@ from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Context
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
+from moorline.runtime.memory import InMemoryRuntimeStore
+from moorline.settings import Settings
 from moorline.worker.worker import Worker, WorkerCrashed
 from tests.contract.queue_helpers import (
     NO_CAP,
@@ -103,6 +105,10 @@ class Running:
         await asyncio.wait_for(self.task, 30)
 
 
+def make_runner(db: DatabaseManager, probe: Probe) -> WorkflowRunner:
+    return WorkflowRunner(make_app(probe), db=db, store=InMemoryRuntimeStore(), settings=Settings())
+
+
 def make_worker(
     db: DatabaseManager,
     probe: Probe,
@@ -113,7 +119,7 @@ def make_worker(
 ) -> Worker:
     return Worker(
         db,
-        WorkflowRunner(make_app(probe)),
+        make_runner(db, probe),
         lanes=lanes,
         lease_ttl_s=lease_ttl_s,
         tenant_caps=lambda: NO_CAP,
@@ -248,7 +254,7 @@ async def test_a_dying_loop_crashes_the_worker_instead_of_limping_on(
 
     worker = Worker(
         db,
-        WorkflowRunner(make_app(Probe())),
+        make_runner(db, Probe()),
         lanes={lane: 1},
         lease_ttl_s=30.0,
         tenant_caps=broken_caps,

@@ -2,7 +2,9 @@
 
 Events are written only inside the transaction that makes the transition they record (a claim,
 a finish, a reap), by :func:`append_events_txn`; a transition that matched no row writes no
-event. Their type names are persisted and streamed, so they are contract (``tests/compat``).
+event. A workflow's own events (``ctx.emit``) go through :meth:`EventsRepo.append`, fenced by
+the attempt like a step checkpoint. Their type names are persisted and streamed, so they are
+contract (``tests/compat``).
 """
 
 from collections.abc import Sequence
@@ -15,7 +17,8 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from moorline.db.dialects import DialectName, db_now
 from moorline.db.manager import DatabaseManager
-from moorline.db.repos.records import Event
+from moorline.db.repos.records import Event, Fence
+from moorline.db.repos.steps import hold_fence_txn, write_transaction
 from moorline.db.schema import events
 from moorline.types import Attempt, JSONObject, RunId
 
@@ -101,10 +104,35 @@ def event_from_row(row: RowMapping) -> Event:
 
 
 class EventsRepo:
-    """Reads a run's events; writes happen only through :func:`append_events_txn`."""
+    """Reads a run's events; appends a workflow's own events under the attempt's fence."""
 
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
+        self._dialect: DialectName = db.dialect
+
+    async def append(self, fence: Fence, event_type: str, data: JSONObject) -> Event:
+        """Append one event to the fence's run, at its next ``seq``, while the fence holds.
+
+        One transaction: the fence's row lock serialises the run's writers, which makes the
+        ``seq`` safe. Not wrapped in ``with_retry``: an append is not idempotent, and a retry
+        after a lost commit acknowledgement would record the event twice.
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+        """
+        async with write_transaction(self._db) as conn:
+            await hold_fence_txn(conn, self._dialect, fence, f"event {event_type!r}")
+            await append_events_txn(
+                conn, self._dialect, [(fence.run_id, fence.attempt, event_type, data)]
+            )
+            last = (
+                select(events)
+                .where(events.c.run_id == fence.run_id)
+                .order_by(events.c.seq.desc())
+                .limit(1)
+            )
+            row = (await conn.execute(last)).mappings().one()
+        return event_from_row(row)
 
     async def list(
         self, run_id: RunId, *, after_seq: int = 0, limit: int = DEFAULT_LIST_LIMIT
