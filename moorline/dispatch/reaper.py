@@ -1,7 +1,8 @@
 """The reaper: puts runs whose worker stopped renewing back to work (seed 001, made safe).
 
 Every worker process runs the loop; only the leader acts (see :mod:`moorline.dispatch.leader`).
-Leadership only saves work: each reclaim is one conditional statement on the run's row (see
+Leadership only saves work: each batch of reclaims is one transaction whose UPDATEs carry the
+eligibility predicate on the rows they change (see
 :meth:`moorline.db.repos.queue.QueueRepo.reap_expired`), fenced by the attempt and the lease
 still being expired by *database* time, so two reapers acting at once (two processes that both
 think they lead) still move each run once, and a worker whose clock is off cannot get a live
@@ -118,8 +119,7 @@ class Reaper:
         try:
             # A short batch ends the pass: either the expired runs are used up, or another
             # reaper (a second process that believes it leads) is moving the same runs. Then
-            # stepping back until the next pass beats racing it row by row: every run both
-            # try costs each a transaction, and only one of them can win it.
+            # stepping back until the next pass beats racing it for rows it has locked.
             while stop is None or not stop.is_set():
                 batch = await self._queue.reap_expired(
                     limit=self._batch_limit, backoff=self._backoff

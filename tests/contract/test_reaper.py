@@ -21,7 +21,13 @@ from sqlalchemy.engine import make_url
 
 from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
-from moorline.db.repos.queue import EVENT_FAILED, EVENT_RECLAIMED, MAX_ATTEMPTS_REASON, QueueRepo
+from moorline.db.repos.queue import (
+    EVENT_CANCELLED,
+    EVENT_FAILED,
+    EVENT_RECLAIMED,
+    MAX_ATTEMPTS_REASON,
+    QueueRepo,
+)
 from moorline.db.repos.records import Fence
 from moorline.db.schema import leader_leases, runs
 from moorline.dispatch.leader import LeaderElector
@@ -193,6 +199,98 @@ async def test_expired_runs_are_requeued_and_exhausted_ones_failed(
     for run_id in ids(expired):
         assert await event_types(db, run_id) == [EVENT_RECLAIMED]
     assert await reaper.tick() == []  # nothing left to take
+
+
+async def request_cancel(db: DatabaseManager, run_ids: Sequence[str]) -> None:
+    async with db.transaction() as conn:
+        await conn.execute(
+            update(runs)
+            .where(runs.c.id.in_(run_ids))
+            .values(cancel_requested_at=db_now(db.dialect))
+        )
+
+
+async def test_one_call_moves_a_mixed_batch_to_each_outcome(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # Every outcome, several attempts and attempt budgets, per-attempt backoff: one batch.
+    queue = QueueRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    first = await add_running(db, tenant, lane, 2, lease_s=-9.0, attempt=1, max_attempts=3)
+    second = await add_running(db, tenant, lane, 2, lease_s=-8.0, attempt=2, max_attempts=3)
+    used_up = await add_running(db, tenant, lane, 2, lease_s=-7.0, attempt=3, max_attempts=3)
+    tight = await add_running(db, tenant, lane, 1, lease_s=-6.0, attempt=2, max_attempts=2)
+    cancelled = await add_running(db, tenant, lane, 2, lease_s=-5.0, attempt=1, max_attempts=3)
+    cancelled_used_up = await add_running(
+        db, tenant, lane, 1, lease_s=-5.0, attempt=3, max_attempts=3
+    )
+    cancelling_live = await add_running(db, tenant, lane, 1, lease_s=60.0, owner="live-worker")
+    await request_cancel(db, ids(cancelled + cancelled_used_up + cancelling_live))
+    requeued, failed = first + second, used_up + tight
+    stopped = cancelled + cancelled_used_up
+
+    reaped = await queue.reap_expired(limit=100, backoff=lambda attempt: 60.0 * attempt)
+
+    assert sorted((r.run_id, r.status, r.attempt, r.lane) for r in reaped) == sorted(
+        [(f.run_id, RunStatus.QUEUED, f.attempt, lane) for f in requeued]
+        + [(f.run_id, RunStatus.FAILED, f.attempt, lane) for f in failed]
+        + [(f.run_id, RunStatus.CANCELLED, f.attempt, lane) for f in stopped]
+    )
+    # Oldest lease first (the runs of one add_running share theirs).
+    order = [r.run_id for r in reaped]
+    assert (set(order[:2]), set(order[2:4])) == (set(ids(first)), set(ids(second)))
+    states = await statuses(db, ids(requeued + failed + stopped + cancelling_live))
+    assert {run_id: states[run_id] for run_id in ids(requeued + failed + stopped)} == {
+        **{f.run_id: ("queued", f.attempt) for f in requeued},
+        **{f.run_id: ("failed", f.attempt) for f in failed},
+        **{f.run_id: ("cancelled", f.attempt) for f in stopped},
+    }
+    assert states[cancelling_live[0].run_id] == ("running", 1)  # live: the worker stops it
+    errors = await run_errors(db, ids(failed))
+    for fence, budget in [(used_up[0], 3), (used_up[1], 3), (tight[0], 2)]:
+        assert errors[fence.run_id] == {
+            "reason": MAX_ATTEMPTS_REASON,
+            "message": f"lease expired on attempt {fence.attempt} of {budget}",
+        }
+        assert await event_types(db, fence.run_id) == [EVENT_FAILED]
+    for fence in stopped:
+        assert await event_types(db, fence.run_id) == [EVENT_CANCELLED]
+    async with db.connect() as conn:
+        rows = (
+            await conn.execute(
+                select(
+                    runs.c.id,
+                    runs.c.not_before,
+                    runs.c.finished_at,
+                    runs.c.lease_owner,
+                    runs.c.lease_expires_at,
+                    db_now(db.dialect).label("now"),
+                ).where(runs.c.id.in_(ids(requeued + failed + stopped)))
+            )
+        ).all()
+    for row in rows:
+        assert (row.lease_owner, row.lease_expires_at) == (None, None)
+        assert (row.finished_at is None) == (row.id in ids(requeued))
+    for fence in requeued:
+        [row] = [row for row in rows if row.id == fence.run_id]
+        delay_s = (row.not_before - row.now).total_seconds()
+        assert 60.0 * fence.attempt - 5 < delay_s <= 60.0 * fence.attempt
+        assert await event_types(db, fence.run_id) == [EVENT_RECLAIMED]
+    assert await queue.reap_expired() == []
+
+
+async def test_a_call_takes_at_most_limit_runs_oldest_lease_first(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    queue = QueueRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    oldest = await add_running(db, tenant, lane, 2, lease_s=-30.0)
+    newer = await add_running(db, tenant, lane, 3, lease_s=-10.0)
+    assert sorted(r.run_id for r in await queue.reap_expired(limit=2)) == sorted(ids(oldest))
+    assert sorted(r.run_id for r in await queue.reap_expired(limit=10)) == sorted(ids(newer))
+    assert await queue.reap_expired(limit=0) == []
 
 
 async def test_only_the_leader_reaps(db: DatabaseManager, tenants: Tenants) -> None:
@@ -387,7 +485,6 @@ async def test_the_loop_survives_the_database_going_away(
     await asyncio.wait_for(loop, timeout=10)
 
 
-@pytest.mark.slow
 async def test_concurrent_reapers_requeue_each_expired_run_exactly_once(
     db: DatabaseManager, tenants: Tenants
 ) -> None:
@@ -400,13 +497,17 @@ async def test_concurrent_reapers_requeue_each_expired_run_exactly_once(
     slowest_round_s = 0.0
 
     async def heartbeats(fences: Sequence[Fence]) -> None:
-        # One worker process's heartbeat loop over the runs it holds.
+        # One worker process's heartbeat loop over the runs it holds: one renew_leases per
+        # beat, as Worker._renew_all does. (Renewing one by one takes over a second per round
+        # on SQLite under this load, past the live runs' first lease, so they would be expired
+        # and rightly reapable: not live runs any more.)
         nonlocal slowest_round_s
         while not stop.is_set():
             round_started = time.monotonic()
-            for fence in fences:
-                if not await queue.renew_lease(fence, LIVE_TTL_S):
-                    lost_leases.append(fence.run_id)
+            renewed = await queue.renew_leases(fences, LIVE_TTL_S)
+            lost_leases.extend(
+                fence.run_id for fence in fences if (fence.run_id, fence.attempt) not in renewed
+            )
             slowest_round_s = max(slowest_round_s, time.monotonic() - round_started)
             try:
                 async with asyncio.timeout(HEARTBEAT_EVERY_S):

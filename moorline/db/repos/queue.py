@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -78,6 +79,9 @@ MAX_ATTEMPTS_REASON = "max attempts"
 
 DEFAULT_REAP_LIMIT = 100
 
+_REAP_CHUNK = 500
+"""Runs per reaper UPDATE (three bound parameters each), whatever the batch limit."""
+
 _QUEUED = RunStatus.QUEUED.value
 _RUNNING = RunStatus.RUNNING.value
 
@@ -110,11 +114,46 @@ class _Candidate:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Expired:
+    """An expired run as the reaper read it, and the outcome that state decides."""
+
     run_id: RunId
     lane: str
     attempt: Attempt
     max_attempts: int
-    cancel_requested: bool
+    status: RunStatus
+    event: str
+    data: JSONObject
+
+    @classmethod
+    def classify(
+        cls,
+        *,
+        run_id: RunId,
+        lane: str,
+        attempt: Attempt,
+        max_attempts: int,
+        cancel_requested: bool,
+    ) -> "_Expired":
+        """Cancelled when asked to, failed when out of attempts, else requeued."""
+        status: RunStatus
+        data: JSONObject
+        if cancel_requested:
+            status, event, data = RunStatus.CANCELLED, EVENT_CANCELLED, {"reason": "cancelled"}
+        elif attempt >= max_attempts:
+            status, event = RunStatus.FAILED, EVENT_FAILED
+            message = f"lease expired on attempt {attempt} of {max_attempts}"
+            data = {"reason": MAX_ATTEMPTS_REASON, "message": message}
+        else:
+            status, event, data = RunStatus.QUEUED, EVENT_RECLAIMED, {"reason": "lease expired"}
+        return cls(
+            run_id=run_id,
+            lane=lane,
+            attempt=attempt,
+            max_attempts=max_attempts,
+            status=status,
+            event=event,
+            data=data,
+        )
 
 
 class QueueRepo:
@@ -416,10 +455,24 @@ class QueueRepo:
     ) -> list[Reaped]:
         """Take back up to ``limit`` runs whose lease expired by database time.
 
-        Each run is moved by its own conditional statement and transaction: same id, same
-        attempt, still ``running``, lease still expired (and the cancel flag and attempt budget
-        as read), so concurrent reapers, a late heartbeat or a finishing worker each make it
-        match zero rows. A reaper that dies mid-batch leaves the rest for the next pass.
+        One transaction per batch. It reads database time once (``now``), then takes the
+        expired runs, oldest lease first: ``SELECT … FOR UPDATE SKIP LOCKED`` on PostgreSQL and
+        MariaDB, so concurrent reapers split the expired runs instead of queueing behind each
+        other, and a run whose heartbeat holds its row is skipped; on SQLite ``BEGIN
+        IMMEDIATE`` already holds the database's write lock. One ``UPDATE`` per outcome then
+        moves exactly those runs, each with the whole eligibility predicate repeated on the
+        row: same id, same attempt, still ``running``, lease expired before ``now``, and the
+        cancel flag and attempt budget of its outcome. A late heartbeat, a finishing worker or
+        another reaper thus makes it match zero rows. The runs that really moved (``RETURNING``
+        on SQLite and PostgreSQL; a re-read under the row locks on MariaDB) get their event in
+        the same transaction. A reaper that dies mid-batch moves nothing of it; the next pass
+        takes it.
+
+        A run this call saw expired (a plain read first) but the batch skipped was locked by
+        another transaction, usually a fenced write of the old attempt. If it still looks
+        expired once the batch has committed, it is waited for in a transaction of its own
+        (one row lock, so no deadlock) and moved by the same predicate, so a call takes every
+        expired run it saw unless someone else renewed, finished or reaped it.
 
         * cancel requested → ``cancelled`` (never resurrected), event ``cancelled``;
         * ``attempt >= max_attempts`` → ``failed`` with ``error.reason == "max attempts"``,
@@ -427,114 +480,254 @@ class QueueRepo:
         * otherwise → ``queued`` with ``attempt`` unchanged (the next claim increments it),
           ``not_before`` = database time + ``backoff(attempt)``, event ``reclaimed``.
 
+        A call that finds nothing expired is that one plain read: no write transaction, so an
+        idle reaper never takes SQLite's write lock.
+
         Args:
             limit: Most runs to examine in this call.
             backoff: Seconds before a reclaimed run may be claimed again; None for at once.
 
         Returns:
-            The runs this call moved; runs another reaper got first are not included.
+            The runs this call moved, the batch's oldest lease first; runs another reaper got
+            first are not included.
         """
-
-        async def find() -> list[_Expired]:
-            stmt = (
-                select(
-                    runs.c.id,
-                    runs.c.lane,
-                    runs.c.attempt,
-                    runs.c.max_attempts,
-                    runs.c.cancel_requested_at.is_not(None).label("cancel_requested"),
-                )
-                .where(runs.c.status == _RUNNING, runs.c.lease_expires_at < db_now(self._dialect))
-                .order_by(runs.c.lease_expires_at)
-                .limit(limit)
+        if limit < 1:
+            return []
+        seen = await self._db.with_retry(partial(self._expired_ids, limit, None))
+        if not seen:
+            return []
+        reaped = await self._db.with_retry(partial(self._reap_batch, limit, backoff, None))
+        # Runs seen expired that the batch skipped were locked by another transaction: a
+        # fenced write of the old attempt, a heartbeat, another reaper. Each one still expired
+        # once re-read is waited for, alone in its transaction (one row lock held, so no
+        # deadlock), and taken if its lease is still expired then.
+        taken = {run.run_id for run in reaped}
+        left = [run_id for run_id in seen if run_id not in taken]
+        while left:
+            left = await self._db.with_retry(partial(self._expired_ids, len(left), left))
+            if not left:
+                break
+            one, left = left[:1], left[1:]
+            reaped += await self._db.with_retry(partial(self._reap_batch, 1, backoff, one))
+        for run in reaped:
+            logger.info(
+                "reaped run with an expired lease to %s",
+                run.status.value,
+                extra={"run_id": run.run_id, "attempt": run.attempt},
             )
-            async with self._db.connect() as conn:
-                rows = (await conn.execute(stmt)).all()
-            return [
-                _Expired(
-                    run_id=RunId(row.id),
-                    lane=row.lane,
-                    attempt=Attempt(row.attempt),
-                    max_attempts=row.max_attempts,
-                    cancel_requested=bool(row.cancel_requested),
-                )
-                for row in rows
-            ]
-
-        reaped: list[Reaped] = []
-        for expired in await self._db.with_retry(find):
-            outcome = await self._db.with_retry(partial(self._reap_one, expired, backoff))
-            if outcome is not None:
-                reaped.append(outcome)
         return reaped
 
-    async def _reap_one(
-        self, expired: _Expired, backoff: Callable[[Attempt], float] | None
-    ) -> Reaped | None:
+    async def _expired_ids(self, limit: int, among: Sequence[RunId] | None) -> list[RunId]:
+        """A plain read (no lock, no write transaction) of expired runs, oldest lease first."""
+        stmt = select(runs.c.id).where(*_expired_by(db_now(self._dialect)))
+        if among is not None:
+            stmt = stmt.where(runs.c.id.in_(among))
+        stmt = stmt.order_by(runs.c.lease_expires_at, runs.c.id).limit(limit)
+        async with self._db.connect() as conn:
+            return [RunId(run_id) for run_id in (await conn.execute(stmt)).scalars()]
+
+    async def _reap_batch(
+        self,
+        limit: int,
+        backoff: Callable[[Attempt], float] | None,
+        only: Sequence[RunId] | None,
+    ) -> list[Reaped]:
+        """One transaction: lock expired runs, move them, append their events.
+
+        ``only`` None: any expired runs, skipping locked rows. Otherwise just those runs,
+        waiting for their locks (the caller passes one at a time).
+        """
         d = self._dialect
-        now = db_now(d)
-        cleared: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
-        data: JSONObject
-        if expired.cancel_requested:
-            status, event = RunStatus.CANCELLED, EVENT_CANCELLED
-            values = {**cleared, "finished_at": now}
-            data = {"reason": "cancelled"}
-        elif expired.attempt >= expired.max_attempts:
-            status, event = RunStatus.FAILED, EVENT_FAILED
-            message = f"lease expired on attempt {expired.attempt} of {expired.max_attempts}"
-            data = {"reason": MAX_ATTEMPTS_REASON, "message": message}
-            values = {**cleared, "finished_at": now, "error": data}
-        else:
-            status, event = RunStatus.QUEUED, EVENT_RECLAIMED
-            delay_s = backoff(expired.attempt) if backoff is not None else 0.0
-            values = {**cleared, "not_before": db_now(d, plus_s=delay_s)}
-            data = {"reason": "lease expired"}
-        cancel_as_read = (
-            runs.c.cancel_requested_at.is_not(None)
-            if expired.cancel_requested
-            else runs.c.cancel_requested_at.is_(None)
-        )
         async with self._write() as conn:
-            result = await conn.execute(
-                update(runs)
-                .where(
-                    runs.c.id == expired.run_id,
-                    runs.c.attempt == expired.attempt,
-                    runs.c.max_attempts == expired.max_attempts,
-                    runs.c.status == _RUNNING,
-                    runs.c.lease_expires_at < now,
-                    cancel_as_read,
-                )
-                .values(status=status.value, **values)
+            now: datetime = (await conn.execute(select(db_now(d)))).scalar_one()
+            expired = await self._lock_expired_txn(conn, now, limit, only)
+            if not expired:
+                return []
+            moved = await self._move_expired_txn(conn, expired, now, backoff)
+            reaped = [e for e in expired if e.run_id in moved]
+            await append_events_txn(
+                conn, d, [(e.run_id, e.attempt, e.event, e.data) for e in reaped], now=now
             )
-            if result.rowcount != 1:
-                return None
-            await append_events_txn(conn, d, [(expired.run_id, expired.attempt, event, data)])
-        logger.info(
-            "reaped run with an expired lease to %s",
-            status.value,
-            extra={"run_id": expired.run_id, "attempt": expired.attempt},
+        return [
+            Reaped(run_id=e.run_id, lane=e.lane, attempt=e.attempt, status=e.status) for e in reaped
+        ]
+
+    async def _lock_expired_txn(
+        self, conn: AsyncConnection, now: datetime, limit: int, only: Sequence[RunId] | None
+    ) -> list[_Expired]:
+        """The ``limit`` runs whose lease expired longest before ``now``, locked (servers).
+
+        Rows other transactions hold are skipped, unless ``only`` names the runs: then their
+        locks are waited for, and a run whose row changed meanwhile no longer matches.
+        """
+        stmt = (
+            select(
+                runs.c.id,
+                runs.c.lane,
+                runs.c.attempt,
+                runs.c.max_attempts,
+                runs.c.cancel_requested_at.is_not(None).label("cancel_requested"),
+            )
+            .where(*_expired_by(now))
+            .order_by(runs.c.lease_expires_at, runs.c.id)
+            .limit(limit)
         )
-        return Reaped(
-            run_id=expired.run_id, lane=expired.lane, attempt=expired.attempt, status=status
+        if only is None:
+            stmt = dialects.lock_rows_skip_locked(stmt, self._dialect)
+        else:
+            stmt = dialects.lock_rows(stmt.where(runs.c.id.in_(only)), self._dialect)
+        rows = await conn.execute(stmt)
+        return [
+            _Expired.classify(
+                run_id=RunId(row.id),
+                lane=row.lane,
+                attempt=Attempt(row.attempt),
+                max_attempts=row.max_attempts,
+                cancel_requested=bool(row.cancel_requested),
+            )
+            for row in rows
+        ]
+
+    async def _move_expired_txn(
+        self,
+        conn: AsyncConnection,
+        expired: Sequence[_Expired],
+        now: datetime,
+        backoff: Callable[[Attempt], float] | None,
+    ) -> set[RunId]:
+        """Move ``expired`` to their outcomes, one UPDATE per outcome; the ids that moved."""
+        d = self._dialect
+        cleared: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
+        cancelled = [e for e in expired if e.status is RunStatus.CANCELLED]
+        failed = [e for e in expired if e.status is RunStatus.FAILED]
+        requeued = [e for e in expired if e.status is RunStatus.QUEUED]
+        moves: list[tuple[list[_Expired], ColumnElement[bool], dict[str, Any]]] = []
+        if cancelled:
+            moves.append(
+                (
+                    cancelled,
+                    runs.c.cancel_requested_at.is_not(None),
+                    {**cleared, "status": RunStatus.CANCELLED.value, "finished_at": now},
+                )
+            )
+        # The error names the attempt and its budget, so each pair read is its own group
+        # (almost always one): the predicate pins max_attempts to the value in the message.
+        budgets: dict[tuple[int, int], list[_Expired]] = {}
+        for e in failed:
+            budgets.setdefault((e.attempt, e.max_attempts), []).append(e)
+        for (_, max_attempts), group in budgets.items():
+            moves.append(
+                (
+                    group,
+                    and_(
+                        runs.c.cancel_requested_at.is_(None),
+                        runs.c.max_attempts == max_attempts,
+                        runs.c.attempt >= runs.c.max_attempts,
+                    ),
+                    {
+                        **cleared,
+                        "status": RunStatus.FAILED.value,
+                        "finished_at": now,
+                        "error": group[0].data,
+                    },
+                )
+            )
+        if requeued:
+            delays = {
+                e.attempt: backoff(e.attempt) if backoff is not None else 0.0 for e in requeued
+            }
+            not_before: ColumnElement[datetime] | datetime
+            if set(delays.values()) == {0.0}:
+                not_before = now
+            else:
+                # Database time plus the attempt's backoff, per attempt in one CASE.
+                not_before = case(
+                    {a: db_now(d, plus_s=s) for a, s in sorted(delays.items())},
+                    value=runs.c.attempt,
+                )
+            moves.append(
+                (
+                    requeued,
+                    and_(
+                        runs.c.cancel_requested_at.is_(None),
+                        runs.c.attempt < runs.c.max_attempts,
+                    ),
+                    {**cleared, "status": RunStatus.QUEUED.value, "not_before": not_before},
+                )
+            )
+        moved: set[RunId] = set()
+        for group, outcome, values in moves:
+            for offset in range(0, len(group), _REAP_CHUNK):
+                chunk = group[offset : offset + _REAP_CHUNK]
+                moved |= await self._move_txn(conn, chunk, now, outcome, values)
+        return moved
+
+    async def _move_txn(
+        self,
+        conn: AsyncConnection,
+        group: Sequence[_Expired],
+        now: datetime,
+        outcome: ColumnElement[bool],
+        values: Mapping[str, Any],
+    ) -> set[RunId]:
+        """One conditional UPDATE of ``group`` to one outcome; the ids it moved."""
+        run_ids = [e.run_id for e in group]
+        keys = [(e.run_id, e.attempt) for e in group]
+        move = (
+            update(runs)
+            .where(
+                # The whole predicate on the row being updated: a heartbeat that renewed the
+                # lease, a worker that finished, or another reaper that moved the run make it
+                # match nothing. ``id IN`` lets every backend find the rows by primary key.
+                runs.c.id.in_(run_ids),
+                tuple_(runs.c.id, runs.c.attempt).in_(keys),
+                *_expired_by(now),
+                outcome,
+            )
+            .values(**values)
         )
+        if dialects.supports_update_returning(self._dialect):
+            result = await conn.execute(move.returning(runs.c.id))
+            return {RunId(run_id) for run_id in result.scalars()}
+        result = await conn.execute(move)
+        # MariaDB: we hold every row's lock, so each must have matched; anything else is a bug
+        # worth a loud log, and the re-read below returns only what this UPDATE moved (a locked
+        # row leaves ``running`` only by this transaction, and only one UPDATE matches it).
+        if result.rowcount != len(group):
+            logger.error("reaped %d of %d locked runs", result.rowcount, len(group))
+        gone = select(runs.c.id).where(
+            runs.c.id.in_(run_ids),
+            tuple_(runs.c.id, runs.c.attempt).in_(keys),
+            runs.c.status == values["status"],
+            runs.c.lease_owner.is_(None),
+        )
+        return {RunId(run_id) for run_id in (await conn.execute(gone)).scalars()}
 
     # --- leader lease -----------------------------------------------------------------------
 
     async def try_acquire_leader(self, name: str, holder: str, ttl_s: float) -> bool:
         """Hold (or keep holding) the leader lease ``name`` for ``ttl_s`` seconds of DB time.
 
-        Three conditional statements, the first that changes a row wins: renew when ``holder``
-        holds it, take over when it expired, insert when absent. Concurrent callers are
-        serialised by the row (or the primary key), so at most one holds it at a time.
+        First a plain read: while another holder's lease is unexpired the answer is no, with
+        no write transaction (a follower asks every tick; on SQLite a write would take the
+        database's write lock each time). Otherwise three conditional statements, the first
+        that changes a row wins: renew when ``holder`` holds it, take over when it expired,
+        insert when absent. Concurrent callers are serialised by the row (or the primary key),
+        so at most one holds it at a time.
 
         Returns:
             Whether ``holder`` holds the lease now.
         """
         lease = leader_leases.c
         d = self._dialect
+        held_by_another = select(literal(1)).where(
+            lease.name == name, lease.holder != holder, lease.expires_at > db_now(d)
+        )
 
         async def acquire() -> bool:
+            async with self._db.connect() as conn:
+                if (await conn.execute(held_by_another)).first() is not None:
+                    return False
             expires = db_now(d, plus_s=ttl_s)
             async with self._write() as conn:
                 renewed = await conn.execute(
@@ -585,6 +778,11 @@ class QueueRepo:
             return result.rowcount == 1
 
         return await self._db.with_retry(resign)
+
+
+def _expired_by(now: datetime | ColumnElement[datetime]) -> tuple[ColumnElement[bool], ...]:
+    """A running run whose lease expired before ``now`` (the reaper's predicate on the row)."""
+    return (runs.c.status == _RUNNING, runs.c.lease_expires_at < now)
 
 
 def _take_within_caps(
