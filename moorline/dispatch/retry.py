@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from moorline.db.repos.interrupts import InterruptMismatch
 from moorline.db.repos.steps import StepMismatch
-from moorline.errors import ConfigError
+from moorline.errors import ConfigError, WorkflowNotFound
 
 DEFAULT_BASE_S = 1.0
 DEFAULT_CAP_S = 300.0
@@ -24,10 +24,12 @@ DEFAULT_NON_RETRYABLE: tuple[type[BaseException], ...] = (
     NotImplementedError,
     StepMismatch,
     InterruptMismatch,
+    WorkflowNotFound,
 )
 """Errors a retry cannot cure: configuration and programming mistakes (a workflow called
-with the wrong arguments, a missing implementation) and non-deterministic replays (a step or
-interrupt key recorded for another call) fail the run at once."""
+with the wrong arguments, a missing implementation, a workflow this worker's app lacks) and
+non-deterministic replays (a step or interrupt key recorded for another call) fail the run at
+once."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
