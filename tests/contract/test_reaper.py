@@ -495,6 +495,7 @@ async def test_concurrent_reapers_requeue_each_expired_run_exactly_once(
     stop = asyncio.Event()
     lost_leases: list[str] = []
     slowest_round_s = 0.0
+    first_rounds: list[asyncio.Event] = []
 
     async def heartbeats(fences: Sequence[Fence]) -> None:
         # One worker process's heartbeat loop over the runs it holds: one renew_leases per
@@ -502,6 +503,8 @@ async def test_concurrent_reapers_requeue_each_expired_run_exactly_once(
         # on SQLite under this load, past the live runs' first lease, so they would be expired
         # and rightly reapable: not live runs any more.)
         nonlocal slowest_round_s
+        renewed_once = asyncio.Event()
+        first_rounds.append(renewed_once)
         while not stop.is_set():
             round_started = time.monotonic()
             renewed = await queue.renew_leases(fences, LIVE_TTL_S)
@@ -509,6 +512,7 @@ async def test_concurrent_reapers_requeue_each_expired_run_exactly_once(
                 fence.run_id for fence in fences if (fence.run_id, fence.attempt) not in renewed
             )
             slowest_round_s = max(slowest_round_s, time.monotonic() - round_started)
+            renewed_once.set()
             try:
                 async with asyncio.timeout(HEARTBEAT_EVERY_S):
                     await stop.wait()
@@ -526,6 +530,11 @@ async def test_concurrent_reapers_requeue_each_expired_run_exactly_once(
         for i in range(0, len(live), per_worker)
     ]
     taken: Counter[str] = Counter()
+    # Reapers start once every live run is under its heartbeat's lease: a first round that only
+    # landed after the short first lease ran out would make those runs rightly reapable.
+    await wait_for(
+        lambda: _all_set(first_rounds, RACE_HEARTBEAT_WORKERS), message="first heartbeats"
+    )
 
     async def reap(reaper: Reaper) -> None:
         while not stop.is_set():
@@ -580,3 +589,7 @@ async def test_concurrent_reapers_requeue_each_expired_run_exactly_once(
     assert not wrong, f"{len(wrong)} runs without exactly one reclaimed event, e.g. {wrong[:3]}"
     assert set((await statuses(db, list(doomed))).values()) == {("queued", 1)}
     assert set((await statuses(db, ids(live))).values()) == {("running", 1)}
+
+
+async def _all_set(events: Sequence[asyncio.Event], count: int) -> bool:
+    return len(events) == count and all(event.is_set() for event in events)
