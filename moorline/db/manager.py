@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import StaticPool
 
-from moorline.db.dialects import DialectName, is_transient
+from moorline.db.dialects import DialectName, is_transient, write_isolation_level
 from moorline.db.dsn import (
     ConnectTarget,
     DatabaseUnreachable,
@@ -151,6 +151,25 @@ class DatabaseManager:
         async with self.engine.connect() as conn:
             if self.dialect == "sqlite":
                 await conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+            async with conn.begin():
+                yield conn
+
+    @asynccontextmanager
+    async def write_transaction(self) -> AsyncIterator[AsyncConnection]:
+        """One write transaction at the isolation level of the dispatch and fenced writes.
+
+        READ COMMITTED on the servers, so a statement after a lock wait sees what the previous
+        lock holder committed (MySQL's default REPEATABLE READ could read an older snapshot, and
+        a tenant cap or fence checked against it could be wrong); ``BEGIN IMMEDIATE`` on SQLite
+        (see :meth:`transaction`).
+        """
+        level = write_isolation_level(self.dialect)
+        if level is None:
+            async with self.transaction() as conn:
+                yield conn
+            return
+        async with self.engine.connect() as conn:
+            await conn.execution_options(isolation_level=level)
             async with conn.begin():
                 yield conn
 

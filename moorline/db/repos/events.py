@@ -18,7 +18,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from moorline.db.dialects import DialectName, db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Event, Fence
-from moorline.db.repos.steps import hold_fence_txn, write_transaction
+from moorline.db.repos.steps import hold_fence_txn
 from moorline.db.schema import events
 from moorline.types import Attempt, JSONObject, RunId
 
@@ -120,7 +120,7 @@ class EventsRepo:
         Raises:
             LeaseLost: The fence no longer holds; nothing was written.
         """
-        async with write_transaction(self._db) as conn:
+        async with self._db.write_transaction() as conn:
             await hold_fence_txn(conn, self._dialect, fence, f"event {event_type!r}")
             await append_events_txn(
                 conn, self._dialect, [(fence.run_id, fence.attempt, event_type, data)]

@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from moorline.db.dialects import DialectName, db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt, InterruptStatus
-from moorline.db.repos.steps import hold_fence_txn, write_transaction
+from moorline.db.repos.steps import hold_fence_txn
 from moorline.db.schema import interrupts
 from moorline.errors import Conflict, MoorlineError, NotFound
 from moorline.types import Attempt, JSONObject, JSONValue, RunId
@@ -87,7 +87,7 @@ class InterruptsRepo:
         """
 
         async def attempt() -> Interrupt:
-            async with write_transaction(self._db) as conn:
+            async with self._db.write_transaction() as conn:
                 await hold_fence_txn(conn, self._dialect, fence, f"interrupt {key!r}")
                 found = await _select_txn(
                     conn, interrupts.c.run_id == fence.run_id, interrupts.c.key == key
@@ -146,7 +146,7 @@ class InterruptsRepo:
         status = InterruptStatus.APPROVED if approved else InterruptStatus.DENIED
 
         async def attempt() -> Interrupt | InterruptResolved:
-            async with write_transaction(self._db) as conn:
+            async with self._db.write_transaction() as conn:
                 return await self._resolve_txn(conn, run_id, interrupt_id, status, cause, data)
 
         outcome = await self._db.with_retry(attempt)
@@ -230,7 +230,7 @@ class InterruptsRepo:
                 return list((await conn.execute(find)).scalars())
 
         async def expire(interrupt_id: str) -> Interrupt | None:
-            async with write_transaction(self._db) as conn:
+            async with self._db.write_transaction() as conn:
                 if not await self._expire_txn(conn, interrupt_id):
                     return None
                 return await _reread_txn(conn, interrupt_id)

@@ -35,8 +35,7 @@ repeated as a second batch, orphaning the first until its leases expire.
 
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
@@ -163,18 +162,6 @@ class QueueRepo:
         self._db = db
         self._dialect: DialectName = db.dialect
 
-    @asynccontextmanager
-    async def _write(self) -> AsyncIterator[AsyncConnection]:
-        level = dialects.write_isolation_level(self._dialect)
-        if level is None:
-            async with self._db.transaction() as conn:
-                yield conn
-            return
-        async with self._db.connect() as conn:
-            await conn.execution_options(isolation_level=level)
-            async with conn.begin():
-                yield conn
-
     # --- claim ------------------------------------------------------------------------------
 
     async def claim_batch(
@@ -206,7 +193,7 @@ class QueueRepo:
             return []
         caps = _cap_expression(tenant_caps, default_cap)
         row_locks = dialects.uses_row_locks(self._dialect)
-        async with self._write() as conn:
+        async with self._db.write_transaction() as conn:
             # Under row locks the ranking reads a snapshot that the tenant locks below may
             # outdate; ranking twice the batch leaves spare candidates for runs a concurrent
             # claimer of the same tenant took while this one waited for the lock.
@@ -400,7 +387,7 @@ class QueueRepo:
         )
 
         async def renew() -> set[tuple[RunId, Attempt]]:
-            async with self._write() as conn:
+            async with self._db.write_transaction() as conn:
                 await conn.execute(
                     update(runs)
                     .where(held)
@@ -425,7 +412,7 @@ class QueueRepo:
         Returns:
             False when the lease was already lost (reaped, cancelled, finished).
         """
-        async with self._write() as conn:
+        async with self._db.write_transaction() as conn:
             now = db_now(self._dialect)
             result = await conn.execute(
                 update(runs)
@@ -538,7 +525,7 @@ class QueueRepo:
         waiting for their locks (the caller passes one at a time).
         """
         d = self._dialect
-        async with self._write() as conn:
+        async with self._db.write_transaction() as conn:
             now: datetime = (await conn.execute(select(db_now(d)))).scalar_one()
             expired = await self._lock_expired_txn(conn, now, limit, only)
             if not expired:
@@ -729,7 +716,7 @@ class QueueRepo:
                 if (await conn.execute(held_by_another)).first() is not None:
                     return False
             expires = db_now(d, plus_s=ttl_s)
-            async with self._write() as conn:
+            async with self._db.write_transaction() as conn:
                 renewed = await conn.execute(
                     update(leader_leases)
                     .where(lease.name == name, lease.holder == holder)
@@ -771,7 +758,7 @@ class QueueRepo:
         lease = leader_leases.c
 
         async def resign() -> bool:
-            async with self._write() as conn:
+            async with self._db.write_transaction() as conn:
                 result = await conn.execute(
                     delete(leader_leases).where(lease.name == name, lease.holder == holder)
                 )

@@ -24,8 +24,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeAlias
@@ -156,20 +155,6 @@ class RunsRepo:
         self._db = db
         self._dialect: DialectName = db.dialect
 
-    @asynccontextmanager
-    async def _write(self) -> AsyncIterator[AsyncConnection]:
-        # The isolation level dispatch writes use (see dialects.write_isolation_level): a
-        # statement after a lock wait must see what the previous lock holder committed.
-        level = dialects.write_isolation_level(self._dialect)
-        if level is None:
-            async with self._db.transaction() as conn:
-                yield conn
-            return
-        async with self._db.connect() as conn:
-            await conn.execution_options(isolation_level=level)
-            async with conn.begin():
-                yield conn
-
     # --- insert -----------------------------------------------------------------------------
 
     async def insert_pending(self, new: Sequence[NewRun]) -> list[Run]:
@@ -219,7 +204,7 @@ class RunsRepo:
             nonlocal tries
             tries += 1
             try:
-                async with self._write() as conn:
+                async with self._db.write_transaction() as conn:
                     return await self._insert_txn(conn, rows, status)
             except IntegrityError as exc:
                 # The transaction is rolled back; find out which rule the batch broke.
@@ -311,7 +296,7 @@ class RunsRepo:
             return []
 
         async def write() -> set[str]:
-            async with self._write() as conn:
+            async with self._db.write_transaction() as conn:
                 now = await _db_now_txn(conn, self._dialect)
                 moved = await self._move_pending_txn(
                     conn, sorted(wanted), {"status": _QUEUED, "updated_at": now}
@@ -333,7 +318,7 @@ class RunsRepo:
         """
 
         async def write() -> bool:
-            async with self._write() as conn:
+            async with self._db.write_transaction() as conn:
                 now = await _db_now_txn(conn, self._dialect)
                 values = {
                     "status": RunStatus.RATE_LIMITED.value,
@@ -408,7 +393,7 @@ class RunsRepo:
 
         async def write() -> list[bool]:
             applied = [False] * len(outcomes)
-            async with self._write() as conn:
+            async with self._db.write_transaction() as conn:
                 holding = await self._lock_holding_txn(conn, outcomes)
                 if not holding:
                     return applied

@@ -25,15 +25,12 @@ commit acknowledgement was lost is retried and finds its own write (RELIABILITY.
 """
 
 import builtins
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import RowMapping, insert, null, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db import dialects
 from moorline.db.dialects import DialectName, db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Fence, Step
@@ -126,32 +123,13 @@ class StepStart:
     repeated: bool
 
 
-@asynccontextmanager
-async def write_transaction(db: DatabaseManager) -> AsyncIterator[AsyncConnection]:
-    """One write transaction at the isolation level of fenced writes.
-
-    READ COMMITTED on the servers, so reads after the fence's lock wait see what the previous
-    lock holder committed (MySQL's default REPEATABLE READ could read an older snapshot);
-    ``BEGIN IMMEDIATE`` on SQLite.
-    """
-    level = dialects.write_isolation_level(db.dialect)
-    if level is None:
-        async with db.transaction() as conn:
-            yield conn
-        return
-    async with db.connect() as conn:
-        await conn.execution_options(isolation_level=level)
-        async with conn.begin():
-            yield conn
-
-
 async def hold_fence_txn(
     conn: AsyncConnection, dialect: DialectName, fence: Fence, action: str
 ) -> None:
     """Prove ``fence`` still holds and lock the run's row until the transaction ends.
 
     Args:
-        conn: The caller's connection, inside a transaction from :func:`write_transaction`.
+        conn: The caller's connection, inside a ``DatabaseManager.write_transaction()``.
         dialect: The database's dialect.
         fence: The writer's fence.
         action: What the caller is about to write, for the error message.
@@ -215,7 +193,7 @@ class StepsRepo:
         """
 
         async def attempt() -> StepStart:
-            async with write_transaction(self._db) as conn:
+            async with self._db.write_transaction() as conn:
                 await hold_fence_txn(conn, self._dialect, fence, f"start of step {key!r}")
                 return await self._start_txn(conn, fence, key, function, call_hash)
 
@@ -314,7 +292,7 @@ class StepsRepo:
         action = f"{status.value} of step {key!r}"
 
         async def attempt() -> None:
-            async with write_transaction(self._db) as conn:
+            async with self._db.write_transaction() as conn:
                 await hold_fence_txn(conn, self._dialect, fence, action)
                 result = await conn.execute(
                     update(steps)
