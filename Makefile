@@ -35,6 +35,7 @@ bench: install
 	$(BIN)/python bench/db_commit.py
 	$(BIN)/python bench/enqueue.py
 	$(BIN)/python bench/dispatch.py
+	$(BIN)/python bench/engine.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

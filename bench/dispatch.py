@@ -6,7 +6,8 @@ database:
 - **enqueue**: ``--producers`` concurrent coroutines in one process submit ``--enqueue-runs``
   runs through the group-commit ``Submitter`` (as an API process under load does);
 - **drain**: ``--drain-runs`` pre-enqueued no-op runs executed by one worker (this process)
-  with ``--slots`` slots, from its start to the last outcome written;
+  with ``--slots`` slots, from its start to the last outcome written; the planner statistics
+  are refreshed after the load, as autovacuum would within a minute on a live system;
 - **latency**: runs submitted at ``--rate`` per second while the worker waits on in-process
   wake-ups; latency is ``started_at - created_at``, both from the database clock.
 
@@ -19,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from common import BACKENDS, on_fresh_database, percentile, seed_tenant, summary
+from common import BACKENDS, analyze, on_fresh_database, percentile, seed_tenant, summary
 from sqlalchemy import select
 
 from moorline.db.manager import DatabaseManager
@@ -38,6 +39,11 @@ from moorline.worker.worker import Worker
 
 LANE = "workflow"
 CAPS = {"bench": 100_000}
+
+
+async def caps() -> dict[str, int]:
+    return CAPS
+
 
 app = Moorline()
 
@@ -83,14 +89,19 @@ def make_worker(db: DatabaseManager, slots: int, wakeups: LocalWakeups | None = 
         runner,
         lanes={LANE: slots},
         lease_ttl_s=90.0,
-        tenant_caps=lambda: CAPS,
+        tenant_caps=caps,
         waiter=wakeups,
         poll_interval_s=0.5,
     )
 
 
 async def drain_rate(db: DatabaseManager, tenant: TenantId, count: int, slots: int) -> float:
-    await RunsRepo(db).submit_many([new_run(tenant, LANE) for _ in range(count)])
+    runs_repo = RunsRepo(db)
+    for offset in range(0, count, 1000):
+        await runs_repo.submit_many(
+            [new_run(tenant, LANE) for _ in range(min(1000, count - offset))]
+        )
+    await analyze(db)
     worker = make_worker(db, slots)
     stop = asyncio.Event()
     started = time.perf_counter()

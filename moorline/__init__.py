@@ -9,6 +9,7 @@ from moorline.errors import (
     LimitExceeded,
     MoorlineError,
     NotFound,
+    SoftTimeLimitExceeded,
 )
 from moorline.settings import Settings
 from moorline.types import RunStatus
@@ -28,5 +29,6 @@ __all__ = [
     "NotFound",
     "RunStatus",
     "Settings",
+    "SoftTimeLimitExceeded",
     "__version__",
 ]

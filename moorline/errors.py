@@ -5,21 +5,47 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     MoorlineError
     ├── ConfigError            operator or developer mistake; fails at start with one line
     │   └── SchemaOutOfDate    the database schema is behind the code (`moorline db upgrade`)
+    ├── BadRequest             400: the request itself is malformed
+    │   ├── InvalidJson        invalid_json: the body is not JSON, or nests deeper than 64
+    │   └── CredentialsInQuery key_in_query: an API key or token sent in the query string
+    ├── Unauthorized           401 unauthorized: no key, or a key that names no tenant
+    │   └── InvalidSignature   invalid_signature: a webhook delivery's signature does not verify
+    ├── Forbidden              403 forbidden: a tenant key on an admin route
     ├── InvalidInput           422 invalid_input: a workflow's input does not fit its parameters
+    ├── InvalidRequest         422 invalid_request: a body or parameter does not fit the schema
     ├── NotFound               404: an object that does not exist (or belongs to another tenant)
     │   ├── RunNotFound        run_not_found
-    │   └── WorkflowNotFound   workflow_not_found
+    │   ├── WorkflowNotFound   workflow_not_found
+    │   ├── TenantNotFound     tenant_not_found
+    │   ├── WebhookNotFound    webhook_not_found
+    │   └── InterruptNotFound  interrupt_not_found
     ├── Conflict               409: the request contradicts the current state
     │   ├── TransitionRejected a fenced or conditional transition matched no row
-    │   └── IdempotencyConflict idempotency_conflict
+    │   ├── IdempotencyConflict idempotency_conflict
+    │   ├── RunFinished        run_finished: the run already ended (a cancel came too late)
+    │   ├── ConversationBusy   conversation_busy: the conversation has an active run
+    │   ├── RunNotInteractive  run_not_interactive: the run's workflow is not executing
+    │   └── NoPendingInterrupt no_pending_interrupt
     ├── LimitExceeded          429: a quota or rate limit refused the request
-    └── BackendUnavailable     503: the database or Redis could not be reached
+    │   ├── RateLimited        rate_limited: the key's API rate limit; nothing was stored
+    │   ├── QuotaExceeded      quota_exceeded: the daily quota; the run is stored rate_limited
+    │   └── BodyTooLarge       413 body_too_large: the body is over MOORLINE_MAX_BODY_BYTES
+    ├── BackendUnavailable     503: the database or Redis could not be reached
+    ├── SoftTimeLimitExceeded  raised inside a workflow at its soft time limit; catchable
+    └── TimeLimitExceeded      an attempt ran past its hard time limit: the run ends timed_out
+
+Errors defined next to the code that raises them (``TenantExists``, ``InterruptResolved``,
+``LeaseLost``, …) hang off these branches too.
 
 API-facing classes carry ``code`` (the snake_case code of API.md) and ``status`` (the HTTP
-status); ``moorline.api.errors`` is the only place they become HTTP responses.
+status), and :attr:`MoorlineError.details` holds the extra fields of the error body (a
+``run_id``, say); ``moorline.api.errors`` is the only place they become HTTP responses.
 """
 
 from typing import ClassVar
+
+Detail = str | int | float | bool | None
+"""A value of an error body's extra field (``errors`` sits below ``types``, so no JSONValue)."""
 
 
 class MoorlineError(Exception):
@@ -32,6 +58,11 @@ class MoorlineError(Exception):
         super().__init__(message)
         self.message = message
 
+    @property
+    def details(self) -> dict[str, Detail]:
+        """Extra fields of the error body beside ``code`` and ``message`` (none by default)."""
+        return {}
+
 
 class ConfigError(MoorlineError):
     """A setting, URL or file is wrong; the message names the key and why."""
@@ -43,6 +74,52 @@ class SchemaOutOfDate(ConfigError):
     """The database schema is older than the code."""
 
     code = "schema_out_of_date"
+
+
+class BadRequest(MoorlineError):
+    """The request itself is malformed (before any schema applies)."""
+
+    code = "bad_request"
+    status = 400
+
+
+class InvalidJson(BadRequest):
+    """The body is not JSON, holds what no database can store, or nests deeper than 64."""
+
+    code = "invalid_json"
+
+
+class CredentialsInQuery(BadRequest):
+    """An API key or token arrived in the query string, where logs and proxies keep it."""
+
+    code = "key_in_query"
+
+
+class Unauthorized(MoorlineError):
+    """No credentials, or credentials that name no tenant (unknown and revoked alike)."""
+
+    code = "unauthorized"
+    status = 401
+
+
+class InvalidSignature(Unauthorized):
+    """A webhook delivery's signature is missing, malformed or wrong; nothing was stored."""
+
+    code = "invalid_signature"
+
+
+class Forbidden(MoorlineError):
+    """Valid credentials that may not use this route (a tenant key on an admin route)."""
+
+    code = "forbidden"
+    status = 403
+
+
+class InvalidRequest(MoorlineError):
+    """A body, path or query parameter does not fit the route's schema; nothing was stored."""
+
+    code = "invalid_request"
+    status = 422
 
 
 class InvalidInput(MoorlineError):
@@ -71,6 +148,24 @@ class WorkflowNotFound(NotFound):
     code = "workflow_not_found"
 
 
+class TenantNotFound(NotFound):
+    """No tenant with that id."""
+
+    code = "tenant_not_found"
+
+
+class WebhookNotFound(NotFound):
+    """No webhook with that id."""
+
+    code = "webhook_not_found"
+
+
+class InterruptNotFound(NotFound):
+    """No interrupt with that id in the run."""
+
+    code = "interrupt_not_found"
+
+
 class Conflict(MoorlineError):
     """The request contradicts the object's current state."""
 
@@ -90,11 +185,100 @@ class IdempotencyConflict(Conflict):
     code = "idempotency_conflict"
 
 
+class RunFinished(Conflict):
+    """The run already ended (any terminal status); it cannot be cancelled any more."""
+
+    code = "run_finished"
+
+
+class ConversationBusy(Conflict):
+    """The conversation already has an active (pending, queued or running) run.
+
+    At most one run per conversation is active at a time; ``active_run_id`` names it (the
+    error body's ``run_id``), so a client can follow it and submit again once it ended.
+    """
+
+    code = "conversation_busy"
+
+    def __init__(self, conversation_id: str, active_run_id: str) -> None:
+        super().__init__(
+            f"conversation {conversation_id!r} already has an active run: {active_run_id}"
+        )
+        self.conversation_id = conversation_id
+        self.active_run_id = active_run_id
+
+    @property
+    def details(self) -> dict[str, Detail]:
+        return {"run_id": self.active_run_id}
+
+
+class RunNotInteractive(Conflict):
+    """The run's workflow is not executing now, so it cannot take a message."""
+
+    code = "run_not_interactive"
+
+
+class NoPendingInterrupt(Conflict):
+    """The run waits for no decision."""
+
+    code = "no_pending_interrupt"
+
+
 class LimitExceeded(MoorlineError):
-    """A quota, rate limit or size limit refused the request."""
+    """A quota, rate limit or size limit refused the request.
+
+    Attributes:
+        retry_after_s: Whole seconds after which the same request may succeed, when known
+            (the ``Retry-After`` header).
+    """
 
     code = "limit_exceeded"
     status = 429
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RateLimited(LimitExceeded):
+    """The key's API rate limit refused the request; nothing was stored.
+
+    Attributes:
+        limit: Requests the limit allows per window (``RateLimit-Limit``).
+        reset_s: Whole seconds until the window has room again (``RateLimit-Reset``).
+    """
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, limit: int, reset_s: int) -> None:
+        super().__init__(message, retry_after_s=reset_s)
+        self.limit = limit
+        self.reset_s = reset_s
+
+    @property
+    def details(self) -> dict[str, Detail]:
+        return {"retry_after_s": self.reset_s}
+
+
+class QuotaExceeded(LimitExceeded):
+    """The tenant's daily quota is used up; the run was stored ``rate_limited``."""
+
+    code = "quota_exceeded"
+
+    def __init__(self, message: str, *, run_id: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.run_id = run_id
+
+    @property
+    def details(self) -> dict[str, Detail]:
+        return {"run_id": self.run_id, "retry_after_s": self.retry_after_s}
+
+
+class BodyTooLarge(LimitExceeded):
+    """The request body is over ``MOORLINE_MAX_BODY_BYTES``; it was not read any further."""
+
+    code = "body_too_large"
+    status = 413
 
 
 class BackendUnavailable(MoorlineError):
@@ -102,3 +286,32 @@ class BackendUnavailable(MoorlineError):
 
     code = "backend_unavailable"
     status = 503
+
+
+class SoftTimeLimitExceeded(MoorlineError):
+    """Raised inside a workflow, at the ``await`` it is suspended in, at its soft time limit.
+
+    A workflow may catch it to clean up (``soft_timeout=`` of ``@app.workflow``): if it then
+    returns, the run succeeds; if the exception escapes, the run fails without a retry, since
+    another attempt would run out of time the same way.
+    """
+
+    code = "soft_time_limit_exceeded"
+
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(f"the attempt reached its soft time limit of {limit_s:g}s")
+        self.limit_s = limit_s
+
+
+class TimeLimitExceeded(MoorlineError):
+    """An attempt ran past its hard time limit and was stopped; the run ends ``timed_out``.
+
+    Raised by the engine outside the workflow (the workflow itself was cancelled at its
+    current ``await``); the worker records it, terminal and without a retry.
+    """
+
+    code = "timed_out"
+
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(f"the attempt ran past its time limit of {limit_s:g}s")
+        self.limit_s = limit_s

@@ -18,10 +18,10 @@ what the file says is what runs). The community edition routes every plan to the
 :func:`default_lane_slots`).
 
 :class:`PlansProvider` re-reads the file through a TTL cache (seed 002 §4.1), so request paths
-never parse YAML and an edited file takes effect within the TTL without a restart.
+never parse YAML, the loop never waits on the file, and an edited file takes effect within the
+TTL without a restart.
 """
 
-import logging
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -33,10 +33,9 @@ from typing import Annotated
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from moorline.concurrency import TTLCache, run_in_thread
 from moorline.errors import ConfigError
 from moorline.settings import Edition, Settings
-
-logger = logging.getLogger(__name__)
 
 COMMUNITY_LANE = "workflow"
 """The one lane of the community edition."""
@@ -49,6 +48,7 @@ RATE_LIMIT_PERIODS_S: Mapping[str, float] = MappingProxyType(
 )
 _RATE_LIMIT = re.compile(r"^\s*(\d+)\s*/\s*(second|minute|hour|day)\s*$")
 _NAME = r"^[A-Za-z0-9_.-]+$"
+_PLANS_KEY = "plans"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -225,12 +225,13 @@ def tenant_caps(plans: Mapping[str, Plan]) -> dict[str, int]:
 
 
 class PlansProvider:
-    """The current plans, re-read from the plans file once its TTL has passed.
+    """The current plans, re-read from the plans file through a :class:`TTLCache`.
 
-    The first read happens at construction, so a broken file fails at start. A file that
-    breaks later is logged and the last good plans stay in force: a typo in a live edit must
-    not stop workers that are already running. Reading is synchronous because the file is a
-    few hundred bytes read at most once per TTL; an executor hop would cost more than it saves.
+    The first read happens at construction, so a broken file fails at start. Later reads run
+    in a thread (:func:`run_in_thread`), at most one at a time and once per TTL, while callers
+    keep getting the plans already read. A file that breaks later is logged and the last good
+    plans stay in force for another TTL: a typo in a live edit must not stop workers that are
+    already running.
     """
 
     def __init__(
@@ -251,39 +252,35 @@ class PlansProvider:
             ConfigError: the plans file is unreadable or invalid.
         """
         self._settings = settings
-        self._ttl_s = ttl_s
-        self._clock = clock
-        self._plans: Mapping[str, Plan] = MappingProxyType(resolve_plans(settings))
-        self._read_at = clock()
+        self._cache: TTLCache[str, Mapping[str, Plan]] = TTLCache(
+            self._read, ttl_s=ttl_s, name="plans", max_entries=1, clock=clock
+        )
+        self._cache.put(_PLANS_KEY, MappingProxyType(resolve_plans(settings)))
 
-    def plans(self) -> Mapping[str, Plan]:
+    async def _read(self, _key: str) -> Mapping[str, Plan]:
+        return MappingProxyType(await run_in_thread(resolve_plans, self._settings))
+
+    async def plans(self) -> Mapping[str, Plan]:
         """All plans by name (read-only), re-reading the file when the TTL has passed."""
-        now = self._clock()
-        if now - self._read_at >= self._ttl_s:
-            self._read_at = now
-            try:
-                self._plans = MappingProxyType(resolve_plans(self._settings))
-            except ConfigError as exc:
-                logger.error("keeping the previous plans: %s", exc.message)
-        return self._plans
+        return await self._cache.get(_PLANS_KEY)
 
-    def get(self, name: str) -> Plan:
+    async def get(self, name: str) -> Plan:
         """The plan called ``name``.
 
         Raises:
             ConfigError: no such plan (a tenant refers to a plan the configuration lacks).
         """
-        plans = self.plans()
+        plans = await self.plans()
         try:
             return plans[name]
         except KeyError:
             known = ", ".join(sorted(plans))
             raise ConfigError(f"unknown plan {name!r} (known plans: {known})") from None
 
-    def lane_slots(self) -> dict[str, int]:
+    async def lane_slots(self) -> dict[str, int]:
         """Worker slots per lane for the current plans (see :func:`default_lane_slots`)."""
-        return default_lane_slots(self.plans())
+        return default_lane_slots(await self.plans())
 
-    def tenant_caps(self) -> dict[str, int]:
+    async def tenant_caps(self) -> dict[str, int]:
         """Plan name → tenant concurrency cap for the current plans."""
-        return tenant_caps(self.plans())
+        return tenant_caps(await self.plans())

@@ -82,11 +82,18 @@ class Settings(BaseSettings):
     execution_timeout: float = Field(default=1800.0, gt=0)
     """Hard limit of one run, in seconds; also the lifetime cap of an event stream."""
 
+    cancel_grace: float = Field(default=10.0, ge=0)
+    """Seconds a cancelled run's workflow has to reach a check (a step, a wait, a message
+    drain) before its task is cancelled outright; the run ends ``cancelled`` either way."""
+
     permission_timeout: float = Field(default=300.0, gt=0)
     """Seconds an interrupt waits for a decision before it is denied with reason ``timeout``."""
 
     sse_ping_interval: float = Field(default=15.0, gt=0)
     """Seconds between two keep-alive comments on an event stream."""
+
+    max_streams_per_tenant: int = Field(default=20, ge=1)
+    """Event streams one tenant may hold open at once in one API process; more are 429."""
 
     max_body_bytes: int = Field(default=1024 * 1024, gt=0)
     """Largest request body accepted, in bytes."""

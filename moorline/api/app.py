@@ -1,49 +1,148 @@
 """The HTTP application: ``create_app`` builds a fresh FastAPI app per call.
 
 Nothing here is module-level state: the CLI (or a test) builds ``Settings`` and a
-``DatabaseManager`` and hands them in, so two apps in one process never share an engine.
+``DatabaseManager`` and hands them in, with the user's :class:`~moorline.engine.registry.Moorline`
+app, whose registry the API reads to validate triggers (it never runs a workflow: that is the
+worker's job). Everything else the routes need is built here, once, into
+:class:`~moorline.api.deps.Services` on ``app.state.services``:
+
+- admission (:class:`~moorline.admission.admit.Admission`) with its rate limiter, quota store
+  and a :class:`~moorline.dispatch.submit.Submitter` whose group-committed batches wake their
+  lanes' workers through the deployment's wake-ups (Redis, LISTEN/NOTIFY or in-process);
+- the repositories the routes read, and the RuntimeStore that carries decisions to paused runs,
+  cancels to running ones, messages to their workflows and their live events to streams.
+
+Their connections open on first use, so an app also serves without its lifespan having run
+(``httpx.ASGITransport`` does not run it); the lifespan's exit closes them all, in reverse
+order of construction, and disposes the database.
 """
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from moorline.api.routes import health
+from moorline.admission.admit import Admission
+from moorline.admission.quotas import make_quota_store
+from moorline.admission.ratelimit import RateLimiter
+from moorline.api.deps import Services, StreamSlots
+from moorline.api.errors import install_error_handlers
+from moorline.api.guards import RequestGuard
+from moorline.api.routes import admin, health, runs, usage, webhooks
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.interrupts import InterruptsRepo
+from moorline.db.repos.listing import RunListing
+from moorline.db.repos.runs import RunsRepo
+from moorline.db.repos.steps import StepsRepo
+from moorline.db.repos.tenants import TenantsRepo
+from moorline.db.repos.webhooks import WebhooksRepo
+from moorline.dispatch.submit import Submitter
+from moorline.dispatch.wakeups import BackgroundNotifier, make_wakeups
+from moorline.engine.inbox import Inbox
+from moorline.engine.loader import load_app
+from moorline.engine.registry import Moorline
+from moorline.engine.streams import EventStreams
+from moorline.plans import PlansProvider
+from moorline.runtime.factory import make_runtime_store
 from moorline.settings import Settings
 
 API_VERSION = "1"
 
 
-def create_app(settings: Settings, db: DatabaseManager) -> FastAPI:
+def create_app(
+    settings: Settings, db: DatabaseManager, *, workflows: Moorline | None = None
+) -> FastAPI:
     """Build the API application over an initialized database.
 
     Args:
-        settings: the process settings, kept on ``app.state.settings``.
+        settings: the process settings.
         db: a DatabaseManager whose schema was checked (``await db.initialize()``); kept on
             ``app.state.db`` and disposed when the application shuts down.
+        workflows: the app whose workflows may be triggered; default the one ``--app`` /
+            ``MOORLINE_APP`` names, else the bundled example app.
 
     Returns:
-        A new FastAPI application; for now it serves ``/healthz`` and ``/readyz`` only.
+        A new FastAPI application serving every route of API v1 built so far.
+
+    Raises:
+        ConfigError: the plans file or the workflows app is invalid.
     """
+    services, closing = _build_services(settings, db, workflows)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        try:
+        # The app owns the pool and the clients from here on: a SIGTERM'd server lets the
+        # decisions in flight finish, then closes its connections instead of leaving them
+        # for the servers to time out.
+        async with closing:
             yield
-        finally:
-            # The app owns the pool from here on: a SIGTERM'd server closes its connections
-            # instead of leaving them for the database to time out.
-            await db.dispose()
 
     app = FastAPI(
         title="Moorline",
         summary="Durable, multi-tenant execution for LLM and agent workloads.",
         version=API_VERSION,
         lifespan=lifespan,
+        # A JSON body without a Content-Type is still JSON; JSONBodyRoute refuses other types.
+        strict_content_type=False,
     )
     app.state.settings = settings
     app.state.db = db
-    app.include_router(health.build_router())
+    app.state.services = services
+    install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
+    for module in (health, admin, runs, webhooks, usage):
+        app.include_router(module.build_router())
     return app
+
+
+def _build_services(
+    settings: Settings, db: DatabaseManager, workflows: Moorline | None
+) -> tuple[Services, AsyncExitStack]:
+    """The services, and the exit stack that closes them (last built, first closed)."""
+    # What can fail on a bad configuration comes first, before any client exists.
+    registry = workflows if workflows is not None else load_app(settings.app)
+    plans = PlansProvider(settings)
+    closing = AsyncExitStack()
+    closing.push_async_callback(db.dispose)
+    store = make_runtime_store(settings)
+    closing.push_async_callback(store.close)
+    notifier, waiter = make_wakeups(settings, db)
+    closing.push_async_callback(waiter.close)  # also releases the notifier's connections
+    wakeups = BackgroundNotifier(notifier)
+    closing.push_async_callback(wakeups.close)
+    runs_repo = RunsRepo(db)
+    submitter = Submitter(runs_repo, on_enqueued=wakeups)
+    closing.push_async_callback(submitter.close)
+    quotas = make_quota_store(settings, db)
+    closing.push_async_callback(quotas.close)
+    rate_limiter = RateLimiter(settings)
+    closing.push_async_callback(rate_limiter.close)
+    listing = RunListing(db)
+    admission = Admission(
+        runs=runs_repo,
+        listing=listing,
+        submitter=submitter,
+        quotas=quotas,
+        rate_limiter=rate_limiter,
+    )
+    closing.push_async_callback(admission.close)
+    services = Services(
+        settings=settings,
+        db=db,
+        workflows=registry,
+        plans=plans,
+        tenants=TenantsRepo(db),
+        runs=runs_repo,
+        listing=listing,
+        steps=StepsRepo(db),
+        interrupts=InterruptsRepo(db),
+        webhooks=WebhooksRepo(db),
+        admission=admission,
+        store=store,
+        notifier=notifier,
+        waiter=waiter,
+        inbox=Inbox(db, store),
+        streams=EventStreams(db, store),
+        stream_slots=StreamSlots(settings.max_streams_per_tenant),
+    )
+    return services, closing

@@ -11,16 +11,19 @@ The command tree is built by :func:`build_cli` on each call rather than held in 
 import asyncio
 import logging
 import signal
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated, Any
 
 import typer
 import uvicorn
+from fastapi import FastAPI
 from rich.console import Console
 from rich.text import Text
 
 from moorline.api.app import create_app
+from moorline.api.deps import Services
+from moorline.api.guards import RedactKeys
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.dispatch.lanes import resolve_lanes
@@ -28,15 +31,13 @@ from moorline.dispatch.wakeups import make_wakeups
 from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
 from moorline.errors import MoorlineError
-from moorline.plans import PlansProvider
+from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import Settings, load_settings
 from moorline.worker.process import install_stop_signals, run_worker_process
 
 EXIT_ERROR = 1
 EXIT_STARTUP_FAILED = 3  # as uvicorn.run: the server never started (port taken, lifespan error)
 EXIT_INTERRUPTED = 130
-
-UNUSED_YET = "Accepted now, used once workflows and workers arrive."
 
 
 def build_cli() -> typer.Typer:
@@ -137,29 +138,38 @@ def serve(
         typer.Option(
             "--app",
             metavar="MODULE:ATTR",
-            help=f"The Moorline app with your workflows (default MOORLINE_APP). {UNUSED_YET}",
+            help="The Moorline app whose workflows may be triggered; the API only validates "
+            "inputs against it (default MOORLINE_APP, else the bundled example app).",
             show_default=False,
         ),
     ] = None,
     workers: Annotated[
         int,
-        typer.Option(min=0, help=f"In-process worker loops (0: API only). {UNUSED_YET}"),
+        typer.Option(
+            min=0,
+            help="In-process worker loops beside the API (0: none; the reaper runs anyway).",
+        ),
     ] = 1,
 ) -> None:
-    """Serve the HTTP API until SIGTERM or Ctrl-C (for now /healthz and /readyz).
+    """Serve the HTTP API v1 until SIGTERM or Ctrl-C.
 
     Start fails with one line when the database schema is behind the code: run
     `moorline db upgrade` first (SQLite databases are created on the spot).
     """
-    # --app and --workers are accepted so scripts can use the final command line today.
     settings = load_settings()
-    started = asyncio.run(_serve(settings, host=host, port=port))
+    application = load_app(app or settings.app)
+    started = asyncio.run(_serve(settings, application, host=host, port=port, loops=workers))
     if not started:
         raise typer.Exit(EXIT_STARTUP_FAILED)
 
 
-async def _serve(settings: Settings, *, host: str, port: int) -> bool:
-    """Run the API server; whether it started (uvicorn has logged why when it did not)."""
+async def _serve(
+    settings: Settings, app: Moorline, *, host: str, port: int, loops: int = 1
+) -> bool:
+    """Run the API server, the reaper and ``loops`` worker loops; whether the server started.
+
+    (uvicorn has logged why when it did not.)
+    """
     db = DatabaseManager(settings)
     try:
         await db.initialize()
@@ -167,8 +177,13 @@ async def _serve(settings: Settings, *, host: str, port: int) -> bool:
         await db.dispose()
         raise
     # From here the app's lifespan disposes the database when the server stops.
-    api = create_app(settings, db)
+    api = create_app(settings, db, workflows=app)
+    _run_workers_with_the_api(api, settings, app, loops)
     server = uvicorn.Server(uvicorn.Config(api, host=host, port=port, lifespan="on"))
+    # uvicorn's access log prints request lines, query string included: a key someone put
+    # in a URL (refused with 400) must not land in the log as well.
+    for name in ("uvicorn.access", "uvicorn.error"):
+        logging.getLogger(name).addFilter(RedactKeys())
     shown_host = f"[{host}]" if ":" in host else host
     Console(soft_wrap=True, highlight=False).print(
         f"Starting the Moorline API on http://{shown_host}:{port} (database {db.display_url})"
@@ -176,6 +191,46 @@ async def _serve(settings: Settings, *, host: str, port: int) -> bool:
     with _shutdown_signals_end_cleanly():
         await server.serve()
     return server.started
+
+
+def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, loops: int) -> None:
+    """Run the reaper and ``loops`` worker loops inside the API's lifespan.
+
+    They start after the API's services and stop (running runs get the grace period, then are
+    released) before those close, and they share the API's RuntimeStore and wake-ups, so a
+    trigger wakes a worker of this process at once and a cancel or a message reaches it
+    without Redis.
+    """
+    services: Services = api.state.services
+    lanes = default_lane_slots(resolve_plans(settings))
+    serving = api.router.lifespan_context
+
+    @asynccontextmanager
+    async def with_workers(application: FastAPI) -> AsyncIterator[None]:
+        async with serving(application):
+            await services.waiter.start()
+            stop = asyncio.Event()
+            workers = asyncio.create_task(
+                run_worker_process(
+                    settings,
+                    app,
+                    services.db,
+                    lanes=lanes,
+                    stop=stop,
+                    notifier=services.notifier,
+                    waiter=services.waiter,
+                    store=services.store,
+                    loops=loops,
+                ),
+                name="workers",
+            )
+            try:
+                yield
+            finally:
+                stop.set()
+                await workers
+
+    api.router.lifespan_context = with_workers
 
 
 @contextmanager
@@ -236,7 +291,7 @@ def worker(
     settings = load_settings()
     configure_logging()
     application = load_app(app or settings.app)
-    served = resolve_lanes(lanes, PlansProvider(settings).lane_slots())
+    served = resolve_lanes(lanes, default_lane_slots(resolve_plans(settings)))
     asyncio.run(_work(settings, application, served, grace))
 
 

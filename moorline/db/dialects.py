@@ -121,3 +121,55 @@ def insert_ignoring_duplicates(table: Table, name: DialectName) -> Insert:
     if name == "sqlite":
         return sqlite.insert(table).on_conflict_do_nothing()
     return mysql.insert(table).prefix_with("IGNORE")
+
+
+def insert_or_lock_existing(table: Table, name: DialectName, column: str) -> Insert:
+    """An INSERT into ``table`` that leaves an existing row (same key) as it is.
+
+    Unlike :func:`insert_ignoring_duplicates`, no shared lock is left on the existing row for
+    a later UPDATE of the same transaction to upgrade: MariaDB's ``INSERT IGNORE`` takes one,
+    and two transactions that both upgrade theirs deadlock. There ``ON DUPLICATE KEY UPDATE
+    <column> = <column>`` takes the exclusive lock at once, so such transactions queue.
+    PostgreSQL's ``ON CONFLICT DO NOTHING`` locks nothing, and SQLite has one writer.
+
+    Args:
+        table: The table to insert into.
+        name: The database's dialect.
+        column: A non-key column of ``table``, "updated" to itself on a duplicate.
+    """
+    if name == "mysql":
+        return mysql.insert(table).on_duplicate_key_update({column: table.c[column]})
+    return insert_ignoring_duplicates(table, name)
+
+
+def increment_below(
+    table: Table, name: DialectName, *, column: str, limit: int, keys: dict[str, Any]
+) -> Insert | None:
+    """One statement adding 1 to ``column`` of the row at ``keys`` while it is below ``limit``.
+
+    The row is inserted with ``column = 1`` when it does not exist; the statement returns the
+    new value, or no row when the value had reached ``limit`` (nothing changed). The limit is
+    a predicate of the conflict's UPDATE, so it is checked on the locked row. None on MySQL and
+    MariaDB, which have no ``INSERT … ON CONFLICT … RETURNING``: callers fall back to
+    :func:`insert_or_lock_existing` and a conditional UPDATE.
+
+    Args:
+        table: The table.
+        name: The database's dialect.
+        column: The counter column.
+        limit: The largest value the counter may reach (at least 1).
+        keys: The row's primary key, by column name.
+    """
+    if name == "mysql":
+        return None
+    upsert = postgresql.insert(table) if name == "postgresql" else sqlite.insert(table)
+    counter = table.c[column]
+    return (
+        upsert.values({**keys, column: 1})
+        .on_conflict_do_update(
+            index_elements=list(keys),
+            set_={column: counter + 1},
+            where=counter < limit,
+        )
+        .returning(counter)
+    )

@@ -99,6 +99,24 @@ async def current_revision(db: "DatabaseManager") -> str | None:
         return await conn.run_sync(_read_revision)
 
 
+RETIRED_SQLITE_INDEXES = ("ix_runs_claim",)
+"""Indexes older versions created and the schema no longer has (replaced by migration 0002)."""
+
+
+def _create_all_sqlite(conn: Connection) -> None:
+    """Create missing tables and the indexes added since, and drop the retired indexes.
+
+    ``create_all`` creates a table's indexes only with the table, so a database file made by an
+    older version would never get a newer index: SQLite has no migrations to add it.
+    """
+    metadata.create_all(conn)
+    for table in metadata.sorted_tables:
+        for index in table.indexes:
+            index.create(conn, checkfirst=True)
+    for retired in RETIRED_SQLITE_INDEXES:
+        conn.exec_driver_sql(f"DROP INDEX IF EXISTS {retired}")
+
+
 async def ensure_schema(db: "DatabaseManager") -> None:
     """Create the schema on SQLite; elsewhere fail unless the migrations are at head.
 
@@ -109,7 +127,7 @@ async def ensure_schema(db: "DatabaseManager") -> None:
     """
     if db.dialect == "sqlite":
         async with _reaching(db), db.transaction() as conn:
-            await conn.run_sync(metadata.create_all)
+            await conn.run_sync(_create_all_sqlite)
         return
     head = head_revision()
     current = await current_revision(db)

@@ -96,14 +96,25 @@ runs = Table(
     Column("prompt_tokens", Integer, nullable=False, default=0),
     Column("completion_tokens", Integer, nullable=False, default=0),
     UniqueConstraint("tenant_id", "idempotency_key"),
-    # Claim: queued runs of a lane, highest priority first, oldest eligible first.
-    Index("ix_runs_claim", "status", "lane", "priority", "not_before"),
     # Reaper: running runs whose lease expired.
     Index("ix_runs_lease", "status", "lease_expires_at"),
     # Tenant concurrency cap and per-tenant listings.
     Index("ix_runs_tenant_status", "tenant_id", "status"),
     Index("ix_runs_tenant_created", "tenant_id", "created_at"),
     Index("ix_runs_conversation", "tenant_id", "conversation_id", "status"),
+)
+# Claim: the tenants with queued runs in a lane (an index skip-scan), then each one's next runs
+# in claim order (priority first, oldest eligible first), without reading a backlog past them.
+# It is the only index leading with (status, lane), so a planner without statistics yet (a
+# young table) cannot pick a worse one for the claim's reads.
+Index(
+    "ix_runs_lane_tenant",
+    runs.c.status,
+    runs.c.lane,
+    runs.c.tenant_id,
+    runs.c.priority.desc(),
+    runs.c.not_before,
+    runs.c.id,
 )
 
 steps = Table(

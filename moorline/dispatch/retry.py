@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from moorline.db.repos.interrupts import InterruptMismatch
 from moorline.db.repos.steps import StepMismatch
-from moorline.errors import ConfigError, WorkflowNotFound
+from moorline.errors import ConfigError, SoftTimeLimitExceeded, WorkflowNotFound
 
 DEFAULT_BASE_S = 1.0
 DEFAULT_CAP_S = 300.0
@@ -25,11 +25,13 @@ DEFAULT_NON_RETRYABLE: tuple[type[BaseException], ...] = (
     StepMismatch,
     InterruptMismatch,
     WorkflowNotFound,
+    SoftTimeLimitExceeded,
 )
 """Errors a retry cannot cure: configuration and programming mistakes (a workflow called
-with the wrong arguments, a missing implementation, a workflow this worker's app lacks) and
-non-deterministic replays (a step or interrupt key recorded for another call) fail the run at
-once."""
+with the wrong arguments, a missing implementation, a workflow this worker's app lacks),
+non-deterministic replays (a step or interrupt key recorded for another call), and a soft time
+limit the workflow let escape (another attempt would run out of time the same way) fail the
+run at once."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -492,6 +492,40 @@ class RedisWakeups(ListeningWakeups):
         await self._client.aclose()
 
 
+class BackgroundNotifier:
+    """The :class:`~moorline.dispatch.submit.Submitter`'s ``on_enqueued`` hook for a Notifier.
+
+    The submitter calls its hook synchronously from its writer task, which must not wait for a
+    remote ``notify``. Each call adds its lanes to a pending set; one sender task sends
+    whatever is pending, then again for what arrived meanwhile, so a burst of batches costs a
+    few notifications, not one task each, and nothing grows without bound.
+    """
+
+    def __init__(self, notifier: Notifier) -> None:
+        self._notifier = notifier
+        self._pending: set[str] = set()
+        self._sender: asyncio.Task[None] | None = None
+
+    def __call__(self, lanes: set[str]) -> None:
+        self._pending |= lanes
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send(), name="moorline-wakeups-sender")
+
+    async def _send(self) -> None:
+        while self._pending:
+            lanes, self._pending = self._pending, set()
+            try:
+                await self._notifier.notify(lanes)
+            except Exception:
+                logger.exception("wake-up for lanes %s failed", ", ".join(sorted(lanes)))
+
+    async def close(self) -> None:
+        """Send what is pending; idempotent."""
+        sender = self._sender
+        if sender is not None:
+            await sender
+
+
 def make_wakeups(settings: Settings, db: DatabaseManager) -> tuple[Notifier, Waiter]:
     """The wake-ups this deployment should use: Redis, else LISTEN/NOTIFY, else in-process.
 

@@ -6,14 +6,25 @@ fence. When one finds the lease gone it raises
 every later call, and the runner raises it even if the workflow swallowed it, so the worker
 stops the attempt and writes nothing more (invariant 2).
 
-Cancellation and injected messages come through the RuntimeStore. :class:`Cancelled` is raised
-at step boundaries (and during a step's retry pauses) once the run is cancelled; like
-``asyncio.CancelledError`` it is a ``BaseException``, so ``except Exception`` cannot swallow it.
+A cancel is learnt three ways: the store's flag, asked at every check; the runner, which
+watches the store's signal and the worker's heartbeat (the database's record of the request)
+and marks the context; and the database itself, whose step and interrupt starts refuse a run
+with a recorded cancel. :class:`Cancelled` is then raised at the top of every step, at a
+message drain, at a permission request and during a step's retry pauses; a permission wait in
+progress ends with the decision ``cancelled``. Like ``asyncio.CancelledError`` it is a
+``BaseException``, so ``except Exception`` cannot swallow it.
+
+Events go through the attempt's :class:`~moorline.engine.events.EventWriter`: ``delta`` events
+are buffered and written in batches, every other event at once, and every fenced write (step
+checkpoints, interrupts, message drains) first writes what is buffered, so the record keeps
+the order the workflow acted in. Injected messages are drained from the database as fenced
+checkpoints (:meth:`~moorline.db.repos.messages.MessagesRepo.drain`): the n-th drain of a
+replayed attempt returns what the n-th drain returned before.
 """
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -22,18 +33,21 @@ from typing import Any, TypeVar
 from moorline.db.repos.events import (
     EVENT_CANCELLED,
     EVENT_FAILED,
+    EVENT_MESSAGE_RECEIVED,
     EVENT_QUEUED,
     EVENT_RECLAIMED,
     EVENT_RELEASED,
     EVENT_RETRYING,
     EVENT_STARTED,
     EVENT_SUCCEEDED,
-    EventsRepo,
+    EVENT_TIMED_OUT,
 )
 from moorline.db.repos.interrupts import InterruptResolved, InterruptsRepo
+from moorline.db.repos.messages import MessagesRepo
 from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt
-from moorline.db.repos.steps import LeaseLost, StepsRepo
+from moorline.db.repos.steps import CancelRequested, LeaseLost, StepsRepo
+from moorline.engine.events import BUFFERED_EVENT_TYPES, EventWriter
 from moorline.engine.steps import (
     backoff_delay_s,
     call_hash,
@@ -69,6 +83,8 @@ SYSTEM_EVENT_TYPES = frozenset(
         EVENT_FAILED,
         EVENT_CANCELLED,
         EVENT_RELEASED,
+        EVENT_TIMED_OUT,
+        EVENT_MESSAGE_RECEIVED,
     }
 )
 """Event types Moorline writes for run transitions; ``ctx.emit`` may not use them."""
@@ -80,7 +96,7 @@ _CURRENT_STEP: ContextVar[tuple[RunId, str] | None] = ContextVar(
 
 
 class Cancelled(BaseException):
-    """The run was cancelled: raised at the next step boundary or wait.
+    """The run was cancelled: raised at the next step, message drain or permission request.
 
     A ``BaseException``, like ``asyncio.CancelledError``, so ``except Exception`` in workflow
     code cannot swallow it. Catch it only to clean up, then re-raise.
@@ -132,8 +148,9 @@ class Context:
         claim: Claim,
         *,
         steps: StepsRepo,
-        events: EventsRepo,
+        events: EventWriter,
         interrupts: InterruptsRepo,
+        messages: MessagesRepo,
         store: RuntimeStore,
         permission_timeout_s: float,
         interrupt_poll_s: float = DEFAULT_INTERRUPT_POLL_S,
@@ -143,10 +160,12 @@ class Context:
         self._steps = steps
         self._events = events
         self._interrupts = interrupts
+        self._messages = messages
         self._store = store
         self._permission_timeout_s = permission_timeout_s
         self._interrupt_poll_s = interrupt_poll_s
         self._permissions = 0
+        self._drains = 0
         self._lost: LeaseLost | None = None
         self._is_cancelled = False
 
@@ -175,7 +194,9 @@ class Context:
         """Whether the run's cancellation was seen.
 
         The RuntimeStore is asked at every step boundary, wait, ``emit`` and
-        ``drain_messages``; this property reports the latest answer without a round trip.
+        ``drain_messages``, and the runner sets it as soon as the store's signal or the
+        worker's heartbeat reports the cancel; this property reports the latest answer
+        without a round trip.
         """
         return self._is_cancelled
 
@@ -268,6 +289,10 @@ class Context:
     async def emit(self, type: str, data: JSONObject) -> None:
         """Record an event of the run and stream it to live subscribers.
 
+        ``delta`` events are buffered and written in batches, in the background (within
+        :data:`~moorline.engine.events.DEFAULT_FLUSH_INTERVAL_S`, and before anything else the
+        attempt writes); every other type is written at once, after the buffered ones.
+
         Raises:
             ValueError: ``type`` is empty or one Moorline uses for run transitions.
             TypeError: ``data`` is not a JSON object.
@@ -279,26 +304,44 @@ class Context:
         if not isinstance(payload, dict):
             raise TypeError(f"the data of event {type!r} must be a JSON object")
         self._check_lease()
-        await self._refresh_cancelled()
-        event = await self._fenced(self._events.append(self._fence, type, payload))
-        live: JSONObject = {
-            "seq": event.seq,
-            "type": event.type,
-            "attempt": event.attempt,
-            "data": event.data,
-            "created_at": event.created_at.isoformat(),
-        }
         try:
-            await self._store.publish_event(self.run_id, live)
-        except BackendUnavailable as exc:
-            # Live fan-out is best-effort: subscribers read stored events and catch up.
-            logger.warning("run %s: live event not published: %r", self.run_id, exc)
+            if type in BUFFERED_EVENT_TYPES:
+                # No store round trip per delta: the cancel flag is read at the next boundary.
+                await self._events.add(type, payload)
+                return
+            await self._refresh_cancelled()
+            await self._events.write(type, payload)
+        except LeaseLost as exc:
+            self._lost = exc
+            raise
 
     async def drain_messages(self) -> list[str]:
-        """Take every message injected into the run so far, oldest first."""
-        self._check_lease()
-        await self._refresh_cancelled()
-        return await self._store.drain_messages(self.run_id)
+        """Take every message injected into the run since the last drain, oldest first.
+
+        Each drain is a checkpoint: a replay of this attempt (after a crash) gets the same
+        messages back from the same drain, and a message is never returned by two drains.
+
+        Raises:
+            Cancelled: The run was cancelled; the messages stay queued.
+            LeaseLost: This attempt no longer holds the run; nothing was taken.
+        """
+        await self._check_boundary()
+        self._drains += 1
+        try:
+            # Buffered events first, and this drain's message_received events published in
+            # their place.
+            async with self._events.exclusive():
+                drained = await self._messages.drain(self._fence, self._drains)
+                await self._events.publish(drained.events)
+        except LeaseLost as exc:
+            self._lost = exc
+            raise
+        try:
+            # The database is the record; the store's signals of these messages are spent.
+            await self._store.drain_messages(self.run_id)
+        except BackendUnavailable as exc:
+            logger.warning("run %s: message signals not cleared: %r", self.run_id, exc)
+        return [message.content for message in drained.messages]
 
     # --- permissions -------------------------------------------------------------------------
 
@@ -322,6 +365,7 @@ class Context:
             timeout: Seconds to wait; ``MOORLINE_PERMISSION_TIMEOUT`` when None.
 
         Raises:
+            Cancelled: The run was cancelled before the request; nothing was written.
             LeaseLost: This attempt no longer holds the run; nothing was written.
             InterruptMismatch: A replay asked a different action at this position.
         """
@@ -329,7 +373,7 @@ class Context:
         if timeout_s <= 0:
             raise ValueError(f"permission {action!r}: timeout must be positive")
         payload = to_json(data, f"the data of permission {action!r}")
-        self._check_lease()
+        await self._check_boundary()
         self._permissions += 1
         key = f"permission:{self._permissions}"
         interrupt = await self._fenced(
@@ -407,12 +451,26 @@ class Context:
         if self._lost is not None:
             raise LeaseLost(self._fence, "nothing more")
 
-    async def _fenced(self, write: Awaitable[T]) -> T:
+    async def _fenced(self, write: Coroutine[Any, Any, T]) -> T:
+        """Await a fenced write, after the buffered events (which keep their place before it)."""
         try:
+            try:
+                await self._events.flush()
+            except BaseException:
+                write.close()
+                raise
             return await write
         except LeaseLost as exc:
             self._lost = exc
             raise
+        except CancelRequested:
+            # The database has the request even though the store did not say so (yet).
+            self._is_cancelled = True
+            raise Cancelled(self.run_id) from None
+
+    def _mark_cancelled(self) -> None:
+        """The runner learnt of the run's cancel (store signal or heartbeat): remember it."""
+        self._is_cancelled = True
 
     async def _refresh_cancelled(self) -> bool:
         if not self._is_cancelled:

@@ -6,8 +6,9 @@ apps in one process (tests) never see each other's workflows.
 """
 
 import inspect
+import math
 import re
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -17,7 +18,7 @@ from moorline.errors import ConfigError, InvalidInput, WorkflowNotFound
 from moorline.settings import Settings, load_settings
 from moorline.types import JSONObject
 
-WorkflowFn = Callable[..., Awaitable[Any]]
+WorkflowFn = Callable[..., Coroutine[Any, Any, Any]]
 F = TypeVar("F", bound=WorkflowFn)
 
 DEFAULT_MAX_ATTEMPTS = 3
@@ -27,7 +28,14 @@ NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,199}$")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkflowDefinition:
-    """One registered workflow: its persisted name, function, limits and input model."""
+    """One registered workflow: its persisted name, function, limits and input model.
+
+    Attributes:
+        timeout_s: Hard time limit of an attempt in seconds; None for
+            ``MOORLINE_EXECUTION_TIMEOUT``.
+        soft_timeout_s: Seconds after which ``SoftTimeLimitExceeded`` is raised inside an
+            attempt; None for no soft limit.
+    """
 
     name: str
     fn: WorkflowFn
@@ -35,6 +43,7 @@ class WorkflowDefinition:
     timeout_s: float | None
     input_model: type[BaseModel]
     parameters: tuple[str, ...] = field(default=())
+    soft_timeout_s: float | None = None
 
     def validate_input(self, data: Mapping[str, Any]) -> JSONObject:
         """Check ``data`` against the function's parameters; return it as JSON-ready values.
@@ -106,14 +115,34 @@ class Moorline:
         *,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         timeout: float | None = None,
+        soft_timeout: float | None = None,
     ) -> Callable[[F], F]:
-        """Register an ``async def`` workflow under a persisted ``name``."""
+        """Register an ``async def`` workflow under a persisted ``name``.
+
+        Both time limits apply to each attempt, counted on the worker's monotonic clock.
+
+        Args:
+            name: The workflow's persisted name (letters, digits, ``_``, ``.``, ``-``).
+            max_attempts: Claims a run may have before it ends ``failed``.
+            timeout: Hard limit in seconds: past it the workflow is cancelled and the run
+                ends ``timed_out``, without a retry. None for ``MOORLINE_EXECUTION_TIMEOUT``.
+            soft_timeout: Seconds after which ``moorline.SoftTimeLimitExceeded`` is raised
+                inside the workflow, at its current ``await``, so it can clean up: returning
+                then succeeds the run, letting it escape fails the run without a retry. None
+                for no soft limit; it must be below ``timeout`` when both are given.
+
+        Raises:
+            ConfigError: A bad name or limit, or a second workflow with this name.
+        """
         if not NAME_PATTERN.match(name):
             raise ConfigError(f"workflow name {name!r}: use letters, digits, '_', '.', '-'")
         if max_attempts < 1:
             raise ConfigError(f"workflow {name!r}: max_attempts must be at least 1")
-        if timeout is not None and timeout <= 0:
-            raise ConfigError(f"workflow {name!r}: timeout must be positive")
+        for label, limit in (("timeout", timeout), ("soft_timeout", soft_timeout)):
+            if limit is not None and not (0 < limit < math.inf):
+                raise ConfigError(f"workflow {name!r}: {label} must be a positive number")
+        if timeout is not None and soft_timeout is not None and soft_timeout >= timeout:
+            raise ConfigError(f"workflow {name!r}: soft_timeout must be below timeout")
 
         def register(fn: F) -> F:
             registered = fn  # iscoroutinefunction's TypeGuard would narrow away the TypeVar
@@ -129,6 +158,7 @@ class Moorline:
                 timeout_s=timeout,
                 input_model=model,
                 parameters=parameters,
+                soft_timeout_s=soft_timeout,
             )
             return registered
 

@@ -1,36 +1,98 @@
 """The seam between dispatch and the engine: one attempt of a run is one ``Runner.run`` call.
 
 The worker claims a run, holds its lease, and calls the runner once; whatever the runner
-returns is the run's output and whatever it raises decides retry or failure. The runner never
-writes the run's status: that is the worker's fenced completion. Cancelling the call (the lease
-was lost, the worker is shutting down) must stop the workflow at its next ``await``.
+returns is the run's output and whatever it raises decides the attempt's outcome. The runner
+never writes the run's status: that is the worker's fenced completion. Cancelling the call (the
+lease was lost, the worker is shutting down) must stop the workflow at its next ``await``.
 
-Two stops are not failures and must make the worker write nothing for the attempt:
-:class:`~moorline.db.repos.steps.LeaseLost` (a fenced write found the run taken over) and
-:class:`~moorline.engine.context.Cancelled` (the run was cancelled). The runner raises them
-even when the workflow caught and swallowed them.
+Besides the workflow's own result or error, an attempt ends in one of three stops:
+
+* :class:`~moorline.db.repos.steps.LeaseLost` — a fenced write found the run taken over: the
+  worker writes nothing more;
+* :class:`~moorline.engine.context.Cancelled` — the run was cancelled: the worker ends it
+  ``cancelled``;
+* :class:`~moorline.errors.TimeLimitExceeded` — the attempt ran past its hard time limit: the
+  worker ends it ``timed_out``.
+
+The runner raises the first two even when the workflow caught and swallowed them. While the
+workflow runs (from :data:`CANCEL_WATCH_DELAY_S` into the attempt), a watcher task waits for the
+run's cancel, from the RuntimeStore's signal (milliseconds after the request) or from the
+worker's heartbeat (``cancel_requested``, set when the database reports the request: a lost
+signal costs one heartbeat interval). It marks the context cancelled, so the workflow's next
+check raises ``Cancelled``, and gives the workflow ``MOORLINE_CANCEL_GRACE`` seconds to reach
+one before an :class:`~moorline.engine.limits.AttemptGuard` cancels it outright.
+
+Around the workflow call the runner keeps the attempt's runtime state
+(:mod:`moorline.engine.conversations`): the conversation lease is taken before the workflow
+starts and released by :meth:`Runner.release` once the worker has written the outcome; the
+interactive window is open exactly while the workflow code runs. Between the workflow's end and
+the outcome, the buffered events are written, so the terminal outcome is the last record.
 """
 
+import asyncio
+import logging
+from collections.abc import Sequence
 from typing import Protocol
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
+from moorline.db.repos.messages import MessagesRepo
 from moorline.db.repos.queue import Claim
+from moorline.db.repos.records import Run
+from moorline.db.repos.runs import RunsRepo
 from moorline.db.repos.steps import StepsRepo
-from moorline.engine.context import Context
-from moorline.engine.registry import Moorline
+from moorline.engine.context import Cancelled, Context
+from moorline.engine.conversations import Conversations
+from moorline.engine.events import DEFAULT_BATCH_SIZE, DEFAULT_FLUSH_INTERVAL_S, EventWriter
+from moorline.engine.limits import AttemptGuard
+from moorline.engine.registry import Moorline, WorkflowDefinition
 from moorline.engine.steps import to_json
-from moorline.runtime.base import RuntimeStore
+from moorline.errors import BackendUnavailable
+from moorline.runtime.base import RuntimeStore, StoreShutdown
 from moorline.settings import Settings
-from moorline.types import JSONValue
+from moorline.types import JSONValue, RunId
+
+logger = logging.getLogger(__name__)
+
+CANCEL_WATCH_DELAY_S = 0.1
+"""Seconds into an attempt before its cancel watcher starts. Most attempts of a busy worker
+are shorter, and a watcher (a task and a store wait) would cost each of them a noticeable
+share of its run time for nothing: their own checks see a cancel, and ``finish_many`` ends a
+run with a recorded cancel ``cancelled`` whatever its outcome. Longer attempts learn of a
+cancel this much later at most, next to a grace of seconds."""
+
+CANCEL_WATCH_SLICE_S = 300.0
+"""Longest single wait of the cancel watcher on the store; it then simply waits again."""
+
+CANCEL_WATCH_RETRY_S = 1.0
+"""Pause of the cancel watcher after the store failed to answer, before it asks again."""
 
 
 class Runner(Protocol):
     """Executes one attempt of a claimed run."""
 
-    async def run(self, claim: Claim) -> JSONValue:
-        """Run the claimed run's workflow once and return its output (JSON)."""
+    async def run(
+        self, claim: Claim, *, cancel_requested: asyncio.Event | None = None
+    ) -> JSONValue:
+        """Run the claimed run's workflow once and return its output (JSON).
+
+        Args:
+            claim: The run and the fence of this attempt.
+            cancel_requested: Set by the worker when its heartbeat finds the run's cancel
+                recorded in the database.
+        """
+        ...
+
+    async def renew(self, claims: Sequence[Claim]) -> None:
+        """Keep the runtime state of these live attempts alive (called by every heartbeat).
+
+        Never raises for one attempt's trouble: the store is coordination that may be lost.
+        """
+        ...
+
+    async def release(self, claim: Claim) -> None:
+        """The attempt is over and its outcome written (or abandoned): release its state."""
         ...
 
 
@@ -44,15 +106,21 @@ class WorkflowRunner:
         db: DatabaseManager,
         store: RuntimeStore,
         settings: Settings,
+        event_batch_size: int = DEFAULT_BATCH_SIZE,
+        event_flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
     ) -> None:
         """Create a runner.
 
         Args:
             app: The workflows this worker can run.
-            db: The database (steps, events and interrupts are written there, fenced).
-            store: The RuntimeStore (cancel flags, injected messages, interrupt wake-ups,
-                live events).
-            settings: Read for ``permission_timeout``.
+            db: The database (steps, events, interrupts and message drains are written
+                there, fenced).
+            store: The RuntimeStore (cancel flags, conversation leases, interactive windows,
+                message signals, interrupt wake-ups, live events).
+            settings: Read for ``permission_timeout``, ``lease_ttl``, ``execution_timeout``
+                (the hard time limit of workflows that set none) and ``cancel_grace``.
+            event_batch_size: Buffered ``delta`` events written in one transaction.
+            event_flush_interval_s: Longest a buffered ``delta`` event waits to be written.
         """
         self._app = app
         self._store = store
@@ -60,40 +128,175 @@ class WorkflowRunner:
         self._steps = StepsRepo(db)
         self._events = EventsRepo(db)
         self._interrupts = InterruptsRepo(db)
+        self._messages = MessagesRepo(db)
+        self._conversations = Conversations(store, RunsRepo(db), lease_ttl_s=settings.lease_ttl)
+        self._event_batch_size = event_batch_size
+        self._event_flush_interval_s = event_flush_interval_s
 
-    def context(self, claim: Claim) -> Context:
+    def context(self, claim: Claim, events: EventWriter | None = None) -> Context:
         """A fresh :class:`Context` for one attempt of the claimed run."""
         return Context(
             claim,
             steps=self._steps,
-            events=self._events,
+            events=events if events is not None else self.event_writer(claim),
             interrupts=self._interrupts,
+            messages=self._messages,
             store=self._store,
             permission_timeout_s=self._settings.permission_timeout,
         )
 
-    async def run(self, claim: Claim) -> JSONValue:
+    def hard_limit_s(self, definition: WorkflowDefinition, run: Run) -> float:
+        """An attempt's hard time limit: the run's own, else its workflow's, else the default."""
+        for limit_s in (run.timeout_s, definition.timeout_s):
+            if limit_s is not None:
+                return limit_s
+        return self._settings.execution_timeout
+
+    def event_writer(self, claim: Claim) -> EventWriter:
+        """The event writer of one attempt of the claimed run."""
+        return EventWriter(
+            claim.fence,
+            events=self._events,
+            store=self._store,
+            batch_size=self._event_batch_size,
+            flush_interval_s=self._event_flush_interval_s,
+        )
+
+    async def run(
+        self, claim: Claim, *, cancel_requested: asyncio.Event | None = None
+    ) -> JSONValue:
         """Call the run's workflow with a fresh :class:`Context` and its stored input.
+
+        Args:
+            claim: The run and the fence of this attempt.
+            cancel_requested: Set by the worker when its heartbeat finds the run's cancel
+                recorded in the database; None when only the RuntimeStore's signal counts.
 
         Raises:
             WorkflowNotFound: this worker's app does not have the run's workflow (a
                 configuration error: it fails the run at once instead of retrying).
+            ConversationBusy: another live run of the conversation holds its lease (a
+                retryable failure).
             LeaseLost: the attempt lost its lease; the worker writes nothing.
-            Cancelled: the run was cancelled; the worker writes nothing.
+            Cancelled: the run was cancelled.
+            TimeLimitExceeded: the attempt ran past its hard time limit.
+            SoftTimeLimitExceeded: the workflow let its soft time limit escape.
             TypeError: the workflow's result is not JSON-serialisable.
         """
         run = claim.run
         definition = self._app.get(run.workflow)
         arguments = definition.bind(run.input if isinstance(run.input, dict) else {})
-        ctx = self.context(claim)
+        events = self.event_writer(claim)
+        ctx = self.context(claim, events)
+        guard = AttemptGuard(
+            hard_limit_s=self.hard_limit_s(definition, run),
+            soft_limit_s=definition.soft_timeout_s,
+        )
+        heard = cancel_requested if cancel_requested is not None else asyncio.Event()
+        watchers: list[asyncio.Task[None]] = []
+
+        def watch() -> None:
+            name = f"cancel-watch:{run.run_id}"
+            watchers.append(asyncio.create_task(self._watch_cancel(ctx, guard, heard), name=name))
+
+        await self._conversations.enter(claim)
+        starting = asyncio.get_running_loop().call_later(CANCEL_WATCH_DELAY_S, watch)
         try:
-            output = await definition.fn(ctx, **arguments)
+            output = await guard.run(definition.fn(ctx, **arguments))
         except Exception as exc:
-            # A workflow that caught LeaseLost and failed some other way still lost its lease.
             try:
+                await self._wind_down(claim, events)
+                # A workflow that caught LeaseLost or Cancelled and failed some other way was
+                # stopped all the same.
                 ctx.raise_if_stopped()
             except BaseException as stop:
                 raise stop from exc
             raise
+        except BaseException:
+            # Cancelled (lease lost, shutdown) or stopped: nothing more is written.
+            events.abandon()
+            await asyncio.shield(self._conversations.leave(claim))
+            raise
+        finally:
+            starting.cancel()
+            await self._stop_watchers(run.run_id, watchers)
+        await self._wind_down(claim, events)
         ctx.raise_if_stopped()
         return to_json(output, f"the result of workflow {run.workflow!r}")
+
+    async def _stop_watchers(self, run_id: RunId, watchers: list[asyncio.Task[None]]) -> None:
+        for watcher in watchers:
+            watcher.cancel()
+        if not watchers:
+            return
+        await asyncio.wait(watchers)
+        for watcher in watchers:
+            failure = None if watcher.cancelled() else watcher.exception()
+            if failure is not None:
+                logger.error("run %s: cancel watcher failed", run_id, exc_info=failure)
+
+    async def _watch_cancel(self, ctx: Context, guard: AttemptGuard, heard: asyncio.Event) -> None:
+        """Until cancelled with the attempt: learn of the run's cancel and act on it."""
+        signalled = asyncio.create_task(self._store_cancelled(ctx.run_id))
+        heartbeat = asyncio.create_task(heard.wait())
+        try:
+            done, _ = await asyncio.wait(
+                [signalled, heartbeat], return_when=asyncio.FIRST_COMPLETED
+            )
+            if signalled in done and not signalled.result():
+                await heartbeat  # the store shut down: only the heartbeat can tell now
+            from_store = signalled.done() and signalled.result()
+        finally:
+            for waiting in (signalled, heartbeat):
+                waiting.cancel()
+            await asyncio.wait([signalled, heartbeat])
+        logger.info(
+            "run %s attempt %d: cancel seen (%s); %.1fs grace before it is stopped",
+            ctx.run_id,
+            ctx.attempt,
+            "runtime store" if from_store else "heartbeat",
+            self._settings.cancel_grace,
+            extra={"run_id": ctx.run_id, "attempt": ctx.attempt, "tenant_id": ctx.tenant_id},
+        )
+        ctx._mark_cancelled()
+        guard.cancel_after(self._settings.cancel_grace, Cancelled(ctx.run_id))
+        if not from_store:
+            # Learnt from the database: the store's flag was lost (or never set). Set it again
+            # so the workflow's waits on the store (permission waits, step retry pauses) wake.
+            try:
+                await self._store.request_cancel(ctx.run_id)
+            except BackendUnavailable as exc:
+                logger.warning("run %s: cancel flag not restored: %r", ctx.run_id, exc)
+
+    async def _store_cancelled(self, run_id: RunId) -> bool:
+        """True once the store reports the run's cancel; False when the store shut down."""
+        while True:
+            try:
+                if await self._store.wait_cancelled(run_id, CANCEL_WATCH_SLICE_S):
+                    return True
+            except StoreShutdown:
+                return False
+            except BackendUnavailable as exc:
+                logger.warning("run %s: cancel flag unreadable: %r", run_id, exc)
+                await asyncio.sleep(CANCEL_WATCH_RETRY_S)
+
+    async def _wind_down(self, claim: Claim, events: EventWriter) -> None:
+        """The workflow returned or raised: close its window, then write its last events.
+
+        Raises:
+            LeaseLost: The buffered events could not be written; the attempt is over.
+        """
+        await self._conversations.leave(claim)
+        try:
+            await events.flush()
+        except BaseException:
+            events.abandon()
+            raise
+
+    async def renew(self, claims: Sequence[Claim]) -> None:
+        """Renew the conversation leases and interactive windows of live attempts."""
+        await self._conversations.renew(claims)
+
+    async def release(self, claim: Claim) -> None:
+        """Close the attempt's window and release its conversation lease."""
+        await self._conversations.release(claim)

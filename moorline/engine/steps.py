@@ -5,7 +5,6 @@ of its arguments; a replay whose call differs fails the run instead of returning
 recorded for another call (RELIABILITY.md E3).
 """
 
-import asyncio
 import functools
 import hashlib
 import inspect
@@ -13,6 +12,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from moorline.concurrency import run_in_thread
 from moorline.types import JSONValue
 
 STEP_BACKOFF_CAP_S = 60.0
@@ -69,13 +69,15 @@ async def call_step_function(
 ) -> object:
     """Await an async ``fn``; run a sync one in a thread so it never blocks the event loop.
 
-    ``asyncio.to_thread`` copies the context variables, so ``ctx.idempotency_key()`` works
-    inside a sync step too.
+    A sync step gets a thread of its own (:func:`~moorline.concurrency.run_in_thread`), not one
+    of the loop's few default-executor threads, so every slot of a worker can be in a blocking
+    SDK call at once. The thread sees the caller's context variables, so
+    ``ctx.idempotency_key()`` works inside a sync step too.
     """
     if inspect.iscoroutinefunction(fn):
         result: object = await fn(*args, **kwargs)
         return result
-    result = await asyncio.to_thread(fn, *args, **kwargs)
+    result = await run_in_thread(fn, *args, **kwargs)
     if inspect.isawaitable(result):
         # A sync callable returning an awaitable (a partial of an async def, a lambda).
         result = await result

@@ -10,6 +10,7 @@ from moorline.runtime.base import (
     InterruptState,
     InterruptStatus,
     LeaseAcquisition,
+    QueuedMessage,
     RuntimeStore,
     StoreShutdown,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "InterruptState",
     "InterruptStatus",
     "LeaseAcquisition",
+    "QueuedMessage",
     "RuntimeStore",
     "StoreShutdown",
     "make_runtime_store",

@@ -9,8 +9,9 @@ The database is the source of truth for runs; the RuntimeStore only coordinates 
 - **interrupts**: a run pauses on a human decision (``open_interrupt`` → ``wait_interrupt``,
   ``resolve_interrupt`` from the API); the first decision wins;
 - **cancellation**: a flag per run, with a wait that wakes on it;
-- **injected messages**: a FIFO per run, drained all at once;
-- **live events**: best-effort fan-out of a run's events to stream subscribers.
+- **injected messages**: a signal queue per run, ordered and de-duplicated by the message's
+  ``seq`` (the database holds the messages themselves), drained all at once;
+- **live events**: best-effort fan-out of a run's events to stream subscribers, in batches.
 
 Two implementations share one contract suite: :class:`~moorline.runtime.memory.InMemoryRuntimeStore`
 (one process) and :class:`~moorline.runtime.redis.RedisRuntimeStore` (many processes).
@@ -27,12 +28,18 @@ wait                resolved / signalled                         timeout
 
 After :meth:`RuntimeStore.shutdown` every wait in this process, running or new, raises
 :class:`StoreShutdown`, and every event subscription ends.
+
+Live events are JSON objects carrying the event's ``seq``. A subscriber has a bounded queue:
+one that falls :data:`DEFAULT_EVENT_QUEUE_SIZE` events behind is cut off
+(:attr:`EventSubscription.is_dropped`) with the ``seq`` of the last event it took
+(:attr:`EventSubscription.last_seq`), and resumes from the database after it. A publisher never
+waits for a subscriber.
 """
 
 import asyncio
 import json
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
@@ -48,7 +55,7 @@ DEFAULT_EVENT_QUEUE_SIZE = 1000
 """Events a subscriber may fall behind by before it is dropped."""
 
 DEFAULT_MAX_MESSAGES = 1000
-"""Injected messages a run may have waiting before more are refused."""
+"""Injected-message signals a run may have queued before more are refused."""
 
 
 class StoreShutdown(MoorlineError):
@@ -65,6 +72,13 @@ class StoreShutdown(MoorlineError):
 def queue_full(run_id: RunId, max_messages: int) -> LimitExceeded:
     """The error of a push onto a full message queue."""
     return LimitExceeded(f"run {run_id} already has {max_messages} messages waiting")
+
+
+class QueuedMessage(NamedTuple):
+    """An injected message as the store's queue holds it: its ``seq`` in the run, and its text."""
+
+    seq: int
+    text: str
 
 
 class InterruptStatus(StrEnum):
@@ -105,13 +119,18 @@ def decode_decision(text: str) -> JSONObject:
 
 
 class EventSubscription:
-    """Live events of one run, in publish order, until closed, dropped or shut down.
+    """Live events of one run, in publish order, until closed, cut off or shut down.
 
-    Iterate with ``async for``; close with :meth:`close` (or use ``async with``). Live fan-out is
-    best-effort: a subscriber reads the run's stored events from the database first and
-    de-duplicates by ``seq``. The buffer is bounded: a subscriber that falls
-    ``max_queued`` events behind is dropped (:attr:`is_dropped` becomes true and iteration ends)
-    so that it can never stall a publisher; it resumes from the database at its last ``seq``.
+    Iterate with ``async for`` (or take everything queued at once with :meth:`take`); close
+    with :meth:`close` (or use ``async with``). Live fan-out is best-effort: a reader of a
+    run's events reads the stored ones from the database and de-duplicates by ``seq``
+    (:class:`moorline.engine.streams.EventStream` does both).
+
+    The queue is bounded: a subscriber that falls ``max_queued`` events behind is cut off
+    (:attr:`is_dropped` becomes true, the events it had not taken are discarded and iteration
+    ends) so that it can never stall a publisher. It resumes from the database after
+    :attr:`last_seq`, the last event it took. A subscriber that has taken everything always
+    accepts the next batch whole, however large: it has not fallen behind.
     """
 
     def __init__(
@@ -120,11 +139,14 @@ class EventSubscription:
         max_queued: int = DEFAULT_EVENT_QUEUE_SIZE,
         on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be at least 1, got {max_queued}")
         self._items: deque[JSONObject] = deque()
         self._max_queued = max_queued
         self._ready = asyncio.Event()
         self._ended = False
         self._dropped = False
+        self._last_seq: int | None = None
         self._on_close = on_close
 
     @property
@@ -136,14 +158,22 @@ class EventSubscription:
     def is_ended(self) -> bool:
         return self._ended
 
-    def offer(self, event: JSONObject) -> None:
-        """Queue one event; drop the subscriber instead of blocking when it is full."""
-        if self._ended:
+    @property
+    def last_seq(self) -> int | None:
+        """``seq`` of the last event taken from this subscription (None before the first)."""
+        return self._last_seq
+
+    def offer(self, events: Sequence[JSONObject]) -> None:
+        """Queue a batch of events; cut the subscriber off instead of blocking when it is full.
+
+        The events may be shared with other subscribers: nobody may change them.
+        """
+        if self._ended or not events:
             return
-        if len(self._items) >= self._max_queued:
+        if self._items and len(self._items) + len(events) > self._max_queued:
             self.end(dropped=True)
             return
-        self._items.append(event)
+        self._items.extend(events)
         self._ready.set()
 
     def end(self, *, dropped: bool = False) -> None:
@@ -161,13 +191,35 @@ class EventSubscription:
         if on_close is not None:
             await on_close()
 
+    async def take(self) -> list[JSONObject]:
+        """Wait for events, then take every queued one; an empty list once the stream ended.
+
+        Safe to cancel: nothing is taken until the wait is over.
+        """
+        while not self._items:
+            if self._ended:
+                return []
+            self._ready.clear()
+            await self._ready.wait()
+        taken = list(self._items)
+        self._items.clear()
+        self._note(taken[-1])
+        return taken
+
+    def _note(self, event: JSONObject) -> None:
+        seq = event.get("seq")
+        if isinstance(seq, int):
+            self._last_seq = seq
+
     def __aiter__(self) -> Self:
         return self
 
     async def __anext__(self) -> JSONObject:
         while True:
             if self._items:
-                return self._items.popleft()
+                event = self._items.popleft()
+                self._note(event)
+                return event
             if self._ended:
                 raise StopAsyncIteration
             self._ready.clear()
@@ -317,30 +369,40 @@ class RuntimeStore(Protocol):
         """
         ...
 
-    async def push_message(self, run_id: RunId, text: str) -> None:
-        """Append a message to the run's injected-message queue.
+    async def push_message(self, run_id: RunId, seq: int, text: str) -> None:
+        """Signal that message ``seq`` of the run was stored: queue it, once per ``seq``.
 
-        The queue is bounded (``max_messages`` of the store): a run that does not drain it
-        cannot make it grow without limit.
+        Idempotent: pushing a ``seq`` that is queued already changes nothing, so a push
+        retried after a lost reply never queues the message twice. The queue is bounded
+        (``max_messages`` of the store): a run that does not drain it cannot make it grow
+        without limit.
+
+        Args:
+            run_id: The run the message was posted to.
+            seq: The message's number in the run (from the database).
+            text: The message.
 
         Raises:
             LimitExceeded: the queue is full; nothing was added.
         """
         ...
 
-    async def drain_messages(self, run_id: RunId) -> list[str]:
-        """Take every queued message at once, oldest first (an empty list when none)."""
+    async def drain_messages(self, run_id: RunId) -> list[QueuedMessage]:
+        """Take every queued message at once, in ``seq`` order (an empty list when none)."""
         ...
 
-    async def publish_event(self, run_id: RunId, event: JSONObject) -> None:
-        """Send an event to the run's live subscribers (best-effort, at most once)."""
+    async def publish_events(self, run_id: RunId, events: Sequence[JSONObject]) -> None:
+        """Send a batch of events to the run's live subscribers (best-effort, at most once).
+
+        The batch travels as one message and reaches every subscriber whole and in order.
+        """
         ...
 
     async def subscribe_events(self, run_id: RunId) -> EventSubscription:
         """Subscribe to the run's live events.
 
         The subscription is active when this returns: every event published afterwards is
-        delivered (unless the subscriber is dropped). Read stored events after subscribing,
+        delivered (unless the subscriber is cut off). Read stored events after subscribing,
         then de-duplicate by ``seq``.
         """
         ...

@@ -9,17 +9,21 @@ same Redis Cluster slot and multi-key scripts never fail with ``CROSSSLOT``::
     <prefix>:{run:<run_id>}:interrupt:<interrupt_id> HASH status, decision    TTL of the interrupt
     <prefix>:{run:<run_id>}:interrupts               SET interrupt ids        longest interrupt TTL
     <prefix>:{run:<run_id>}:cancel                   STRING "1"               retention
-    <prefix>:{run:<run_id>}:messages                 LIST injected messages   retention
+    <prefix>:{run:<run_id>}:inbox                    HASH seq → message text  retention
     <prefix>:{run:<run_id>}:signal                   channel: interrupt:<id> | cancel | cleanup
     <prefix>:{run:<run_id>}:events                   channel: JSON events
+    <prefix>:{tenant:<tenant_id>}:quota:<YYYY-MM-DD> STRING units used        past the UTC day
+    <prefix>:ratelimit:<limits library key>          the ``limits`` library   its window
 
 Every key of a run starts with the same ``<prefix>:{run:<run_id>}``, so the hash tag is the
-same for all of them whatever characters the id contains.
+same for all of them whatever characters the id contains. The quota and rate-limit keys belong
+to admission (:mod:`moorline.admission`), not to the runtime store; they are built here so that
+every Redis name Moorline writes is in one place.
 """
 
 from dataclasses import dataclass
 
-from moorline.types import RunId
+from moorline.types import RunId, TenantId
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +59,8 @@ class RedisKeys:
         return f"{self._run(run_id)}:cancel"
 
     def messages(self, run_id: RunId) -> str:
-        """The run's injected-message queue (oldest at the head)."""
-        return f"{self._run(run_id)}:messages"
+        """The run's injected-message signals: a hash of message ``seq`` → text."""
+        return f"{self._run(run_id)}:inbox"
 
     def signal_channel(self, run_id: RunId) -> str:
         """Pub/Sub channel that wakes the run's waiters; the state in the keys is the truth."""
@@ -65,6 +69,14 @@ class RedisKeys:
     def events_channel(self, run_id: RunId) -> str:
         """Pub/Sub channel of the run's live events."""
         return f"{self._run(run_id)}:events"
+
+    def quota(self, tenant_id: TenantId, day: str) -> str:
+        """The tenant's quota counter for one UTC day (``YYYY-MM-DD``)."""
+        return f"{self.prefix}:{{tenant:{tenant_id}}}:quota:{day}"
+
+    def rate_limits(self) -> str:
+        """The key prefix handed to the ``limits`` library for API rate-limit windows."""
+        return f"{self.prefix}:ratelimit"
 
     def pattern(self) -> str:
         """A SCAN pattern that matches every key under this prefix."""

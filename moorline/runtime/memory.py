@@ -5,6 +5,9 @@ reading and writing its state. TTLs are honoured with the monotonic clock: an ex
 invisible at once and removed by the next sweep (run from writes, at most once a second), so
 nothing needs a background task. Waiters park on one :class:`asyncio.Event` each, registered per
 run; every change to a run sets its waiters' events, and each waiter re-checks the state.
+
+A published event batch is copied once (through JSON, as it would travel through Redis) and
+shared by the run's subscribers (:class:`~moorline.runtime.fanout.LocalFanout`).
 """
 
 import asyncio
@@ -12,8 +15,7 @@ import contextlib
 import json
 import math
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, cast
 
@@ -25,12 +27,14 @@ from moorline.runtime.base import (
     InterruptState,
     InterruptStatus,
     LeaseAcquisition,
+    QueuedMessage,
     RuntimeStore,
     StoreShutdown,
     decode_decision,
     encode_decision,
     queue_full,
 )
+from moorline.runtime.fanout import LocalFanout
 from moorline.types import JSONObject, RunId
 
 T = TypeVar("T")
@@ -74,7 +78,8 @@ class _Interrupt:
 class _Run:
     interrupts: dict[str, _Interrupt] = field(default_factory=dict)
     cancelled_until: float | None = None
-    messages: deque[str] = field(default_factory=deque)
+    messages: dict[int, str] = field(default_factory=dict)
+    """Injected-message signals, seq → text."""
     messages_until: float = 0.0
 
     @property
@@ -104,8 +109,8 @@ class InMemoryRuntimeStore(RuntimeStore):
 
     Args:
         retention_s: Lifetime of cancel flags and message queues (the execution timeout).
-        event_queue_size: Events a live subscriber may fall behind by before it is dropped.
-        max_messages: Injected messages a run may have waiting.
+        event_queue_size: Events a live subscriber may fall behind by before it is cut off.
+        max_messages: Injected-message signals a run may have queued.
     """
 
     def __init__(
@@ -117,12 +122,11 @@ class InMemoryRuntimeStore(RuntimeStore):
     ) -> None:
         self._retention_s = retention_s
         self._max_messages = max_messages
-        self._event_queue_size = event_queue_size
         self._leases: dict[str, _Timed[str]] = {}
         self._interactive: dict[str, _Timed[RunId]] = {}
         self._runs: dict[RunId, _Run] = {}
         self._waiters: dict[RunId, set[asyncio.Event]] = {}
-        self._subscribers: dict[RunId, set[EventSubscription]] = {}
+        self._fanout = LocalFanout(max_queued=event_queue_size)
         self._is_shut_down = False
         self._next_sweep = _now() + SWEEP_INTERVAL_S
 
@@ -252,46 +256,40 @@ class InMemoryRuntimeStore(RuntimeStore):
 
     # -- injected messages -------------------------------------------------------------------
 
-    async def push_message(self, run_id: RunId, text: str) -> None:
+    async def push_message(self, run_id: RunId, seq: int, text: str) -> None:
         self._maybe_sweep()
         run = self._runs.setdefault(run_id, _Run())
         if _now() >= run.messages_until:
             run.messages.clear()
+        if seq in run.messages:
+            return
         if len(run.messages) >= self._max_messages:
             raise queue_full(run_id, self._max_messages)
-        run.messages.append(text)
+        run.messages[seq] = text
         run.messages_until = _expiry(self._retention_s)
 
-    async def drain_messages(self, run_id: RunId) -> list[str]:
+    async def drain_messages(self, run_id: RunId) -> list[QueuedMessage]:
         run = self._runs.get(run_id)
         if run is None or _now() >= run.messages_until:
             return []
-        drained = list(run.messages)
+        drained = sorted(QueuedMessage(seq, text) for seq, text in run.messages.items())
         run.messages.clear()
         return drained
 
     # -- live events -------------------------------------------------------------------------
 
-    async def publish_event(self, run_id: RunId, event: JSONObject) -> None:
-        payload = json.dumps(event)
-        for subscription in tuple(self._subscribers.get(run_id, ())):
-            # Each subscriber gets its own copy, as it would from Redis.
-            subscription.offer(cast(JSONObject, json.loads(payload)))
+    async def publish_events(self, run_id: RunId, events: Sequence[JSONObject]) -> None:
+        if events and self._fanout.has_subscribers(run_id):
+            # One copy per batch, shared by this run's subscribers, as from Redis.
+            copied = cast(list[JSONObject], json.loads(json.dumps(list(events))))
+            self._fanout.deliver(run_id, copied)
 
     async def subscribe_events(self, run_id: RunId) -> EventSubscription:
-        async def unregister() -> None:
-            subscribers = self._subscribers.get(run_id)
-            if subscribers is not None:
-                subscribers.discard(subscription)
-                if not subscribers:
-                    del self._subscribers[run_id]
-
-        subscription = EventSubscription(max_queued=self._event_queue_size, on_close=unregister)
         if self._is_shut_down:
-            subscription.end()
-        else:
-            self._subscribers.setdefault(run_id, set()).add(subscription)
-        return subscription
+            ended = EventSubscription()
+            ended.end()
+            return ended
+        return self._fanout.subscribe(run_id)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -304,10 +302,7 @@ class InMemoryRuntimeStore(RuntimeStore):
         for waiters in self._waiters.values():
             for wake in waiters:
                 wake.set()
-        for subscribers in self._subscribers.values():
-            for subscription in subscribers:
-                subscription.end()
-        self._subscribers.clear()
+        self._fanout.end_all()
 
     async def close(self) -> None:
         await self.shutdown()

@@ -10,12 +10,16 @@
   run's signal channel, waits until Redis confirms the subscription, checks again, and only
   then waits for a signal, re-checking on every signal and at least every ``poll_interval_s``.
   A signal published before the subscription is therefore never needed.
-- All subscriptions of a store share one Pub/Sub connection (:class:`PubSubHub`), so a process
-  with hundreds of paused runs and event streams holds one connection, not hundreds. That
-  connection never reconnects silently: when it breaks, every waiter is told, opens its
-  subscription again on a fresh connection and re-checks; event subscriptions end as dropped.
-  When Redis stays away a waiter keeps trying until its deadline, then raises
-  :class:`~moorline.errors.BackendUnavailable`.
+- All subscriptions of a store share one Pub/Sub connection
+  (:class:`~moorline.runtime.pubsub.PubSubHub`). When it breaks, every waiter opens its
+  subscription again on a fresh connection and re-checks; event subscriptions are cut off and
+  resume from the database. When Redis stays away a waiter keeps trying until its deadline,
+  then raises :class:`~moorline.errors.BackendUnavailable`.
+- Live events go out as one ``PUBLISH`` per batch and come in through
+  :class:`~moorline.runtime.pubsub.EventFeeds`: one channel subscription per run and process,
+  whatever the number of local subscribers.
+- Injected-message signals live in a hash ``seq → text``: pushing a ``seq`` twice (a command
+  retried after its reply was lost) keeps one entry, and a drain returns them in ``seq`` order.
 
 ``RedisError`` never leaves this module: it becomes :class:`~moorline.errors.BackendUnavailable`.
 """
@@ -26,13 +30,11 @@ import functools
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from importlib import resources
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
-from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.commands.core import AsyncScript
@@ -49,6 +51,7 @@ from moorline.runtime.base import (
     InterruptState,
     InterruptStatus,
     LeaseAcquisition,
+    QueuedMessage,
     RuntimeStore,
     StoreShutdown,
     decode_decision,
@@ -56,6 +59,7 @@ from moorline.runtime.base import (
     queue_full,
 )
 from moorline.runtime.keys import SIGNAL_CANCEL, SIGNAL_CLEANUP, SIGNAL_INTERRUPT, RedisKeys
+from moorline.runtime.pubsub import EventFeeds, PubSubHub
 from moorline.types import JSONObject, RunId
 
 logger = logging.getLogger(__name__)
@@ -114,164 +118,6 @@ def _translate(
     return wrapper
 
 
-class Listener(Protocol):
-    """A local interest in a channel; called from the hub's reader, so it must not block."""
-
-    def on_message(self, data: str) -> None:
-        """A message arrived on the channel."""
-        ...
-
-    def on_broken(self) -> None:
-        """The connection broke: messages may have been lost, and none will come any more."""
-        ...
-
-
-@dataclass(eq=False, slots=True)
-class _Channel:
-    listeners: set[Listener] = field(default_factory=set)
-    confirmed: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when Redis confirmed the SUBSCRIBE (or when the link broke)."""
-
-
-@dataclass(eq=False, slots=True)
-class Link:
-    """One Pub/Sub connection and the channels subscribed on it; replaced whole when it breaks."""
-
-    pubsub: PubSub
-    channels: dict[str, _Channel] = field(default_factory=dict)
-    reader: "asyncio.Task[None] | None" = None
-    is_broken: bool = False
-
-
-class PubSubHub:
-    """Every subscription of one store over a single Pub/Sub connection.
-
-    The connection is opened without redis-py's retries: redis-py would reconnect and
-    re-subscribe silently, hiding that messages were lost meanwhile. Here a broken connection
-    is dropped whole and every listener hears :meth:`Listener.on_broken`.
-
-    A channel's entry is only deleted (and unsubscribed) after its SUBSCRIBE was confirmed.
-    Replies on one connection come in order, so every "subscribe" reply then belongs to the
-    entry that is in the table: a confirmation is never credited to the wrong subscription.
-    """
-
-    def __init__(self, client: Redis) -> None:
-        self._client = client
-        self._link: Link | None = None
-        self._lock = asyncio.Lock()
-
-    async def subscribe(self, channel: str, listener: Listener) -> Link:
-        """Add ``listener`` to ``channel``; return once Redis confirmed the subscription.
-
-        Raises:
-            redis.exceptions.ConnectionError: the connection broke (subscribe again).
-        """
-        link = await self._live_link()
-        entry = link.channels.get(channel)
-        first = entry is None
-        if entry is None:
-            entry = link.channels[channel] = _Channel()
-        entry.listeners.add(listener)
-        try:
-            if first:
-                # Shielded: a caller cancelled mid-write must not cut a command in half on the
-                # shared connection. The reader unsubscribes if nobody is left at confirmation.
-                await asyncio.shield(self._send(link, "subscribe", channel))
-            await entry.confirmed.wait()
-        except BaseException:
-            await self.unsubscribe(link, channel, listener)
-            raise
-        if link.is_broken:
-            raise RedisConnectionError("the Pub/Sub connection broke while subscribing")
-        return link
-
-    async def unsubscribe(self, link: Link, channel: str, listener: Listener) -> None:
-        """Remove ``listener``; the last one out unsubscribes the connection."""
-        entry = link.channels.get(channel)
-        if entry is None:
-            return
-        entry.listeners.discard(listener)
-        if entry.listeners or not entry.confirmed.is_set() or link.is_broken:
-            return
-        del link.channels[channel]
-        await asyncio.shield(self._send(link, "unsubscribe", channel))
-
-    async def close(self) -> None:
-        """Drop the connection; listeners hear ``on_broken``."""
-        if self._link is not None:
-            await self._break(self._link, None)
-
-    async def _live_link(self) -> Link:
-        async with self._lock:
-            if self._link is None or self._link.is_broken:
-                pubsub = self._client.pubsub()
-                try:
-                    await pubsub.connect()  # type: ignore[no-untyped-call]
-                except BaseException:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                    raise
-                link = Link(pubsub)
-                link.reader = asyncio.create_task(self._read(link), name="moorline-pubsub")
-                self._link = link
-            return self._link
-
-    async def _send(self, link: Link, command: str, channel: str) -> None:
-        """Send (UN)SUBSCRIBE; on failure break the link instead of raising (callers check)."""
-        try:
-            if command == "subscribe":
-                await link.pubsub.subscribe(channel)
-            else:
-                await link.pubsub.unsubscribe(channel)
-        except Exception as exc:
-            # A dead socket or a half-sent command: nobody can trust this connection now.
-            await self._break(link, exc)
-        except BaseException as exc:
-            await self._break(link, exc)
-            raise
-
-    async def _read(self, link: Link) -> None:
-        try:
-            while True:
-                message = await link.pubsub.get_message(timeout=None)
-                if message is not None:
-                    await self._dispatch(link, message)
-        except Exception as exc:
-            await self._break(link, exc)
-
-    async def _dispatch(self, link: Link, message: dict[str, Any]) -> None:
-        channel = message["channel"]
-        entry = link.channels.get(channel)
-        if entry is None:
-            return
-        if message["type"] == "subscribe":
-            entry.confirmed.set()
-            if not entry.listeners:  # everyone left before the confirmation
-                del link.channels[channel]
-                await self._send(link, "unsubscribe", channel)
-        elif message["type"] == "message":
-            for listener in tuple(entry.listeners):
-                listener.on_message(message["data"])
-
-    async def _break(self, link: Link, error: BaseException | None) -> None:
-        if link.is_broken:
-            return
-        link.is_broken = True
-        if error is not None:
-            logger.warning("runtime store: Pub/Sub connection lost: %r; subscribing again", error)
-        for entry in link.channels.values():
-            entry.confirmed.set()
-            for listener in tuple(entry.listeners):
-                listener.on_broken()
-        link.channels.clear()
-        if self._link is link:
-            self._link = None
-        reader = link.reader
-        if reader is not None and reader is not asyncio.current_task():
-            reader.cancel()
-            await asyncio.wait((reader,))
-        await link.pubsub.aclose()  # type: ignore[no-untyped-call]
-
-
 class _Wake:
     """A waiter's listener: its event is set by a relevant signal or a broken connection."""
 
@@ -289,25 +135,6 @@ class _Wake:
         self.event.set()
 
 
-class _EventFeed:
-    """An event subscription's listener."""
-
-    def __init__(self, subscription: EventSubscription) -> None:
-        self._subscription = subscription
-
-    def on_message(self, data: str) -> None:
-        try:
-            event = json.loads(data)
-        except ValueError:
-            logger.warning("runtime store: ignoring an event that is not JSON")
-            return
-        self._subscription.offer(cast(JSONObject, event))
-
-    def on_broken(self) -> None:
-        # Events published while the connection was down are lost: report a gap.
-        self._subscription.end(dropped=True)
-
-
 class RedisRuntimeStore(RuntimeStore):
     """RuntimeStore shared by many processes through Redis.
 
@@ -317,10 +144,10 @@ class RedisRuntimeStore(RuntimeStore):
         retention_s: TTL of cancel flags and message queues (the execution timeout).
         poll_interval_s: Longest time a waiter goes without re-checking the state; bounds the
             delay of a wake-up whose signal was lost.
-        event_queue_size: Events a live subscriber may fall behind by before it is dropped.
+        event_queue_size: Events a live subscriber may fall behind by before it is cut off.
         client_name: ``CLIENT SETNAME`` of every connection, to find them in ``CLIENT LIST``.
         max_connections: Command connections; callers beyond it wait for a free one.
-        max_messages: Injected messages a run may have waiting.
+        max_messages: Injected-message signals a run may have queued.
     """
 
     def __init__(
@@ -356,13 +183,12 @@ class RedisRuntimeStore(RuntimeStore):
         self.keys = RedisKeys(prefix)
         self._retention_ms = to_ms(retention_s)
         self._poll_interval_s = poll_interval_s
-        self._event_queue_size = event_queue_size
+        self._feeds = EventFeeds(self._hub, self.keys.events_channel, max_queued=event_queue_size)
         self._max_messages = max_messages
         self._scripts: dict[str, AsyncScript] = {
             name: self._client.register_script(load_script(name)) for name in SCRIPT_NAMES
         }
         self._watches: set[asyncio.Task[Any]] = set()
-        self._subscriptions: set[EventSubscription] = set()
         self._is_shut_down = False
         self._is_closed = False
         self._between_steps: StepHook | None = None
@@ -504,25 +330,29 @@ class RedisRuntimeStore(RuntimeStore):
     # -- injected messages -------------------------------------------------------------------
 
     @_translate
-    async def push_message(self, run_id: RunId, text: str) -> None:
+    async def push_message(self, run_id: RunId, seq: int, text: str) -> None:
         length = await self._script(
             "push_message",
             [self.keys.messages(run_id)],
-            [text, self._retention_ms, self._max_messages],
+            [seq, text, self._retention_ms, self._max_messages],
         )
         if length < 0:
             raise queue_full(run_id, self._max_messages)
 
     @_translate
-    async def drain_messages(self, run_id: RunId) -> list[str]:
-        drained = await self._script("drain_all", [self.keys.messages(run_id)], [])
-        return [str(item) for item in drained]
+    async def drain_messages(self, run_id: RunId) -> list[QueuedMessage]:
+        flat = await self._script("drain_all", [self.keys.messages(run_id)], [])
+        # HGETALL's reply alternates field and value.
+        pairs = zip(flat[::2], flat[1::2], strict=True)
+        queued = [QueuedMessage(int(seq), str(text)) for seq, text in pairs]
+        return sorted(queued)
 
     # -- live events -------------------------------------------------------------------------
 
     @_translate
-    async def publish_event(self, run_id: RunId, event: JSONObject) -> None:
-        await self._client.publish(self.keys.events_channel(run_id), json.dumps(event))
+    async def publish_events(self, run_id: RunId, events: Sequence[JSONObject]) -> None:
+        if events:
+            await self._client.publish(self.keys.events_channel(run_id), json.dumps(list(events)))
 
     @_translate
     async def subscribe_events(self, run_id: RunId) -> EventSubscription:
@@ -530,31 +360,19 @@ class RedisRuntimeStore(RuntimeStore):
             ended = EventSubscription()
             ended.end()
             return ended
-        channel = self.keys.events_channel(run_id)
         backoff_s = RESUBSCRIBE_BACKOFF_S
         try:
             async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
                 while True:
                     try:
-                        subscription = await self._open_subscription(channel)
+                        return await self._feeds.subscribe(run_id)
                     except (RedisConnectionError, RedisTimeoutError):
                         await asyncio.sleep(backoff_s)
                         backoff_s = min(backoff_s * 2, MAX_RESUBSCRIBE_BACKOFF_S)
-                    else:
-                        self._subscriptions.add(subscription)
-                        return subscription
         except TimeoutError as exc:
-            raise BackendUnavailable(f"Redis did not confirm subscribing {channel}") from exc
-
-    async def _open_subscription(self, channel: str) -> EventSubscription:
-        async def close() -> None:
-            self._subscriptions.discard(subscription)
-            await self._hub.unsubscribe(link, channel, feed)
-
-        subscription = EventSubscription(max_queued=self._event_queue_size, on_close=close)
-        feed = _EventFeed(subscription)
-        link = await self._hub.subscribe(channel, feed)
-        return subscription
+            raise BackendUnavailable(
+                f"Redis did not confirm subscribing {self.keys.events_channel(run_id)}"
+            ) from exc
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -573,8 +391,7 @@ class RedisRuntimeStore(RuntimeStore):
         self._is_shut_down = True
         for watch in tuple(self._watches):
             watch.cancel()
-        for subscription in tuple(self._subscriptions):
-            await subscription.close()
+        self._feeds.end_all()
         if self._watches:
             await asyncio.wait(tuple(self._watches))
         await self._hub.close()

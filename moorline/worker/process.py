@@ -16,6 +16,7 @@ from moorline.dispatch.wakeups import Notifier, Waiter
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
 from moorline.plans import PlansProvider
+from moorline.runtime.base import RuntimeStore
 from moorline.runtime.factory import make_runtime_store
 from moorline.settings import Settings
 from moorline.worker.worker import Worker, make_owner_id
@@ -35,33 +36,56 @@ async def run_worker_process(
     notifier: Notifier | None = None,
     waiter: Waiter | None = None,
     grace_s: float = 30.0,
+    store: RuntimeStore | None = None,
+    loops: int = 1,
 ) -> None:
-    """Run the reaper loop and a worker over ``lanes`` until ``stop`` is set.
+    """Run the reaper loop and ``loops`` workers over ``lanes`` until ``stop`` is set.
+
+    Args:
+        settings: The process settings.
+        app: The workflows the workers run.
+        db: The database.
+        lanes: Lane → slots of each worker.
+        stop: Set to stop: claiming ends, running runs get ``grace_s``, then are released.
+        notifier: Wake-ups the reaper sends when it requeues runs.
+        waiter: Wake-ups the workers wait on.
+        grace_s: How long running runs may finish after ``stop``.
+        store: The RuntimeStore to share (``moorline serve`` shares the API's, so a cancel or a
+            message reaches in-process workers without Redis); None makes one, closed here.
+        loops: Workers in this process, each with its own lease owner id; 0 runs the reaper
+            alone.
 
     Raises:
         WorkerCrashed: a long-lived loop died (the process should exit non-zero).
     """
     plans = PlansProvider(settings)
-    owner = make_owner_id()
-    reaper = make_reaper(settings, db, holder=owner, notifier=notifier)
-    store = make_runtime_store(settings)
+    owners = [make_owner_id() for _ in range(max(loops, 1))]
+    reaper = make_reaper(settings, db, holder=owners[0], notifier=notifier)
+    own_store = store is None
+    runtime = make_runtime_store(settings) if store is None else store
     try:
-        worker = Worker(
-            db,
-            WorkflowRunner(app, db=db, store=store, settings=settings),
-            lanes=lanes,
-            lease_ttl_s=settings.lease_ttl,
-            tenant_caps=plans.tenant_caps,
-            waiter=waiter,
-            owner=owner,
-            grace_s=grace_s,
-        )
+        workers = [
+            Worker(
+                db,
+                WorkflowRunner(app, db=db, store=runtime, settings=settings),
+                lanes=lanes,
+                lease_ttl_s=settings.lease_ttl,
+                tenant_caps=plans.tenant_caps,
+                waiter=waiter,
+                owner=owner,
+                grace_s=grace_s,
+            )
+            for owner in owners[:loops]
+        ]
         async with asyncio.TaskGroup() as group:
             group.create_task(reaper.run(stop), name="reaper")
-            group.create_task(worker.run(stop), name="worker")
+            for index, worker in enumerate(workers):
+                group.create_task(worker.run(stop), name=f"worker:{index}")
     finally:
-        # After the worker: its runs have finished or been released, so no wait is cut short.
-        await store.close()
+        # After the workers: their runs have finished or been released, so no wait is cut
+        # short.
+        if own_store:
+            await runtime.close()
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -9,12 +9,19 @@ One :class:`Worker` per process (or per in-process loop of ``moorline serve``):
   slot or the slow poll.
 - **Leases.** A heartbeat loop renews every held lease each ``LEASE_TTL/3`` with a statement
   fenced by (run, attempt, owner, running). A renewal that matches no row means the lease is
-  gone (reaped, cancelled): the execution is cancelled at once and writes nothing more.
+  gone (reaped, cancelled): the execution is cancelled at once and writes nothing more. The
+  same beat then renews the runtime state of the attempts still held (conversation leases,
+  interactive windows: :meth:`~moorline.engine.runner.Runner.renew`), which the runner
+  releases once the attempt's outcome is written.
 - **Self-fencing.** Each execution also has a deadline on the monotonic clock, pushed back by
   every successful renewal: ``last renewal + LEASE_TTL - margin``. When the database could not
   be reached in time (or the process was paused), the deadline cancels the execution before
   the lease can expire, so a worker never keeps working on a run another may have taken.
-- **Outcomes** go through the :class:`~moorline.worker.completions.Completer` (group commit).
+- **Cancels.** Each execution has a ``cancel_requested`` event the runner watches besides the
+  RuntimeStore's signal; the heartbeat sets it for every renewed run whose cancel the database
+  reports, so a lost signal costs at most one heartbeat interval.
+- **Outcomes** go through the :class:`~moorline.worker.completions.Completer` (group commit):
+  succeeded, failed (or retrying), and the stops ``cancelled`` and ``timed_out``, all fenced.
 - **Shutdown** (``stop`` set): claiming stops, in-flight runs get ``grace_s`` to finish, the
   rest are cancelled and released (back to ``queued`` at once, their attempt fenced out).
 - **Supervision.** The long-lived loops run in one task group: if one dies, the others are
@@ -29,18 +36,19 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
-from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Succeeded
+from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import LeaseLost
 from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Cancelled
 from moorline.engine.runner import Runner
-from moorline.errors import MoorlineError
+from moorline.errors import MoorlineError, TimeLimitExceeded
+from moorline.types import JSONObject, RunStatus
 from moorline.worker.completions import Completer
 
 logger = logging.getLogger(__name__)
@@ -66,6 +74,10 @@ class Waiter(Protocol):
         ...
 
 
+def _ids(claim: Claim) -> tuple[str, int]:
+    return claim.fence.run_id, claim.fence.attempt
+
+
 def make_owner_id() -> str:
     """A lease owner id unique to this worker: host, process and a random suffix."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -81,6 +93,8 @@ class _Execution:
     """The lease is gone (or self-fenced): write nothing more for this attempt."""
     releasing: bool = False
     """Cancelled by shutdown: give the run back instead of failing it."""
+    cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a heartbeat finds the run's cancel recorded in the database."""
     started: float = field(default_factory=time.monotonic)
 
 
@@ -94,7 +108,7 @@ class Worker:
         *,
         lanes: Mapping[str, int],
         lease_ttl_s: float,
-        tenant_caps: Callable[[], Mapping[str, int]],
+        tenant_caps: Callable[[], Awaitable[Mapping[str, int]]],
         waiter: Waiter | None = None,
         retry_policy: RetryPolicy | None = None,
         owner: str | None = None,
@@ -139,6 +153,7 @@ class Worker:
         self._slot_freed = {lane: asyncio.Event() for lane in self._lanes}
         self._claiming = True
         self._closing = asyncio.Event()
+        self._runtime_renewal: asyncio.Task[None] | None = None
         self.claimed = 0
         self.finished = 0
 
@@ -226,7 +241,7 @@ class Worker:
                 self.owner,
                 limit=free,
                 lease_ttl_s=self._lease_ttl_s,
-                tenant_caps=self._tenant_caps(),
+                tenant_caps=await self._tenant_caps(),
             )
             for claim in claims:
                 self._start(claim, lane)
@@ -282,28 +297,40 @@ class Worker:
             logger.exception("run %s: could not record its outcome", claim.fence.run_id)
         finally:
             self._finish(execution)
+            # After the outcome: the attempt's conversation lease and window go last.
+            await self._release_runtime(claim)
+
+    async def _release_runtime(self, claim: Claim) -> None:
+        try:
+            await asyncio.shield(self._runner.release(claim))
+        except Exception:
+            logger.exception("run %s: could not release its runtime state", claim.fence.run_id)
 
     async def _attempt(self, execution: _Execution) -> Outcome | None:
         """Run the workflow once; its outcome, or None when it was cancelled by us."""
         claim = execution.claim
         try:
-            output = await self._runner.run(claim)
+            output = await self._runner.run(claim, cancel_requested=execution.cancel_requested)
         except asyncio.CancelledError:
             if execution.lost or execution.releasing:
                 return None
             raise
-        except (LeaseLost, Cancelled) as stop:
-            # A fenced write found the run taken over, or the run was cancelled: this attempt
-            # writes nothing more. A cancelled run is ended by its cancel (or by the reaper,
-            # which never resurrects a run whose cancel was requested).
+        except LeaseLost as lost:
+            # A fenced write found the run taken over: this attempt writes nothing more.
             execution.lost = True
-            logger.info(
-                "run %s attempt %d stopped: %s",
-                claim.fence.run_id,
-                claim.fence.attempt,
-                stop,
-            )
+            logger.info("run %s attempt %d stopped: %s", *_ids(claim), lost)
             return None
+        except Cancelled:
+            logger.info("run %s attempt %d: cancelled", *_ids(claim))
+            return Stopped(fence=claim.fence, status=RunStatus.CANCELLED)
+        except TimeLimitExceeded as exc:
+            logger.info("run %s attempt %d: %s", *_ids(claim), exc)
+            error: JSONObject = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "reason": "timeout",
+            }
+            return Stopped(fence=claim.fence, status=RunStatus.TIMED_OUT, error=error)
         except Exception as exc:
             decision = self._policy.decide(
                 exc, claim.fence.attempt, claim.run.max_attempts, self._rng
@@ -361,13 +388,17 @@ class Worker:
             execution.task.cancel()
 
     async def _heartbeat_loop(self) -> None:
-        while not self._closing.is_set():
-            try:
-                await asyncio.wait_for(self._closing.wait(), self.heartbeat_interval_s)
-                return
-            except TimeoutError:
-                pass
-            await self._renew_all()
+        try:
+            while not self._closing.is_set():
+                try:
+                    await asyncio.wait_for(self._closing.wait(), self.heartbeat_interval_s)
+                    return
+                except TimeoutError:
+                    pass
+                await self._renew_all()
+        finally:
+            if self._runtime_renewal is not None:
+                self._runtime_renewal.cancel()
 
     async def _renew_all(self) -> None:
         held = [
@@ -379,7 +410,7 @@ class Worker:
             return
         sent = asyncio.get_running_loop().time()
         try:
-            renewed = await self._queue.renew_leases(
+            renewal = await self._queue.renew_leases(
                 [execution.claim.fence for execution in held], self._lease_ttl_s
             )
         except Exception as exc:
@@ -389,8 +420,22 @@ class Worker:
             return
         for execution in held:
             fence = execution.claim.fence
-            if (fence.run_id, fence.attempt) in renewed:
+            if (fence.run_id, fence.attempt) in renewal.renewed:
                 if not execution.lost:
                     self._arm_self_fence(execution, sent)
+                if fence.run_id in renewal.cancel_requested:
+                    execution.cancel_requested.set()
             else:
                 self._lose(execution, "renewal matched no row (reclaimed, cancelled or finished)")
+        # In its own task: a slow RuntimeStore must never delay the next database heartbeat.
+        if self._runtime_renewal is None or self._runtime_renewal.done():
+            kept = [execution.claim for execution in held if not execution.lost]
+            self._runtime_renewal = asyncio.create_task(
+                self._renew_runtime(kept), name="runtime-renewal"
+            )
+
+    async def _renew_runtime(self, claims: list[Claim]) -> None:
+        try:
+            await self._runner.renew(claims)
+        except Exception as exc:
+            logger.warning("runtime renewal for %d runs failed: %r", len(claims), exc)

@@ -15,6 +15,7 @@ EXPECTED = {
     "NotFound",
     "RunStatus",
     "Settings",
+    "SoftTimeLimitExceeded",
     "__version__",
 }
 

@@ -22,6 +22,12 @@ WIDE_OPEN = "wide_open"
 
 NO_CAP: dict[str, int] = {WIDE_OPEN: 1_000_000}
 
+
+async def no_caps() -> dict[str, int]:
+    """``NO_CAP`` as a worker asks for it (``Worker(tenant_caps=no_caps)``)."""
+    return NO_CAP
+
+
 INSERT_CHUNK = 500
 
 

@@ -509,7 +509,9 @@ async def test_concurrent_reapers_requeue_each_expired_run_exactly_once(
             round_started = time.monotonic()
             renewed = await queue.renew_leases(fences, LIVE_TTL_S)
             lost_leases.extend(
-                fence.run_id for fence in fences if (fence.run_id, fence.attempt) not in renewed
+                fence.run_id
+                for fence in fences
+                if (fence.run_id, fence.attempt) not in renewed.renewed
             )
             slowest_round_s = max(slowest_round_s, time.monotonic() - round_started)
             renewed_once.set()

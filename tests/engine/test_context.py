@@ -34,6 +34,7 @@ from tests.contract.queue_helpers import (
     Tenants,
     add_runs,
     event_types,
+    no_caps,
     requeue_all,
     statuses,
     unique,
@@ -324,18 +325,6 @@ async def test_a_store_shutdown_ends_a_permission_wait(harness: Harness) -> None
     assert output == {"approved": False, "reason": "shutdown", "data": None}
 
 
-async def test_drain_messages_is_fifo_and_takes_everything(harness: Harness) -> None:
-    @harness.app.workflow("reader")
-    async def reader(ctx: Context) -> list[list[str]]:
-        return [await ctx.drain_messages(), await ctx.drain_messages()]
-
-    run_id = await harness.new_run("reader")
-    for text in ("first", "second", "third"):
-        await harness.store.push_message(run_id, text)
-    output = await harness.runner.run(await harness.claim())
-    assert output == [["first", "second", "third"], []]
-
-
 async def test_a_cancel_raises_cancelled_at_the_next_step(harness: Harness) -> None:
     gate = asyncio.Event()
     ran: list[str] = []
@@ -388,7 +377,7 @@ async def test_a_worker_writes_nothing_for_an_attempt_that_lost_its_lease(
         harness.runner,
         lanes={harness.lane: 1},
         lease_ttl_s=30.0,
-        tenant_caps=lambda: NO_CAP,
+        tenant_caps=no_caps,
         poll_interval_s=0.05,
     )
     stop = asyncio.Event()

@@ -2,6 +2,8 @@
 
 Each worker is ``python -m moorline worker`` with the fault app, its own log file, and
 settings from the environment: short leases and a fast reaper so faults resolve in seconds.
+Without ``redis_url`` each worker has its own in-memory RuntimeStore (nothing outside the
+process can signal it); with one, they share Redis under ``redis_prefix`` with the test.
 """
 
 import os
@@ -48,6 +50,9 @@ class Workers:
     slots: int = 20
     grace_s: float = 5.0
     tenant_concurrency: int = 1000
+    redis_url: str | None = None
+    """The Redis runtime store the workers share; None: each has its own in-memory store."""
+    redis_prefix: str = "mo"
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def env(self) -> dict[str, str]:
@@ -63,6 +68,8 @@ class Workers:
         )
         env.pop("MOORLINE_DATABASE_URLS", None)
         env.pop("MOORLINE_REDIS_URL", None)
+        if self.redis_url is not None:
+            env.update(MOORLINE_REDIS_URL=self.redis_url, MOORLINE_REDIS_PREFIX=self.redis_prefix)
         return env
 
     def start(self) -> subprocess.Popen[bytes]:

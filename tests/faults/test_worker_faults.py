@@ -40,6 +40,8 @@ CHAOS_RUNS = 300
 CHAOS_WORKERS = 3
 CHAOS_TENANTS = 10
 CHAOS_TENANT_CAP = 6
+CAP_TEST_RUNS = 40
+CAP_TEST_CAP = 5
 TERMINAL = [status.value for status in TERMINAL_STATUSES]
 
 
@@ -149,6 +151,7 @@ async def test_kill_9_at_random_loses_and_doubles_nothing(
     assert kills >= 3, f"only {kills} kills happened: the test did not test"
     assert interrupted, "no kill interrupted a run: the test did not test"
     assert max(most_running.values()) <= CHAOS_TENANT_CAP, most_running
+    assert max(most_running.values()) == CHAOS_TENANT_CAP, "no tenant reached its cap: untested"
     assert set((await statuses(db, run_ids)).values()) <= {
         ("succeeded", attempt) for attempt in range(1, 51)
     }
@@ -162,6 +165,28 @@ async def test_kill_9_at_random_loses_and_doubles_nothing(
         if took > RECOVERY_BOUND_S:
             slow.append((run_id, took))
     assert not slow, f"reclaimed later than {RECOVERY_BOUND_S}s after the kill: {slow}"
+
+
+@pytest.mark.requires("server")  # SQLite's cap is sampled in the kill -9 test above
+async def test_four_workers_never_exceed_a_tenant_cap(
+    db: DatabaseManager, tenants: Tenants, workers: Workers
+) -> None:
+    # 4 workers x 20 slots could run 80 at once; each tenant may run CAP_TEST_CAP.
+    workers.tenant_concurrency = CAP_TEST_CAP
+    tenant_ids = [await tenants.new(PLAN) for _ in range(2)]
+    run_ids = await submit(RunsRepo(db), tenant_ids, "work", [{"seconds": 0.3}] * CAP_TEST_RUNS)
+    for _ in range(4):
+        workers.start()
+    most_running: Counter[str] = Counter()
+    deadline = time.monotonic() + 120
+    while await terminal_count(db, run_ids) < CAP_TEST_RUNS:
+        assert time.monotonic() < deadline, "runs did not all finish within 120 s"
+        for tenant, running in (await running_per_tenant(db, tenant_ids)).items():
+            most_running[tenant] = max(most_running[tenant], running)
+        await asyncio.sleep(0.02)  # sampling cadence of the cap check, not synchronisation
+    workers.terminate_all()
+    assert max(most_running.values()) <= CAP_TEST_CAP, most_running
+    assert min(most_running.values()) == CAP_TEST_CAP, f"a cap was never reached: {most_running}"
 
 
 async def test_a_worker_paused_past_its_lease_writes_nothing_and_stops(

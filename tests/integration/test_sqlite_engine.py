@@ -1,5 +1,6 @@
 """The SQLite engine: its PRAGMAs on every connection, ``:memory:``, and IMMEDIATE writes."""
 
+import asyncio
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -132,3 +133,49 @@ async def test_deferred_read_then_write_fails_at_once_when_another_writer_commit
             assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 11
     finally:
         other.close()
+
+
+async def test_concurrent_writers_of_one_process_queue_in_order(
+    sqlite_db: DatabaseManager,
+) -> None:
+    # SQLite's busy handler retries blocked writers after sleeps of up to 100 ms, in no
+    # particular order; the writers of one process queue on the manager's lock instead and
+    # get the write lock in the order they asked for it.
+    entered: list[int] = []
+
+    async def bump(index: int) -> None:
+        async with sqlite_db.transaction() as conn:
+            entered.append(index)
+            await conn.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+
+    await asyncio.gather(*(bump(index) for index in range(50)))
+    assert entered == list(range(50))
+    async with sqlite_db.connect() as conn:
+        assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 50
+
+
+async def test_a_file_from_an_older_version_gets_the_current_indexes(db_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{db_path}"
+    old = DatabaseManager(Settings(database_url=url))
+    try:
+        await old.initialize()
+        # As version 0001 left it: the retired claim index, not its replacement.
+        async with old.transaction() as conn:
+            await conn.execute(text("DROP INDEX ix_runs_lane_tenant"))
+            await conn.execute(
+                text("CREATE INDEX ix_runs_claim ON runs (status, lane, priority, not_before)")
+            )
+    finally:
+        await old.dispose()
+    current = DatabaseManager(Settings(database_url=url))
+    try:
+        await current.initialize()
+        async with current.connect() as conn:
+            rows = await conn.execute(
+                text("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'runs'")
+            )
+            names = set(rows.scalars())
+    finally:
+        await current.dispose()
+    assert "ix_runs_lane_tenant" in names
+    assert "ix_runs_claim" not in names

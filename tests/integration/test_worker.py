@@ -18,11 +18,11 @@ from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
 from moorline.worker.worker import Worker, WorkerCrashed
 from tests.contract.queue_helpers import (
-    NO_CAP,
     Tenants,
     add_runs,
     event_counts,
     event_types,
+    no_caps,
     set_lease_expiry,
     statuses,
     unique,
@@ -122,7 +122,7 @@ def make_worker(
         make_runner(db, probe),
         lanes=lanes,
         lease_ttl_s=lease_ttl_s,
-        tenant_caps=lambda: NO_CAP,
+        tenant_caps=no_caps,
         retry_policy=NO_BACKOFF,
         poll_interval_s=0.05,
         grace_s=grace_s,
@@ -249,7 +249,7 @@ async def test_a_dying_loop_crashes_the_worker_instead_of_limping_on(
     lane = unique("lane")
     await add_runs(db, await tenants.new(), lane, 1)
 
-    def broken_caps() -> dict[str, int]:
+    async def broken_caps() -> dict[str, int]:
         raise RuntimeError("plans unreadable")
 
     worker = Worker(

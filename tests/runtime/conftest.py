@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from moorline.runtime.base import RuntimeStore
+from moorline.runtime.base import DEFAULT_EVENT_QUEUE_SIZE, RuntimeStore
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.runtime.redis import RedisRuntimeStore
 from tests.servers import REDIS_TEST_URL, require_server, unique_name
@@ -50,6 +50,7 @@ def make_redis_store(
     url: str = REDIS_TEST_URL,
     poll_interval_s: float = POLL_INTERVAL_S,
     client_name: str | None = None,
+    event_queue_size: int = DEFAULT_EVENT_QUEUE_SIZE,
 ) -> RedisRuntimeStore:
     return RedisRuntimeStore(
         url,
@@ -58,6 +59,7 @@ def make_redis_store(
         poll_interval_s=poll_interval_s,
         client_name=client_name,
         max_messages=MAX_MESSAGES,
+        event_queue_size=event_queue_size,
     )
 
 

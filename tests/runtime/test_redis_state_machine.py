@@ -1,9 +1,9 @@
 """Model-based test of the Redis lease and message queue (Hypothesis ``RuleBasedStateMachine``).
 
-Rules acquire, renew, release and expire leases and push and drain messages, against a plain
-dict model. After every step: each conversation has at most one holder and it is the model's;
-a renewal or release by a non-holder changed nothing (not even the TTL); every key under the
-test prefix has a TTL.
+Rules acquire, renew, release and expire leases, and push (also push again, as a retry after
+a lost reply does) and drain messages, against a plain dict model. After every step: each
+conversation has at most one holder and it is the model's; a renewal or release by a
+non-holder changed nothing (not even the TTL); every key under the test prefix has a TTL.
 """
 
 import asyncio
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from redis.asyncio import Redis
 
+from moorline.runtime.base import QueuedMessage
 from moorline.runtime.redis import RedisRuntimeStore
 from moorline.types import RunId
 from tests.runtime.conftest import delete_keys, keys_without_ttl, make_redis_store
@@ -37,7 +38,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.store: RedisRuntimeStore = self.sync(self._make_store())
         self.client: Redis = self.store.client
         self.holders: dict[str, str] = {}
-        self.messages: dict[RunId, deque[str]] = {}
+        self.messages: dict[RunId, deque[QueuedMessage]] = {}
         self.sent = 0
 
     async def _make_store(self) -> RedisRuntimeStore:
@@ -97,10 +98,17 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @rule(run=RUNS)
     def push(self, run: RunId) -> None:
-        text = f"m{self.sent}"
         self.sent += 1
-        self.sync(self.store.push_message(run, text))
-        self.messages.setdefault(run, deque()).append(text)
+        message = QueuedMessage(self.sent, f"m{self.sent}")
+        self.sync(self.store.push_message(run, message.seq, message.text))
+        self.messages.setdefault(run, deque()).append(message)
+
+    @rule(run=RUNS)
+    def push_again(self, run: RunId) -> None:
+        """A retried push of the run's latest queued message: the model does not change."""
+        queued = self.messages.get(run)
+        if queued:
+            self.sync(self.store.push_message(run, queued[-1].seq, queued[-1].text))
 
     @rule(run=RUNS)
     def drain(self, run: RunId) -> None:

@@ -53,7 +53,7 @@ def test_key_formats_are_pinned() -> None:
     assert keys.interrupt(run, "i1") == "mo:{run:r1}:interrupt:i1"
     assert keys.interrupt_index(run) == "mo:{run:r1}:interrupts"
     assert keys.cancel(run) == "mo:{run:r1}:cancel"
-    assert keys.messages(run) == "mo:{run:r1}:messages"
+    assert keys.messages(run) == "mo:{run:r1}:inbox"
     assert keys.signal_channel(run) == "mo:{run:r1}:signal"
     assert keys.events_channel(run) == "mo:{run:r1}:events"
 
@@ -90,7 +90,7 @@ async def test_every_key_written_has_a_ttl(
     await redis_store.open_interrupt(run, "i2", 1.0)
     await redis_store.resolve_interrupt(run, "i1", {"approved": True})
     await redis_store.request_cancel(run)
-    await redis_store.push_message(run, "hello")
+    await redis_store.push_message(run, 1, "hello")
     written = await keys_under(redis_client, redis_prefix)
     assert len(written) == 7, written
     assert await keys_without_ttl(redis_client, redis_prefix) == []
@@ -116,8 +116,8 @@ async def test_scripts_survive_script_flush(
     assert await redis_store.resolve_interrupt(run, "i1", {"approved": True})
     assert await asyncio.wait_for(waiter, 5) == {"approved": True}
     await redis_client.script_flush()
-    await redis_store.push_message(run, "m")
-    assert await redis_store.drain_messages(run) == ["m"]
+    await redis_store.push_message(run, 1, "m")
+    assert await redis_store.drain_messages(run) == [(1, "m")]
     await redis_store.request_cancel(run)
     assert await redis_store.release_lease("c1", "a")
     await redis_store.cleanup_run(run)
@@ -247,7 +247,7 @@ async def test_event_subscription_is_dropped_when_its_connection_breaks(
 ) -> None:
     run = RunId("r1")
     subscription = await quiet_store.subscribe_events(run)
-    await quiet_store.publish_event(run, {"seq": 1})
+    await quiet_store.publish_events(run, [{"seq": 1}])
     assert await asyncio.wait_for(anext(subscription), 5) == {"seq": 1}
     assert await kill_pubsub_connections(redis_client, quiet_store.client_name) == 1
 
@@ -256,7 +256,40 @@ async def test_event_subscription_is_dropped_when_its_connection_breaks(
 
     await wait_for(is_dropped, timeout_s=10, message="the subscription to report the gap")
     assert [event async for event in subscription] == []
+    assert subscription.last_seq == 1
     await subscription.close()
+    # A new subscription opens a fresh channel subscription and gets what follows.
+    again = await quiet_store.subscribe_events(run)
+    await quiet_store.publish_events(run, [{"seq": 2}])
+    assert await asyncio.wait_for(anext(again), 5) == {"seq": 2}
+    await again.close()
+
+
+async def test_subscribers_of_a_run_share_one_channel_subscription(
+    redis_store: RedisRuntimeStore, redis_client: Redis
+) -> None:
+    run = RunId("r1")
+    channel = redis_store.keys.events_channel(run)
+
+    async def subscribers() -> int:
+        [(_, count)] = await redis_client.pubsub_numsub(channel)
+        return int(count)
+
+    subscriptions = await asyncio.gather(*(redis_store.subscribe_events(run) for _ in range(100)))
+    assert await subscribers() == 1
+    batch: list[JSONObject] = [{"seq": seq} for seq in range(1, 51)]
+    await redis_store.publish_events(run, batch)
+    for subscription in subscriptions:
+        assert await asyncio.wait_for(subscription.take(), 5) == batch
+    for subscription in subscriptions[:-1]:
+        await subscription.close()
+    assert await subscribers() == 1, "unsubscribed only when the last one leaves"
+    await subscriptions[-1].close()
+
+    async def unsubscribed() -> bool:
+        return await subscribers() == 0
+
+    await wait_for(unsubscribed, timeout_s=5, message="the channel to be unsubscribed")
 
 
 async def test_unreachable_redis_fails_clearly_and_never_hangs() -> None:

@@ -11,6 +11,7 @@ from moorline.runtime import (
     InMemoryRuntimeStore,
     InterruptState,
     InterruptStatus,
+    QueuedMessage,
     RuntimeStore,
     StoreShutdown,
     make_runtime_store,
@@ -252,25 +253,35 @@ async def test_wait_cancelled_times_out_false(store: RuntimeStore) -> None:
 # -- injected messages -----------------------------------------------------------------------
 
 
-async def test_drain_is_fifo_and_takes_everything(store: RuntimeStore) -> None:
+async def test_drain_is_in_seq_order_and_takes_everything(store: RuntimeStore) -> None:
     assert await store.drain_messages(RUN) == []
-    for text in ("one", "two", "three"):
-        await store.push_message(RUN, text)
-    await store.push_message(OTHER_RUN, "elsewhere")
-    assert await store.drain_messages(RUN) == ["one", "two", "three"]
+    # Concurrent posters may signal out of order; the queue orders by seq.
+    for seq, text in ((2, "two"), (1, "one"), (3, "three")):
+        await store.push_message(RUN, seq, text)
+    await store.push_message(OTHER_RUN, 1, "elsewhere")
+    assert await store.drain_messages(RUN) == [(1, "one"), (2, "two"), (3, "three")]
     assert await store.drain_messages(RUN) == []
-    await store.push_message(RUN, "four")
-    assert await store.drain_messages(RUN) == ["four"]
-    assert await store.drain_messages(OTHER_RUN) == ["elsewhere"]
+    await store.push_message(RUN, 4, "four")
+    assert await store.drain_messages(RUN) == [QueuedMessage(4, "four")]
+    assert await store.drain_messages(OTHER_RUN) == [QueuedMessage(1, "elsewhere")]
+
+
+async def test_a_retried_push_queues_the_message_once(store: RuntimeStore) -> None:
+    await store.push_message(RUN, 1, "hello")
+    # The same push again, as a client retrying after its first reply was lost.
+    await store.push_message(RUN, 1, "hello")
+    await store.push_message(RUN, 2, "world")
+    await store.push_message(RUN, 2, "world")
+    assert await store.drain_messages(RUN) == [(1, "hello"), (2, "world")]
 
 
 async def test_concurrent_drains_lose_and_repeat_nothing(store: RuntimeStore) -> None:
-    sent = [f"m{i}" for i in range(300)]
-    drained: list[list[str]] = []
+    sent = list(range(1, 301))
+    drained: list[list[QueuedMessage]] = []
 
     async def push_all() -> None:
-        for text in sent:
-            await store.push_message(RUN, text)
+        for seq in sent:
+            await store.push_message(RUN, seq, f"m{seq}")
 
     async def drain_often() -> None:
         for _ in range(100):
@@ -279,43 +290,56 @@ async def test_concurrent_drains_lose_and_repeat_nothing(store: RuntimeStore) ->
 
     await asyncio.gather(push_all(), drain_often(), drain_often())
     drained.append(await store.drain_messages(RUN))
-    received = [text for batch in drained for text in batch]
-    assert sorted(received) == sorted(sent)
+    received = [message.seq for batch in drained for message in batch]
+    assert sorted(received) == sent
     for batch in drained:
-        assert batch == sorted(batch, key=sent.index), "each batch keeps the order sent"
+        assert batch == sorted(batch), "each batch is in seq order"
+        assert all(message.text == f"m{message.seq}" for message in batch)
 
 
 async def test_a_full_message_queue_refuses_more(store: RuntimeStore) -> None:
-    for index in range(MAX_MESSAGES):
-        await store.push_message(RUN, f"m{index}")
+    for seq in range(1, MAX_MESSAGES + 1):
+        await store.push_message(RUN, seq, f"m{seq}")
     with pytest.raises(LimitExceeded):
-        await store.push_message(RUN, "one too many")
+        await store.push_message(RUN, MAX_MESSAGES + 1, "one too many")
+    # A retried push of a message already queued is no new message: no refusal.
+    await store.push_message(RUN, 1, "m1")
     drained = await store.drain_messages(RUN)
-    assert drained == [f"m{index}" for index in range(MAX_MESSAGES)]
-    await store.push_message(RUN, "room again")
-    assert await store.drain_messages(RUN) == ["room again"]
+    assert drained == [(seq, f"m{seq}") for seq in range(1, MAX_MESSAGES + 1)]
+    await store.push_message(RUN, MAX_MESSAGES + 1, "room again")
+    assert await store.drain_messages(RUN) == [(MAX_MESSAGES + 1, "room again")]
 
 
 # -- live events -----------------------------------------------------------------------------
 
 
-async def test_subscribers_get_events_in_order(store: RuntimeStore) -> None:
+def batch_of(seqs: range) -> list[JSONObject]:
+    return [{"seq": seq, "type": "delta", "data": {"i": seq}} for seq in seqs]
+
+
+async def test_subscribers_get_batches_whole_and_in_order(store: RuntimeStore) -> None:
     first = await store.subscribe_events(RUN)
     second = await store.subscribe_events(RUN)
     elsewhere = await store.subscribe_events(OTHER_RUN)
-    events: list[JSONObject] = [{"seq": i, "type": "delta", "data": {"i": i}} for i in range(20)]
-    for event in events:
-        await store.publish_event(RUN, event)
-    for subscription in (first, second):
-        received = [await asyncio.wait_for(anext(subscription), 5) for _ in events]
-        assert received == events
-    await store.publish_event(OTHER_RUN, {"seq": 1})
+    batches = [batch_of(range(1, 4)), batch_of(range(4, 5)), batch_of(range(5, 21))]
+    for batch in batches:
+        await store.publish_events(RUN, batch)
+    expected = [event for batch in batches for event in batch]
+    received = [await asyncio.wait_for(anext(first), 5) for _ in expected]
+    assert received == expected
+    taken: list[JSONObject] = []
+    while len(taken) < len(expected):
+        taken += await asyncio.wait_for(second.take(), 5)
+    assert taken == expected
+    assert second.last_seq == 20
+    await store.publish_events(OTHER_RUN, [{"seq": 1}])
     assert await asyncio.wait_for(anext(elsewhere), 5) == {"seq": 1}
     for subscription in (first, second, elsewhere):
         await subscription.close()
         assert not subscription.is_dropped
-    await store.publish_event(RUN, {"seq": 99})
+    await store.publish_events(RUN, [{"seq": 99}])
     assert [event async for event in first] == []
+    assert await first.take() == []
 
 
 async def test_closing_a_subscription_ends_iteration(store: RuntimeStore) -> None:
@@ -326,17 +350,27 @@ async def test_closing_a_subscription_ends_iteration(store: RuntimeStore) -> Non
         await asyncio.wait_for(reader, 5)
 
 
-async def test_slow_subscriber_is_dropped(store: RuntimeStore) -> None:
-    subscription = await store.subscribe_events(RUN)
-    for seq in range(1100):
-        await store.publish_event(RUN, {"seq": seq})
+async def test_a_slow_subscriber_is_cut_off_with_its_last_seq(store: RuntimeStore) -> None:
+    slow = await store.subscribe_events(RUN)
+    keeping_up = await store.subscribe_events(RUN)
+    await store.publish_events(RUN, batch_of(range(1, 11)))
+    assert [(await asyncio.wait_for(anext(slow), 5))["seq"] for _ in range(5)] == [1, 2, 3, 4, 5]
+    # The slow one stops reading; the publisher goes on without waiting for it.
+    received: list[JSONObject] = []
+    for start in range(11, 1111, 100):
+        await store.publish_events(RUN, batch_of(range(start, start + 100)))
+        received += await asyncio.wait_for(keeping_up.take(), 5)
 
-    async def is_dropped() -> bool:
-        return subscription.is_dropped
+    async def is_cut_off() -> bool:
+        return slow.is_dropped
 
-    await wait_for(is_dropped, timeout_s=10, message="the slow subscriber to be dropped")
-    assert [event async for event in subscription] == []
-    await subscription.close()
+    await wait_for(is_cut_off, timeout_s=10, message="the slow subscriber to be cut off")
+    assert slow.last_seq == 5, "it resumes from the database after the last event it took"
+    assert [event async for event in slow] == []
+    assert [event["seq"] for event in received] == list(range(1, 1111))
+    assert not keeping_up.is_dropped
+    await slow.close()
+    await keeping_up.close()
 
 
 # -- cleanup and shutdown --------------------------------------------------------------------
@@ -346,7 +380,7 @@ async def test_cleanup_run_deletes_its_state_only(store: RuntimeStore) -> None:
     for run in (RUN, OTHER_RUN):
         await store.open_interrupt(run, "i1", LONG_S)
         await store.request_cancel(run)
-        await store.push_message(run, "hello")
+        await store.push_message(run, 1, "hello")
     await store.acquire_lease(CONV, RUN, LONG_S)
     await store.cleanup_run(RUN)
     assert await store.get_interrupt(RUN, "i1") is None
@@ -354,7 +388,7 @@ async def test_cleanup_run_deletes_its_state_only(store: RuntimeStore) -> None:
     assert await store.drain_messages(RUN) == []
     assert await store.get_interrupt(OTHER_RUN, "i1") is not None
     assert await store.is_cancelled(OTHER_RUN)
-    assert await store.drain_messages(OTHER_RUN) == ["hello"]
+    assert await store.drain_messages(OTHER_RUN) == [(1, "hello")]
     assert await store.get_lease_holder(CONV) == RUN, "leases are released, not cleaned up"
     await store.cleanup_run(RunId("never-seen"))
 

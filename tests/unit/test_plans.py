@@ -144,27 +144,30 @@ def test_empty_file_means_defaults(tmp_path: Path) -> None:
     assert load_plans_file(write(tmp_path, "")) == {}
 
 
-def test_provider_rereads_after_ttl_only(tmp_path: Path) -> None:
+async def test_provider_rereads_after_ttl_only(tmp_path: Path) -> None:
     path = write(tmp_path, TEAM_OVERRIDE)
     clock = FakeClock()
     provider = PlansProvider(Settings(plans_file=path), ttl_s=5.0, clock=clock)
-    assert provider.get("team").priority == 60
+    assert (await provider.get("team")).priority == 60
     path.write_text(TEAM_OVERRIDE.replace("priority: 60", "priority: 70"), encoding="utf-8")
     clock.now += 4.9
-    assert provider.get("team").priority == 60  # still cached
+    assert (await provider.get("team")).priority == 60  # still cached
     clock.now += 0.2
-    assert provider.get("team").priority == 70
-    assert provider.tenant_caps()["team"] == 5
-    assert provider.lane_slots()["workflow_team"] == 6
+    assert (await provider.get("team")).priority == 70
+    assert (await provider.tenant_caps())["team"] == 5
+    assert (await provider.lane_slots())["workflow_team"] == 6
 
 
-def test_provider_keeps_last_good_plans_when_file_breaks(tmp_path: Path) -> None:
+async def test_provider_keeps_last_good_plans_when_file_breaks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = write(tmp_path, TEAM_OVERRIDE)
     clock = FakeClock()
     provider = PlansProvider(Settings(plans_file=path), ttl_s=1.0, clock=clock)
     path.write_text("plans: {team: {bogus: 1}}\n", encoding="utf-8")
     clock.now += 2
-    assert provider.get("team").priority == 60
+    assert (await provider.get("team")).priority == 60
+    assert "plans: reloading 'plans' failed" in caplog.text and "plans.team" in caplog.text
 
 
 def test_provider_fails_at_start_on_a_bad_file(tmp_path: Path) -> None:
@@ -173,16 +176,16 @@ def test_provider_fails_at_start_on_a_bad_file(tmp_path: Path) -> None:
         PlansProvider(Settings(plans_file=path))
 
 
-def test_provider_unknown_plan() -> None:
+async def test_provider_unknown_plan() -> None:
     with pytest.raises(ConfigError, match="unknown plan 'gold'"):
-        PlansProvider(Settings()).get("gold")
+        await PlansProvider(Settings()).get("gold")
 
 
-def test_community_provider_applies_edition(tmp_path: Path) -> None:
+async def test_community_provider_applies_edition(tmp_path: Path) -> None:
     path = write(tmp_path, TEAM_OVERRIDE)
     provider = PlansProvider(Settings(plans_file=path, edition=Edition.COMMUNITY))
-    assert provider.get("team").lane == COMMUNITY_LANE
-    assert provider.lane_slots() == {COMMUNITY_LANE: 8 + 6 + 2}
+    assert (await provider.get("team")).lane == COMMUNITY_LANE
+    assert await provider.lane_slots() == {COMMUNITY_LANE: 8 + 6 + 2}
 
 
 @pytest.mark.parametrize(

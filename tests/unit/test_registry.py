@@ -86,3 +86,22 @@ def test_bad_registrations_fail_at_import_time() -> None:
         @app.workflow("dup")
         async def second(ctx: Any) -> None:
             return None
+
+
+def test_time_limits_are_kept_and_checked() -> None:
+    app = Moorline()
+
+    @app.workflow("limited", timeout=60, soft_timeout=45)
+    async def limited(ctx: Any) -> None:
+        return None
+
+    definition = app.get("limited")
+    assert (definition.timeout_s, definition.soft_timeout_s) == (60, 45)
+    assert make_app().get("review_pr").soft_timeout_s is None
+    with pytest.raises(ConfigError, match="soft_timeout must be below timeout"):
+        app.workflow("w", timeout=10, soft_timeout=10)
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="soft_timeout must be a positive number"):
+            app.workflow("w", soft_timeout=bad)
+        with pytest.raises(ConfigError, match="timeout must be a positive number"):
+            app.workflow("w", timeout=bad)

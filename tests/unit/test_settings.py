@@ -46,17 +46,20 @@ def test_defaults_follow_design() -> None:
         300.0,
     )
     assert s.db_pool_pre_ping is True
+    assert s.cancel_grace == 10.0
 
 
 def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOORLINE_LEASE_TTL", "1.5")
     monkeypatch.setenv("MOORLINE_EDITION", "community")
+    monkeypatch.setenv("MOORLINE_CANCEL_GRACE", "0.25")
     monkeypatch.setenv(
         "MOORLINE_DATABASE_URLS", "postgresql+asyncpg://a/x, postgresql+asyncpg://b/x"
     )
     s = load_settings()
     assert s.lease_ttl == 1.5
     assert s.edition is Edition.COMMUNITY
+    assert s.cancel_grace == 0.25
     assert s.effective_database_urls == ["postgresql+asyncpg://a/x", "postgresql+asyncpg://b/x"]
 
 
@@ -67,6 +70,7 @@ def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
         ("MOORLINE_LEASE_TTL", "-1"),
         ("MOORLINE_EDITION", "enterprise"),
         ("MOORLINE_MAX_BODY_BYTES", "0"),
+        ("MOORLINE_CANCEL_GRACE", "-1"),
         ("MOORLINE_REDIS_PREFIX", "has space"),
     ],
 )

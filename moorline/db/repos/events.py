@@ -2,18 +2,19 @@
 
 Events are written only inside the transaction that makes the transition they record (a claim,
 a finish, a reap), by :func:`append_events_txn`; a transition that matched no row writes no
-event. A workflow's own events (``ctx.emit``) go through :meth:`EventsRepo.append`, fenced by
-the attempt like a step checkpoint. Their type names are persisted and streamed, so they are
-contract (``tests/compat``).
+event. A workflow's own events (``ctx.emit``) go through :meth:`EventsRepo.append_many`, fenced
+by the attempt like a step checkpoint, several in one transaction (the engine batches ``delta``
+events). Their type names are persisted and streamed, so they are contract (``tests/compat``).
 """
 
+import builtins
+import functools
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import RowMapping, func, insert, select
+from sqlalchemy import Insert, RowMapping, bindparam, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
-from sqlalchemy.sql.elements import ColumnElement
 
 from moorline.db.dialects import DialectName, db_now
 from moorline.db.manager import DatabaseManager
@@ -30,12 +31,32 @@ EVENT_SUCCEEDED = "succeeded"
 EVENT_FAILED = "failed"
 EVENT_CANCELLED = "cancelled"
 EVENT_RELEASED = "released"
+EVENT_TIMED_OUT = "timed_out"
+EVENT_MESSAGE_RECEIVED = "message_received"
+"""The workflow took an injected message (``ctx.drain_messages``); data ``{"seq", "content"}``."""
+
+TERMINAL_EVENT_TYPES = frozenset({EVENT_SUCCEEDED, EVENT_FAILED, EVENT_CANCELLED, EVENT_TIMED_OUT})
+"""The last event of a run that ended after it was queued (a refused run has no events)."""
 
 DEFAULT_LIST_LIMIT = 1000
 
 # Bound parameters per IN list: PostgreSQL (asyncpg) allows 32,767 per statement; a chunk of
 # this size leaves room for the rest of the statement on every backend.
 _IN_CHUNK = 1000
+
+
+# Built once: constructing a statement costs more CPU than running it on a hot path.
+_LAST_SEQ = (
+    select(events.c.run_id, func.max(events.c.seq).label("seq"))
+    .where(events.c.run_id.in_(bindparam("ids", expanding=True)))
+    .group_by(events.c.run_id)
+)
+_INSERT = insert(events)
+
+
+@functools.cache
+def _insert_at_db_now(dialect: DialectName) -> Insert:
+    return insert(events).values(created_at=db_now(dialect))
 
 
 async def append_events_txn(
@@ -45,7 +66,7 @@ async def append_events_txn(
     *,
     now: datetime | None = None,
     new_runs: bool = False,
-) -> None:
+) -> list[int]:
     """Append one event per item, each at its run's next ``seq``, in the caller's transaction.
 
     The caller holds each run's row (it just changed or inserted it under a fence or
@@ -62,19 +83,18 @@ async def append_events_txn(
             multi-row statement instead of one statement per row.
         new_runs: The runs were inserted in this transaction, so none has an event yet and
             the ``max(seq)`` read is skipped.
+
+    Returns:
+        The ``seq`` given to each item, in item order.
     """
     if not items:
-        return
+        return []
     run_ids = [] if new_runs else sorted({run_id for run_id, *_ in items})
     seqs: dict[str, int] = {}
     for offset in range(0, len(run_ids), _IN_CHUNK):
         chunk = run_ids[offset : offset + _IN_CHUNK]
-        last = (
-            select(events.c.run_id, func.max(events.c.seq).label("seq"))
-            .where(events.c.run_id.in_(chunk))
-            .group_by(events.c.run_id)
-        )
-        seqs.update({row.run_id: row.seq for row in await conn.execute(last)})
+        rows = await conn.execute(_LAST_SEQ, {"ids": chunk})
+        seqs.update({row.run_id: row.seq for row in rows})
     params: list[dict[str, Any]] = []
     for run_id, attempt, event_type, data in items:
         seqs[run_id] = seqs.get(run_id, 0) + 1
@@ -87,8 +107,13 @@ async def append_events_txn(
                 "data": data,
             }
         )
-    created_at: datetime | ColumnElement[datetime] = now if now is not None else db_now(dialect)
-    await conn.execute(insert(events).values(created_at=created_at), params)
+    if now is not None:
+        for param in params:
+            param["created_at"] = now
+        await conn.execute(_INSERT, params)
+    else:
+        await conn.execute(_insert_at_db_now(dialect), params)
+    return [param["seq"] for param in params]
 
 
 def event_from_row(row: RowMapping) -> Event:
@@ -103,6 +128,42 @@ def event_from_row(row: RowMapping) -> Event:
     )
 
 
+async def append_fenced_events_txn(
+    conn: AsyncConnection,
+    dialect: DialectName,
+    fence: Fence,
+    items: Sequence[tuple[str, JSONObject]],
+) -> list[Event]:
+    """Append ``(type, data)`` events under ``fence``; the caller already holds the fence.
+
+    Args:
+        conn: The caller's connection, inside its write transaction, after
+            :func:`~moorline.db.repos.steps.hold_fence_txn`.
+        dialect: The database's dialect.
+        fence: The attempt the events are written under.
+        items: ``(event type, data)`` per event.
+
+    Returns:
+        The events as stored, in item order.
+    """
+    if not items:
+        return []
+    now: datetime = (await conn.execute(select(db_now(dialect)))).scalar_one()
+    rows = [(fence.run_id, fence.attempt, event_type, data) for event_type, data in items]
+    seqs = await append_events_txn(conn, dialect, rows, now=now)
+    return [
+        Event(
+            run_id=fence.run_id,
+            seq=seq,
+            type=event_type,
+            attempt=fence.attempt,
+            data=data,
+            created_at=now,
+        )
+        for seq, (event_type, data) in zip(seqs, items, strict=True)
+    ]
+
+
 class EventsRepo:
     """Reads a run's events; appends a workflow's own events under the attempt's fence."""
 
@@ -110,29 +171,26 @@ class EventsRepo:
         self._db = db
         self._dialect: DialectName = db.dialect
 
-    async def append(self, fence: Fence, event_type: str, data: JSONObject) -> Event:
-        """Append one event to the fence's run, at its next ``seq``, while the fence holds.
+    async def append_many(
+        self, fence: Fence, items: Sequence[tuple[str, JSONObject]]
+    ) -> builtins.list[Event]:
+        """Append ``(type, data)`` events to the fence's run, at consecutive ``seq``, if it holds.
 
         One transaction: the fence's row lock serialises the run's writers, which makes the
         ``seq`` safe. Not wrapped in ``with_retry``: an append is not idempotent, and a retry
-        after a lost commit acknowledgement would record the event twice.
+        after a lost commit acknowledgement would record the events twice.
+
+        Returns:
+            The events as stored, in item order.
 
         Raises:
             LeaseLost: The fence no longer holds; nothing was written.
         """
+        if not items:
+            return []
         async with self._db.write_transaction() as conn:
-            await hold_fence_txn(conn, self._dialect, fence, f"event {event_type!r}")
-            await append_events_txn(
-                conn, self._dialect, [(fence.run_id, fence.attempt, event_type, data)]
-            )
-            last = (
-                select(events)
-                .where(events.c.run_id == fence.run_id)
-                .order_by(events.c.seq.desc())
-                .limit(1)
-            )
-            row = (await conn.execute(last)).mappings().one()
-        return event_from_row(row)
+            await hold_fence_txn(conn, self._dialect, fence, f"{len(items)} events")
+            return await append_fenced_events_txn(conn, self._dialect, fence, items)
 
     async def list(
         self, run_id: RunId, *, after_seq: int = 0, limit: int = DEFAULT_LIST_LIMIT

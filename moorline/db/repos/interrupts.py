@@ -83,12 +83,15 @@ class InterruptsRepo:
 
         Raises:
             LeaseLost: The fence no longer holds; nothing was written.
+            CancelRequested: The run's cancel is recorded; nothing was written.
             InterruptMismatch: ``key`` was opened before for another action.
         """
 
         async def attempt() -> Interrupt:
             async with self._db.write_transaction() as conn:
-                await hold_fence_txn(conn, self._dialect, fence, f"interrupt {key!r}")
+                await hold_fence_txn(
+                    conn, self._dialect, fence, f"interrupt {key!r}", refuse_cancelled=True
+                )
                 found = await _select_txn(
                     conn, interrupts.c.run_id == fence.run_id, interrupts.c.key == key
                 )

@@ -6,23 +6,27 @@ re-evaluated after a lock wait, and two claimers then take the same run.
 
 **Claim** (one transaction per batch):
 
-1. *Rank* the lane's eligible runs (``queued``, ``not_before`` ≤ database time): priority
-   first, then round-robin between tenants, then FIFO. The round-robin key of a tenant's n-th
-   queued run is ``running + n`` (``row_number()`` per tenant plus its live ``running``
-   count): every tenant's next run comes before any tenant's second, and a tenant with fewer
-   runs in flight goes first, also when workers claim one run at a time. A tenant at its
-   concurrency cap contributes nothing and one with ``k`` free slots at most ``k`` runs. One
-   tenant's backlog thus delays another tenant of the same lane and priority by at most one
-   run per slot. Priority still dominates: fairness applies between equal priorities.
-2. On PostgreSQL and MariaDB, *lock the tenant rows* of the ranked runs, in id order (no
+1. *Find the waiting tenants*: those with eligible runs (``queued``, ``not_before`` ≤ database
+   time) in the lane, each with its live ``running`` count and its next run, by skipping
+   through ``ix_runs_lane_tenant`` one tenant at a time, so the cost follows the number of
+   tenants waiting, never the length of a backlog. *Allot* the batch between them: priority
+   first, then round-robin, then FIFO. The round-robin key of a tenant's n-th run is
+   ``running + n``: every tenant's next run comes before any tenant's second, and a tenant with
+   fewer runs in flight goes first, also when workers claim one run at a time. A tenant at its
+   concurrency cap gets nothing and one with ``k`` free slots at most ``k`` runs. One tenant's
+   backlog thus delays another tenant of the same lane and priority by at most one run per
+   slot. Priority still dominates: fairness applies between equal priorities.
+2. On PostgreSQL and MariaDB, *lock the tenant rows* of the allotted tenants, in id order (no
    deadlock between claimers), then count each tenant's ``running`` runs again and keep only
    as many candidates as that fresh count leaves free. Every claimer of a tenant holds that
    lock from its count to its commit, so counts and claims of one tenant are serialised and
    the cap holds at every commit, under any number of claimers. The count is of live rows,
    not a counter, so a dead worker's runs stop counting the moment the reaper takes them back.
-   The ranking reads twice the batch, leaving spare candidates for those a concurrent claimer
-   took while this one waited. On SQLite, ``BEGIN IMMEDIATE`` holds the database's single
-   write lock for the whole claim, so the ranking's own count is already exact.
+   The allotment covers twice the batch, leaving spare candidates for runs a concurrent
+   claimer took while this one waited. On SQLite, ``BEGIN IMMEDIATE`` holds the database's
+   single write lock for the whole claim, so the first count is already exact. Then *read
+   each allotted tenant's next runs* (one index range per tenant, ``UNION ALL``) and order
+   them by the same key.
 3. ``SELECT … FOR UPDATE SKIP LOCKED`` the chosen runs (server databases), then ``UPDATE``
    exactly those ids with the eligibility predicate repeated; SQLite updates with
    ``RETURNING``. The claim sets ``running``, ``attempt + 1`` (the fencing token), the owner,
@@ -33,9 +37,11 @@ Claims are not wrapped in ``with_retry``: a commit whose acknowledgement was los
 repeated as a second batch, orphaning the first until its leases expire.
 """
 
+import functools
+import heapq
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
@@ -43,18 +49,27 @@ from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
+    CompoundSelect,
+    Integer,
+    Row,
     RowMapping,
     Select,
+    String,
     and_,
+    bindparam,
     case,
+    cast,
     delete,
     func,
     literal,
     select,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.dml import Update
+from sqlalchemy.sql.elements import BindParameter
 
 from moorline.db import dialects
 from moorline.db.dialects import DialectName, db_now
@@ -78,6 +93,9 @@ MAX_ATTEMPTS_REASON = "max attempts"
 
 DEFAULT_REAP_LIMIT = 100
 
+_UNION_CHUNK = 400
+"""Tenants per claim read: SQLite allows at most 500 members in one compound SELECT."""
+
 _REAP_CHUNK = 500
 """Runs per reaper UPDATE (three bound parameters each), whatever the batch limit."""
 
@@ -94,6 +112,21 @@ class Claim:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Renewal:
+    """What one heartbeat statement did: the leases it renewed, the cancels it saw.
+
+    Attributes:
+        renewed: ``(run id, attempt)`` of the leases renewed; a fence missing from it lost
+            its lease.
+        cancel_requested: Those renewed runs whose cancel is recorded: their worker learns of
+            it here at the latest, however the RuntimeStore's signal fared.
+    """
+
+    renewed: frozenset[tuple[RunId, Attempt]]
+    cancel_requested: frozenset[RunId]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reaped:
     """A run the reaper took back from an expired lease, and where it went."""
 
@@ -104,11 +137,27 @@ class Reaped:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class _Waiting:
+    """A tenant with eligible queued runs in the lane being claimed from."""
+
+    tenant_id: str
+    plan: str
+    busy: int
+    """Its ``running`` runs, in every lane."""
+    priority: int
+    not_before: datetime
+    """Priority and eligibility time of its next run in claim order."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Candidate:
+    """One of a tenant's next runs: its ``turn``-th in that tenant's claim order."""
+
     run_id: str
     tenant_id: str
-    cap: int
-    free: int
+    priority: int
+    not_before: datetime
+    turn: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,19 +240,25 @@ class QueueRepo:
         """
         if limit < 1:
             return []
-        caps = _cap_expression(tenant_caps, default_cap)
         row_locks = dialects.uses_row_locks(self._dialect)
         async with self._db.write_transaction() as conn:
-            # Under row locks the ranking reads a snapshot that the tenant locks below may
-            # outdate; ranking twice the batch leaves spare candidates for runs a concurrent
+            waiting = await self._waiting_tenants_txn(conn, lane)
+            # Under row locks the tenants' counts may change before their rows are locked
+            # below; allotting twice the batch leaves spare candidates for slots a concurrent
             # claimer of the same tenant took while this one waited for the lock.
-            ranked = await self._rank_txn(conn, lane, limit * (2 if row_locks else 1), caps)
-            if not ranked:
+            allotted = _allot(waiting, tenant_caps, default_cap, limit * (2 if row_locks else 1))
+            if not allotted:
                 return []
-            free = {candidate.tenant_id: candidate.free for candidate in ranked}
+            plans = {tenant.tenant_id: tenant.plan for tenant in waiting}
+            caps = {t: _cap_of(tenant_caps, default_cap, plans[t]) for t in allotted}
             if row_locks:
-                free = await self._lock_and_count_txn(conn, {c.tenant_id: c.cap for c in ranked})
-            chosen = _take_within_caps(ranked, free, limit)
+                busy = await self._lock_and_count_txn(conn, caps)
+            else:
+                busy = {tenant.tenant_id: tenant.busy for tenant in waiting}
+            free = {t: caps[t] - busy[t] for t in caps}
+            wanted = {t: min(count, free[t]) for t, count in allotted.items() if free[t] > 0}
+            candidates = await self._next_runs_txn(conn, lane, wanted)
+            chosen = _take_in_claim_order(candidates, busy, free, limit)
             order = {run_id: index for index, run_id in enumerate(chosen)}
             rows = await self._claim_rows_txn(conn, lane, owner, chosen, lease_ttl_s)
             rows.sort(key=lambda row: order[row["id"]])
@@ -215,10 +270,31 @@ class QueueRepo:
             )
         return claims
 
+    async def _waiting_tenants_txn(self, conn: AsyncConnection, lane: str) -> list[_Waiting]:
+        """The tenants with eligible queued runs in ``lane``, with their next run and load.
+
+        The tenants are found by skipping through ``ix_runs_lane_tenant`` (a recursive query
+        that seeks the next tenant id after each one), so the cost follows the number of
+        tenants waiting in the lane, not the length of their backlogs; a tenant whose runs are
+        all delayed (``not_before`` ahead) has no next run and is left out.
+        """
+        rows = await conn.execute(_waiting_statement(self._dialect), {"lane": lane})
+        return [
+            _Waiting(
+                tenant_id=row.tenant_id,
+                plan=row.plan,
+                busy=row.busy,
+                priority=row.priority,
+                not_before=row.not_before,
+            )
+            for row in rows
+            if row.priority is not None
+        ]
+
     async def _lock_and_count_txn(
         self, conn: AsyncConnection, caps: Mapping[str, int]
     ) -> dict[str, int]:
-        """Lock the tenants' rows, then return each one's free slots counted from live rows.
+        """Lock the tenants' rows, then return each one's ``running`` count, read afresh.
 
         The locks are taken in id order so two claimers never wait on each other in a cycle,
         and held to commit, so no other claimer of these tenants counts or claims in between.
@@ -226,77 +302,45 @@ class QueueRepo:
         claim the previous lock holder committed.
         """
         tenant_ids = sorted(caps)
-        lock = select(tenants.c.id).where(tenants.c.id.in_(tenant_ids)).order_by(tenants.c.id)
-        await conn.execute(dialects.lock_rows(lock, self._dialect))
-        count = (
-            select(runs.c.tenant_id, func.count().label("n"))
-            .where(runs.c.tenant_id.in_(tenant_ids), runs.c.status == _RUNNING)
-            .group_by(runs.c.tenant_id)
-        )
-        running = {row.tenant_id: row.n for row in await conn.execute(count)}
-        return {tenant_id: cap - running.get(tenant_id, 0) for tenant_id, cap in caps.items()}
+        await conn.execute(_lock_tenants_statement(self._dialect), {"ids": tenant_ids})
+        counted = await conn.execute(_count_running_statement(), {"ids": tenant_ids})
+        running = {row.tenant_id: row.n for row in counted}
+        return {tenant_id: running.get(tenant_id, 0) for tenant_id in tenant_ids}
 
-    async def _rank_txn(
-        self, conn: AsyncConnection, lane: str, limit: int, caps: ColumnElement[int]
+    async def _next_runs_txn(
+        self, conn: AsyncConnection, lane: str, wanted: Mapping[str, int]
     ) -> list[_Candidate]:
-        """The next ``limit`` runs to claim, in claim order (see the module docstring)."""
-        stmt = self._rank_statement(lane, limit, caps)
-        return [
-            _Candidate(run_id=row.id, tenant_id=row.tenant_id, cap=row.cap, free=row.free)
-            for row in await conn.execute(stmt)
-        ]
+        """Each tenant's next ``wanted[tenant]`` eligible runs of ``lane``, in its claim order.
 
-    def _rank_statement(
-        self, lane: str, limit: int, caps: ColumnElement[int]
-    ) -> Select[tuple[str, str, int, int]]:
-        busy = (
-            select(runs.c.tenant_id, func.count().label("n"))
-            .where(runs.c.status == _RUNNING)
-            .group_by(runs.c.tenant_id)
-            .subquery("busy")
-        )
-        turn = func.row_number().over(
-            partition_by=runs.c.tenant_id,
-            order_by=(runs.c.priority.desc(), runs.c.not_before, runs.c.id),
-        )
-        ranked = (
-            select(
-                runs.c.id,
-                runs.c.tenant_id,
-                runs.c.priority,
-                runs.c.not_before,
-                turn.label("turn"),
-                func.coalesce(busy.c.n, 0).label("busy"),
-                caps.label("cap"),
-                (caps - func.coalesce(busy.c.n, 0)).label("free"),
-            )
-            .select_from(
-                runs.join(tenants, tenants.c.id == runs.c.tenant_id).outerjoin(
-                    busy, busy.c.tenant_id == runs.c.tenant_id
+        One ``UNION ALL`` of per-tenant index range reads (``ix_runs_lane_tenant``), each
+        stopping after its own limit, in chunks under SQLite's limit on compound selects.
+        """
+        members = sorted(wanted.items())
+        rows: list[Row[Any]] = []
+        for offset in range(0, len(members), _UNION_CHUNK):
+            chunk = members[offset : offset + _UNION_CHUNK]
+            params: dict[str, Any] = {"lane": lane}
+            for index, (tenant_id, count) in enumerate(chunk):
+                params[f"tenant_{index}"] = tenant_id
+                params[f"count_{index}"] = count
+            rows += await conn.execute(_next_runs_statement(self._dialect, len(chunk)), params)
+        # A UNION ALL keeps no order, not even its members' own: number each tenant's runs
+        # after sorting them here.
+        rows.sort(key=lambda row: (row.tenant_id, -row.priority, row.not_before, row.id))
+        turn: Counter[str] = Counter()
+        candidates: list[_Candidate] = []
+        for row in rows:
+            turn[row.tenant_id] += 1
+            candidates.append(
+                _Candidate(
+                    run_id=row.id,
+                    tenant_id=row.tenant_id,
+                    priority=row.priority,
+                    not_before=row.not_before,
+                    turn=turn[row.tenant_id],
                 )
             )
-            .where(
-                runs.c.status == _QUEUED,
-                runs.c.lane == lane,
-                runs.c.not_before <= db_now(self._dialect),
-            )
-            .subquery("ranked")
-        )
-        return (
-            select(ranked.c.id, ranked.c.tenant_id, ranked.c.cap, ranked.c.free)
-            # A tenant with k free slots contributes its first k runs; one at its cap, none.
-            .where(ranked.c.turn <= ranked.c.free)
-            # Round-robin over live state: a tenant's n-th queued run counts as its
-            # (running + n)-th, so the tenant with fewer runs in flight goes first even when
-            # workers claim one run at a time.
-            .order_by(
-                ranked.c.priority.desc(),
-                ranked.c.busy + ranked.c.turn,
-                ranked.c.not_before,
-                ranked.c.id,
-            )
-            .limit(limit)
-        )
+        return candidates
 
     async def _claim_rows_txn(
         self,
@@ -310,56 +354,44 @@ class QueueRepo:
         if not run_ids:
             return []
         d = self._dialect
-
-        def eligible(ids: Iterable[str]) -> ColumnElement[bool]:
-            # Repeated on every statement that touches the rows: a predicate checked only in
-            # an earlier query is not re-checked after a lock wait.
-            return and_(
-                runs.c.id.in_(list(ids)),
-                runs.c.status == _QUEUED,
-                runs.c.lane == lane,
-                runs.c.not_before <= db_now(d),
-            )
-
+        params: dict[str, Any] = {"ids": run_ids, "in_lane": lane, "new_owner": owner}
         if dialects.uses_row_locks(d):
-            lockable = dialects.lock_rows_skip_locked(select(runs.c.id).where(eligible(run_ids)), d)
-            run_ids = list((await conn.execute(lockable)).scalars())
-            if not run_ids:
+            # Lock by primary key alone and check eligibility on the rows as locked (a row
+            # lock returns the row's latest committed version): with the other predicates in
+            # the WHERE, a planner without statistics yet (a young table) may walk a status
+            # index through the whole backlog instead of reading the listed ids.
+            locked = await conn.execute(_lock_runs_statement(d), {"ids": run_ids})
+            params["ids"] = [
+                row.id
+                for row in locked
+                if row.status == _QUEUED
+                and row.lane == lane
+                and row.due
+                and row.cancel_requested_at is None
+            ]
+            if not params["ids"]:
                 return []
-        now = db_now(d)
-        claim = (
-            update(runs)
-            .where(eligible(run_ids))
-            .values(
-                status=_RUNNING,
-                attempt=runs.c.attempt + 1,
-                lease_owner=owner,
-                lease_expires_at=db_now(d, plus_s=lease_ttl_s),
-                started_at=func.coalesce(runs.c.started_at, now),
-                updated_at=now,
-            )
-        )
+        # On the servers the rows are held under this transaction's locks, so the UPDATE needs
+        # no predicate beyond the ids; on SQLite it repeats the eligibility predicate, checked
+        # under the database's write lock.
+        claim = _claim_statement(d, lease_ttl_s)
         if dialects.supports_update_returning(d):
-            return list((await conn.execute(claim.returning(*runs.c))).mappings())
-        result = await conn.execute(claim)
+            return list((await conn.execute(claim.returning(*runs.c), params)).mappings())
+        result = await conn.execute(claim, params)
         # We hold every row's lock, so each must have matched; anything else is a bug worth a
         # loud log, and the re-read below returns only what was really claimed.
-        if result.rowcount != len(run_ids):
-            logger.error("claimed %d of %d locked runs", result.rowcount, len(run_ids))
-        mine = select(runs).where(
-            runs.c.id.in_(run_ids), runs.c.status == _RUNNING, runs.c.lease_owner == owner
-        )
-        return list((await conn.execute(mine)).mappings())
+        if result.rowcount != len(params["ids"]):
+            logger.error("claimed %d of %d locked runs", result.rowcount, len(params["ids"]))
+        rows = (await conn.execute(_read_runs_statement(), {"ids": params["ids"]})).mappings()
+        return [row for row in rows if row["status"] == _RUNNING and row["lease_owner"] == owner]
 
     # --- leases -----------------------------------------------------------------------------
 
     async def renew_lease(self, fence: Fence, lease_ttl_s: float) -> bool:
         """Extend one lease (see :meth:`renew_leases`); False when it is lost."""
-        return bool(await self.renew_leases([fence], lease_ttl_s))
+        return bool((await self.renew_leases([fence], lease_ttl_s)).renewed)
 
-    async def renew_leases(
-        self, fences: Sequence[Fence], lease_ttl_s: float
-    ) -> set[tuple[RunId, Attempt]]:
+    async def renew_leases(self, fences: Sequence[Fence], lease_ttl_s: float) -> Renewal:
         """Extend leases to database time + ``lease_ttl_s``, all in one statement.
 
         Conditional on each fence only, not on the lease being unexpired: an expired lease that
@@ -370,11 +402,16 @@ class QueueRepo:
         One statement per heartbeat, whatever the number of runs a worker holds: renewing them
         one by one would let a busy database push the last renewal past its deadline.
 
+        The read-back that reports the renewed leases also reports which of those runs have a
+        recorded cancel: a cancel whose RuntimeStore signal was lost costs at most one
+        heartbeat interval.
+
         Returns:
-            ``(run id, attempt)`` of the leases renewed; a fence missing from it lost its lease.
+            The leases renewed (a fence missing from them lost its lease), and the renewed
+            runs whose cancel is recorded.
         """
         if not fences:
-            return set()
+            return Renewal(renewed=frozenset(), cancel_requested=frozenset())
         owners = {fence.owner for fence in fences}
         if len(owners) != 1:
             raise ValueError("renew_leases renews the leases of one owner at a time")
@@ -386,7 +423,7 @@ class QueueRepo:
             tuple_(runs.c.id, runs.c.attempt).in_(keys),
         )
 
-        async def renew() -> set[tuple[RunId, Attempt]]:
+        async def renew() -> Renewal:
             async with self._db.write_transaction() as conn:
                 await conn.execute(
                     update(runs)
@@ -398,8 +435,14 @@ class QueueRepo:
                 )
                 # Read back in the same transaction: the rows matching now are exactly the
                 # ones the UPDATE matched (it holds their locks; no fence can newly match).
-                rows = await conn.execute(select(runs.c.id, runs.c.attempt).where(held))
-                return {(RunId(row.id), Attempt(row.attempt)) for row in rows}
+                back = select(runs.c.id, runs.c.attempt, runs.c.cancel_requested_at).where(held)
+                rows = (await conn.execute(back)).all()
+            return Renewal(
+                renewed=frozenset((RunId(row.id), Attempt(row.attempt)) for row in rows),
+                cancel_requested=frozenset(
+                    RunId(row.id) for row in rows if row.cancel_requested_at is not None
+                ),
+            )
 
         return await self._db.with_retry(renew)
 
@@ -407,29 +450,32 @@ class QueueRepo:
         """Give a running run back to the queue at once (graceful shutdown).
 
         The lease is cleared and ``not_before`` set to database time, so any worker may claim
-        it immediately; the next claim increments ``attempt``, which fences this one out.
+        it immediately; the next claim increments ``attempt``, which fences this one out. A
+        run whose cancel is recorded is not requeued (no claim would take it): it ends
+        ``cancelled`` instead, with its ``cancelled`` event.
 
         Returns:
             False when the lease was already lost (reaped, cancelled, finished).
         """
         async with self._db.write_transaction() as conn:
             now = db_now(self._dialect)
-            result = await conn.execute(
+            cleared = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
+            requeued = await conn.execute(
                 update(runs)
-                .where(fence.clause())
-                .values(
-                    status=_QUEUED,
-                    lease_owner=None,
-                    lease_expires_at=None,
-                    not_before=now,
-                    updated_at=now,
+                .where(fence.clause(), runs.c.cancel_requested_at.is_(None))
+                .values(**cleared, status=_QUEUED, not_before=now)
+            )
+            event: tuple[str, JSONObject] = (EVENT_RELEASED, {})
+            if requeued.rowcount != 1:
+                cancelled = await conn.execute(
+                    update(runs)
+                    .where(fence.clause(), runs.c.cancel_requested_at.is_not(None))
+                    .values(**cleared, status=RunStatus.CANCELLED.value, finished_at=now)
                 )
-            )
-            if result.rowcount != 1:
-                return False
-            await append_events_txn(
-                conn, self._dialect, [(fence.run_id, fence.attempt, EVENT_RELEASED, {})]
-            )
+                if cancelled.rowcount != 1:
+                    return False
+                event = (EVENT_CANCELLED, {"reason": "cancelled"})
+            await append_events_txn(conn, self._dialect, [(fence.run_id, fence.attempt, *event)])
         return True
 
     # --- reaper -----------------------------------------------------------------------------
@@ -772,26 +818,206 @@ def _expired_by(now: datetime | ColumnElement[datetime]) -> tuple[ColumnElement[
     return (runs.c.status == _RUNNING, runs.c.lease_expires_at < now)
 
 
-def _take_within_caps(
-    ranked: Sequence[_Candidate], free: Mapping[str, int], limit: int
+# --- claim statements ----------------------------------------------------------------------
+# Built once per dialect (and shape) with bound parameters, then reused: building a statement
+# with table aliases costs more CPU than the database spends running it, and a reused statement
+# object also keeps its cache key.
+
+
+def _id_list() -> BindParameter[Any]:
+    """The ``ids`` parameter: a list expanded into ``IN (…)`` at execution."""
+    return bindparam("ids", expanding=True)
+
+
+@functools.cache
+def _waiting_statement(d: DialectName) -> Select[Any]:
+    lane = bindparam("lane", type_=String())
+    # ORDER BY … LIMIT 1 rather than min(): the planner always reads it as one index seek.
+    first = (
+        select(cast(runs.c.tenant_id, String()))
+        .where(runs.c.status == _QUEUED, runs.c.lane == lane)
+        .order_by(runs.c.tenant_id)
+        .limit(1)
+    )
+    waiting = select(first.scalar_subquery().label("tenant_id")).cte("waiting", recursive=True)
+    seen = waiting.alias("seen")
+    later = runs.alias("later")
+    following = (
+        select(cast(later.c.tenant_id, String()))
+        .where(later.c.status == _QUEUED, later.c.lane == lane)
+        .where(later.c.tenant_id > seen.c.tenant_id)
+        .order_by(later.c.tenant_id)
+        .limit(1)
+    )
+    waiting = waiting.union_all(
+        select(following.scalar_subquery()).where(seen.c.tenant_id.is_not(None))
+    )
+    ahead = runs.alias("ahead")
+
+    def next_run(column: ColumnElement[Any]) -> ColumnElement[Any]:
+        return (
+            select(column)
+            .where(ahead.c.status == _QUEUED, ahead.c.lane == lane)
+            .where(ahead.c.tenant_id == waiting.c.tenant_id, ahead.c.not_before <= db_now(d))
+            .order_by(ahead.c.priority.desc(), ahead.c.not_before, ahead.c.id)
+            .limit(1)
+            .scalar_subquery()
+        )
+
+    load = runs.alias("load")
+    busy = (
+        select(func.count())
+        .select_from(load)
+        .where(load.c.tenant_id == waiting.c.tenant_id, load.c.status == _RUNNING)
+        .scalar_subquery()
+    )
+    return select(
+        waiting.c.tenant_id,
+        tenants.c.plan,
+        busy.label("busy"),
+        next_run(ahead.c.priority).label("priority"),
+        next_run(ahead.c.not_before).label("not_before"),
+    ).join(tenants, tenants.c.id == waiting.c.tenant_id)
+
+
+@functools.cache
+def _lock_tenants_statement(d: DialectName) -> Select[Any]:
+    ids = _id_list()
+    return dialects.lock_rows(
+        select(tenants.c.id).where(tenants.c.id.in_(ids)).order_by(tenants.c.id), d
+    )
+
+
+@functools.cache
+def _count_running_statement() -> Select[Any]:
+    ids = _id_list()
+    return (
+        select(runs.c.tenant_id, func.count().label("n"))
+        .where(runs.c.tenant_id.in_(ids), runs.c.status == _RUNNING)
+        .group_by(runs.c.tenant_id)
+    )
+
+
+@functools.cache
+def _next_runs_statement(d: DialectName, tenants_count: int) -> Select[Any] | CompoundSelect[Any]:
+    """Each of ``tenants_count`` tenants' next ``count_<i>`` eligible runs of ``lane``."""
+    lane = bindparam("lane", type_=String())
+
+    def next_of(index: int) -> Select[Any]:
+        nxt = (
+            select(runs.c.id, runs.c.tenant_id, runs.c.priority, runs.c.not_before)
+            .where(runs.c.status == _QUEUED, runs.c.lane == lane)
+            .where(runs.c.tenant_id == bindparam(f"tenant_{index}", type_=String()))
+            .where(runs.c.not_before <= db_now(d))
+            .order_by(runs.c.priority.desc(), runs.c.not_before, runs.c.id)
+            .limit(bindparam(f"count_{index}", type_=Integer()))
+            .subquery()
+        )
+        return select(nxt)
+
+    members = [next_of(index) for index in range(tenants_count)]
+    return members[0] if len(members) == 1 else union_all(*members)
+
+
+@functools.cache
+def _lock_runs_statement(d: DialectName) -> Select[Any]:
+    due = case((runs.c.not_before <= db_now(d), 1), else_=0).label("due")
+    ids = _id_list()
+    lockable = select(runs.c.id, runs.c.status, runs.c.lane, runs.c.cancel_requested_at, due).where(
+        runs.c.id.in_(ids)
+    )
+    return dialects.lock_rows_skip_locked(lockable, d)
+
+
+@functools.cache
+def _claim_statement(d: DialectName, lease_ttl_s: float) -> Update:
+    ids = _id_list()
+    target: ColumnElement[bool] = runs.c.id.in_(ids)
+    if not dialects.uses_row_locks(d):
+        target = and_(
+            target,
+            runs.c.status == _QUEUED,
+            runs.c.lane == bindparam("in_lane", type_=String()),
+            runs.c.not_before <= db_now(d),
+            # Never set on a queued run (a cancel ends one at once); kept here so that no
+            # path to ``queued`` can ever hand a cancelled run to a worker.
+            runs.c.cancel_requested_at.is_(None),
+        )
+    now = db_now(d)
+    return (
+        update(runs)
+        .where(target)
+        .values(
+            status=_RUNNING,
+            attempt=runs.c.attempt + 1,
+            lease_owner=bindparam("new_owner", type_=String()),
+            lease_expires_at=db_now(d, plus_s=lease_ttl_s),
+            started_at=func.coalesce(runs.c.started_at, now),
+            updated_at=now,
+        )
+    )
+
+
+@functools.cache
+def _read_runs_statement() -> Select[Any]:
+    return select(runs).where(runs.c.id.in_(_id_list()))
+
+
+def _cap_of(caps: Mapping[str, int], default_cap: int, plan: str) -> int:
+    return caps.get(plan, default_cap)
+
+
+def _allot(
+    waiting: Sequence[_Waiting], caps: Mapping[str, int], default_cap: int, limit: int
+) -> Counter[str]:
+    """How many of the next ``limit`` claims each waiting tenant gets (tenant id → count).
+
+    Priority first; between equal priorities round-robin over live load: a tenant's n-th run
+    ranks as its ``busy + n``-th, so the tenant with fewer runs in flight goes first, and
+    among equals the one whose next run is oldest. A tenant at its cap gets nothing.
+    """
+    heap: list[tuple[int, int, datetime, str, int]] = []
+    for tenant in waiting:
+        free = _cap_of(caps, default_cap, tenant.plan) - tenant.busy
+        if free > 0:
+            key = (-tenant.priority, tenant.busy + 1, tenant.not_before, tenant.tenant_id)
+            heap.append((*key, free))
+    heapq.heapify(heap)
+    allotted: Counter[str] = Counter()
+    for _ in range(limit):
+        if not heap:
+            break
+        priority, rank, not_before, tenant_id, free = heapq.heappop(heap)
+        allotted[tenant_id] += 1
+        if free > 1:
+            heapq.heappush(heap, (priority, rank + 1, not_before, tenant_id, free - 1))
+    return allotted
+
+
+def _take_in_claim_order(
+    candidates: Sequence[_Candidate],
+    busy: Mapping[str, int],
+    free: Mapping[str, int],
+    limit: int,
 ) -> list[str]:
-    """The first ``limit`` candidates, at most ``free[tenant]`` per tenant, in rank order."""
+    """The first ``limit`` candidates in claim order, at most ``free[tenant]`` per tenant.
+
+    Claim order: priority first, then round-robin over live load (``busy + turn``), then
+    oldest eligible first.
+    """
+    ordered = sorted(
+        candidates,
+        key=lambda c: (-c.priority, busy.get(c.tenant_id, 0) + c.turn, c.not_before, c.run_id),
+    )
     taken: Counter[str] = Counter()
     chosen: list[str] = []
-    for candidate in ranked:
+    for candidate in ordered:
         if len(chosen) == limit:
             break
         if taken[candidate.tenant_id] < free.get(candidate.tenant_id, 0):
             taken[candidate.tenant_id] += 1
             chosen.append(candidate.run_id)
     return chosen
-
-
-def _cap_expression(caps: Mapping[str, int], default_cap: int) -> ColumnElement[int]:
-    """The joined tenant's cap as SQL: ``CASE tenants.plan WHEN … THEN … ELSE default END``."""
-    if not caps:
-        return literal(default_cap)
-    return case(dict(caps), value=tenants.c.plan, else_=literal(default_cap))
 
 
 def _claim_from_row(row: RowMapping) -> Claim:

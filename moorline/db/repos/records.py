@@ -136,6 +136,22 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    """A message injected into a run (``seq`` counts from 1 per run).
+
+    ``delivered_attempt`` is the attempt whose ``ctx.drain_messages`` took it (None while it
+    waits); a replay of that drain returns it again, never a later one.
+    """
+
+    run_id: RunId
+    seq: int
+    content: str
+    created_at: datetime
+    delivered_attempt: Attempt | None
+    delivered_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ApiKey:
     """One API key of a tenant, as listed: never the key itself, only its first characters."""
 
@@ -193,3 +209,36 @@ class Interrupt:
     def approved(self) -> bool:
         """Whether the recorded decision is an approval (False while pending)."""
         return self.status is InterruptStatus.APPROVED
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Webhook:
+    """An inbound webhook: deliveries to its URL, signed with ``secret``, start ``workflow``.
+
+    The secret is kept as given, because verifying a signature needs it (an HMAC key cannot
+    be checked against a hash of itself).
+    """
+
+    webhook_id: str
+    tenant_id: TenantId
+    workflow: str
+    secret: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaneLoad:
+    """What waits in one lane and what runs from it.
+
+    Attributes:
+        lane: The lane's name.
+        queued: Runs ``queued`` in the lane (delayed and backing-off ones included).
+        running: Runs ``running`` from the lane.
+        oldest_queued_age_s: Seconds the longest-waiting claimable run has been claimable
+            (since its ``not_before``), by database time; None when none is claimable.
+    """
+
+    lane: str
+    queued: int
+    running: int
+    oldest_queued_age_s: float | None

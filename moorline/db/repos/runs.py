@@ -6,13 +6,24 @@ whose rowcount (or returned ids) is checked:
 * **insert** — :meth:`RunsRepo.insert_pending` stores runs ``pending`` (admission still has to
   decide); :meth:`RunsRepo.submit_many` stores them ``queued`` with their ``queued`` events in
   the same transaction, the fast path when admission has nothing to say. A batch is all or
-  nothing: on any error nothing of it is written.
+  nothing: on any error nothing of it is written. A run with a ``conversation_id`` is refused
+  (:class:`~moorline.errors.ConversationBusy`) while its conversation has an active run
+  (``pending``, ``queued`` or ``running``): the check and the insert share the transaction, and
+  on PostgreSQL and MariaDB the tenant's row is locked first, so two concurrent submissions to
+  one conversation are serialised and the second sees the first.
 * **enqueue** — ``pending → queued`` (:meth:`RunsRepo.enqueue`) or ``pending → rate_limited``
   (:meth:`RunsRepo.mark_rate_limited`), each conditional on the run still being ``pending``, so
   two API processes deciding about one run move it once.
 * **finish** — :meth:`RunsRepo.finish_many` ends attempts under their fences (``Fence.clause()``),
   several in one transaction. A worker whose lease was taken over matches no row and writes
-  nothing, not even an event.
+  nothing, not even an event. A run whose cancel is recorded ends ``cancelled`` whatever its
+  attempt's outcome: the request wins over a success, a failure or a retry not yet written.
+* **cancel** — :meth:`RunsRepo.request_cancel` records a tenant's cancel under the run's row
+  lock: a run nobody executes (``pending``, ``queued``) ends ``cancelled`` in that same
+  transaction; a ``running`` one keeps its lease with ``cancel_requested_at`` set, which its
+  worker learns from the RuntimeStore's signal or, should that be lost, from its next
+  heartbeat. From then on no step starts (``StepsRepo.start`` refuses), no claim takes the
+  run, and the reaper and a shutdown release end it ``cancelled`` instead of requeueing it.
 
 Times come from the database clock only. Inserts and finishes read it once per transaction and
 bind the value (rather than calling the SQL function per row), which keeps one clock reading per
@@ -25,11 +36,23 @@ import logging
 import math
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
-from sqlalchemy import ColumnElement, Update, and_, bindparam, insert, null, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Update,
+    and_,
+    bindparam,
+    func,
+    insert,
+    literal,
+    null,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -37,15 +60,25 @@ from moorline.db import dialects
 from moorline.db.dialects import DialectName, db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import (
+    EVENT_CANCELLED,
     EVENT_FAILED,
     EVENT_QUEUED,
     EVENT_RETRYING,
     EVENT_SUCCEEDED,
+    EVENT_TIMED_OUT,
     append_events_txn,
 )
 from moorline.db.repos.records import Fence, Run, run_from_row
 from moorline.db.schema import runs, tenants
-from moorline.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
+from moorline.errors import (
+    Conflict,
+    ConversationBusy,
+    IdempotencyConflict,
+    InvalidInput,
+    NotFound,
+    RunFinished,
+    RunNotFound,
+)
 from moorline.types import Attempt, JSONObject, JSONValue, RunId, RunStatus, TenantId
 
 logger = logging.getLogger(__name__)
@@ -54,6 +87,8 @@ DEFAULT_MAX_ATTEMPTS = 3
 
 _PENDING = RunStatus.PENDING.value
 _QUEUED = RunStatus.QUEUED.value
+_ACTIVE = (_PENDING, _QUEUED, RunStatus.RUNNING.value)
+"""Statuses of a run that holds its conversation."""
 
 # Ids per IN list; far below every backend's bound-parameter limit (asyncpg: 32,767).
 _IN_CHUNK = 1000
@@ -125,7 +160,44 @@ class Failed:
     retry_delay_s: float | None
 
 
-Outcome: TypeAlias = Succeeded | Failed
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stopped:
+    """The attempt under ``fence`` was stopped from outside: the run ends ``status``, for good.
+
+    Attributes:
+        fence: The attempt's fence.
+        status: ``cancelled`` (the run's cancel was seen) or ``timed_out`` (the attempt ran
+            past its hard time limit).
+        error: What stopped it, kept as the run's ``error`` and as the event's data, e.g.
+            ``{"type": "TimeLimitExceeded", "message": "…", "reason": "timeout"}``; None for
+            a cancel (its event is ``{"reason": "cancelled"}``, as the reaper writes it).
+    """
+
+    fence: Fence
+    status: RunStatus
+    error: JSONObject | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in _STOPPED_STATUSES:
+            raise ValueError(f"a stopped attempt ends cancelled or timed_out, not {self.status}")
+
+
+_STOPPED_STATUSES = frozenset({RunStatus.CANCELLED, RunStatus.TIMED_OUT})
+
+Outcome: TypeAlias = Succeeded | Failed | Stopped
+
+
+class _Held(NamedTuple):
+    """A running run as ``finish_many`` found it under its row lock."""
+
+    attempt: int
+    owner: str | None
+    started_at: datetime
+    is_cancel_requested: bool
+
+    def is_held_by(self, fence: Fence) -> bool:
+        return (self.attempt, self.owner) == (fence.attempt, fence.owner)
+
 
 _EventItem: TypeAlias = tuple[RunId, Attempt, str, JSONObject]
 
@@ -169,6 +241,8 @@ class RunsRepo:
         Raises:
             IdempotencyConflict: a run's ``(tenant_id, idempotency_key)`` is already taken, or
                 appears twice in ``new``; nothing of the batch was written.
+            ConversationBusy: a run's conversation has an active run (or two runs of the
+                batch share one); nothing was written.
             NotFound: a run names a tenant that does not exist; nothing was written.
             Conflict: a ``run_id`` given is already taken; nothing was written.
             InvalidInput: an input is not JSON; nothing was written.
@@ -186,6 +260,7 @@ class RunsRepo:
 
         Raises:
             IdempotencyConflict: as for :meth:`insert_pending`; nothing was written.
+            ConversationBusy: as for :meth:`insert_pending`; nothing was written.
             NotFound: as for :meth:`insert_pending`; nothing was written.
             Conflict: as for :meth:`insert_pending`; nothing was written.
             InvalidInput: as for :meth:`insert_pending`; nothing was written.
@@ -217,6 +292,7 @@ class RunsRepo:
     async def _insert_txn(
         self, conn: AsyncConnection, rows: Sequence[dict[str, Any]], status: RunStatus
     ) -> list[Run]:
+        await self._check_conversations_txn(conn, rows)
         now = await _db_now_txn(conn, self._dialect)
         params = [
             {
@@ -241,6 +317,50 @@ class RunsRepo:
         # check they equal what a read returns on every backend.
         by_id = {param["id"]: param for param in params}
         return [_run_of(by_id[run_id]) for run_id in ids]
+
+    async def _check_conversations_txn(
+        self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
+    ) -> None:
+        """Refuse the batch when a run's conversation has an active run (see the module doc).
+
+        The batch's own ids are left out of the search: a batch retried after a lost commit
+        acknowledgement finds its own runs, and :meth:`_explain` recognises them.
+        """
+        wanted = [
+            (row["tenant_id"], row["conversation_id"], row["id"])
+            for row in rows
+            if row["conversation_id"] is not None
+        ]
+        if not wanted:
+            return
+        claimed: dict[tuple[str, str], str] = {}
+        for tenant_id, conversation_id, run_id in wanted:
+            earlier = claimed.setdefault((tenant_id, conversation_id), run_id)
+            if earlier != run_id:
+                raise ConversationBusy(conversation_id, earlier)
+        if dialects.uses_row_locks(self._dialect):
+            # In id order, like claims, so the two never wait on each other in a cycle.
+            tenant_ids = sorted({tenant_id for tenant_id, _, _ in wanted})
+            lock = select(tenants.c.id).where(tenants.c.id.in_(tenant_ids)).order_by(tenants.c.id)
+            await conn.execute(dialects.lock_rows(lock, self._dialect))
+        pairs = sorted(claimed)
+        own_ids = [row["id"] for row in rows]
+        for offset in range(0, len(pairs), _IN_CHUNK):
+            active = (
+                select(runs.c.id, runs.c.conversation_id)
+                .where(
+                    tuple_(runs.c.tenant_id, runs.c.conversation_id).in_(
+                        pairs[offset : offset + _IN_CHUNK]
+                    ),
+                    runs.c.status.in_(_ACTIVE),
+                    runs.c.id.not_in(own_ids),
+                )
+                .order_by(runs.c.created_at, runs.c.id)
+                .limit(1)
+            )
+            found = (await conn.execute(active)).first()
+            if found is not None:
+                raise ConversationBusy(found.conversation_id, found.id)
 
     async def _explain(
         self, exc: IntegrityError, new: Sequence[NewRun], ids: Sequence[RunId], *, is_retry: bool
@@ -331,6 +451,50 @@ class RunsRepo:
 
         return await self._db.with_retry(write)
 
+    async def insert_rate_limited(self, new: NewRun, error: JSONObject) -> Run:
+        """Store ``new`` as refused by admission: ``rate_limited`` (terminal), with ``error``.
+
+        The same outcome as :meth:`insert_pending` followed by :meth:`mark_rate_limited`, in
+        one statement, so a crash in between cannot leave a ``pending`` run that nothing
+        will ever move. No event is written: the run never started.
+
+        Returns:
+            The run as stored.
+
+        Raises:
+            IdempotencyConflict: the run's idempotency key is taken; nothing was written.
+            NotFound: the tenant does not exist; nothing was written.
+            Conflict: the run id is taken; nothing was written.
+            InvalidInput: the input is not JSON; nothing was written.
+        """
+        row = _row_of(new)
+        del row["delay_s"]  # a refused run is never claimed
+        run_id = RunId(row["id"])
+        tries = 0
+
+        async def write() -> Run:
+            nonlocal tries
+            tries += 1
+            try:
+                async with self._db.write_transaction() as conn:
+                    now = await _db_now_txn(conn, self._dialect)
+                    values = {
+                        **row,
+                        "status": RunStatus.RATE_LIMITED.value,
+                        "error": error,
+                        "not_before": now,
+                        "created_at": now,
+                        "updated_at": now,
+                        "finished_at": now,
+                    }
+                    await conn.execute(insert(runs).values(values))
+            except IntegrityError as exc:
+                [run] = await self._explain(exc, [new], [run_id], is_retry=tries > 1)
+                return run
+            return replace(_run_of(values), error=error, finished_at=now)
+
+        return await self._db.with_retry(write)
+
     async def _move_pending_txn(
         self, conn: AsyncConnection, run_ids: Sequence[str], values: dict[str, Any]
     ) -> list[str]:
@@ -376,7 +540,14 @@ class RunsRepo:
           the delay, ``error`` kept, ``attempt`` unchanged (the next claim increments it),
           event ``retrying`` ``{"delay_s", "error"}``;
         * :class:`Failed` without → ``failed`` with ``error``, event ``failed`` (data: the
-          error).
+          error);
+        * :class:`Stopped` → ``cancelled`` (event ``cancelled`` ``{"reason": "cancelled"}``,
+          ``cancel_requested_at`` set if the cancel came through the RuntimeStore only) or
+          ``timed_out`` with ``error`` (event ``timed_out``, data: the error).
+
+        Any outcome of a run whose cancel is recorded (``cancel_requested_at``, read under the
+        row lock) is written as a cancel: a requested cancel always ends the run
+        ``cancelled``, never ``queued`` again, and never as a success or failure that raced it.
 
         Every applied outcome clears the lease; the terminal ones set ``finished_at`` and
         ``elapsed_time`` (seconds from the first ``started_at``), from database time.
@@ -386,7 +557,8 @@ class RunsRepo:
 
         Returns:
             Per outcome, in the order given, whether it applied; False when the fence no
-            longer holds (the run was reclaimed, cancelled, finished, or never ours).
+            longer holds (the run was reclaimed, cancelled, finished, or never ours), also
+            when an earlier outcome of the same batch ended the run.
         """
         if not outcomes:
             return []
@@ -394,24 +566,30 @@ class RunsRepo:
         async def write() -> list[bool]:
             applied = [False] * len(outcomes)
             async with self._db.write_transaction() as conn:
-                holding = await self._lock_holding_txn(conn, outcomes)
-                if not holding:
+                running = await self._lock_running_txn(conn, outcomes)
+                if not running:
                     return applied
                 now = await _db_now_txn(conn, self._dialect)
                 by_kind: dict[str, list[dict[str, Any]]] = {}
                 appended: list[_EventItem] = []
                 for index, outcome in enumerate(outcomes):
                     fence = outcome.fence
-                    started_at = holding.pop(fence.run_id, None)
-                    if started_at is None:
-                        continue  # the fence does not hold (or this run came twice)
-                    kind, row_params, event = _finish_params(outcome, now, started_at)
+                    held = running.get(fence.run_id)
+                    if held is None or not held.is_held_by(fence):
+                        # The fence does not hold: the run was reclaimed, finished, or ended
+                        # by an earlier outcome of this batch (a stale attempt and the current
+                        # one of the same run may come together).
+                        continue
+                    del running[fence.run_id]
+                    if held.is_cancel_requested:
+                        outcome = Stopped(fence=fence, status=RunStatus.CANCELLED)
+                    kind, row_params, event = _finish_params(outcome, now, held.started_at)
                     by_kind.setdefault(kind, []).append(row_params)
                     appended.append((fence.run_id, fence.attempt, *event))
                     applied[index] = True
                 for kind, params in by_kind.items():
                     # One executemany per kind. The rows are locked (or, on SQLite, the whole
-                    # database is), so every fence read as holding above still holds here.
+                    # database is), so every fence found holding above still holds here.
                     result = await conn.execute(_FINISH_STATEMENTS[kind](now), params)
                     if result.rowcount not in (-1, len(params)):
                         raise AssertionError(
@@ -422,33 +600,128 @@ class RunsRepo:
 
         return await self._db.with_retry(write)
 
-    async def _lock_holding_txn(
+    async def _lock_running_txn(
         self, conn: AsyncConnection, outcomes: Sequence[Outcome]
-    ) -> dict[str, datetime]:
-        """Lock the outcomes' runs; ``started_at`` of those whose fence still holds.
+    ) -> dict[str, _Held]:
+        """Lock the outcomes' runs; the ones still running, with what finishing needs.
 
         Server databases lock the rows (``FOR UPDATE``, in id order so two batches never
-        deadlock) and re-check the predicate on the latest committed version after any wait;
-        SQLite's ``BEGIN IMMEDIATE`` already holds the only write lock. Either way the fences
-        found holding here cannot be broken before this transaction commits.
+        deadlock) and read their latest committed version after any wait; SQLite's ``BEGIN
+        IMMEDIATE`` already holds the only write lock. Either way a fence found holding on
+        these rows cannot be broken before this transaction commits. Each outcome's fence is
+        compared by the caller: two outcomes of one run may carry different fences.
         """
-        fences = {outcome.fence.run_id: outcome.fence for outcome in outcomes}
-        run_ids = sorted(fences)
-        holding: dict[str, datetime] = {}
+        run_ids = sorted({outcome.fence.run_id for outcome in outcomes})
+        running: dict[str, _Held] = {}
         for offset in range(0, len(run_ids), _IN_CHUNK):
             chunk = run_ids[offset : offset + _IN_CHUNK]
             stmt = (
-                select(runs.c.id, runs.c.attempt, runs.c.lease_owner, runs.c.started_at)
+                select(
+                    runs.c.id,
+                    runs.c.attempt,
+                    runs.c.lease_owner,
+                    runs.c.started_at,
+                    runs.c.cancel_requested_at,
+                )
                 .where(runs.c.id.in_(chunk), runs.c.status == RunStatus.RUNNING.value)
                 .order_by(runs.c.id)
             )
             if dialects.uses_row_locks(self._dialect):
                 stmt = stmt.with_for_update()
             for row in await conn.execute(stmt):
-                fence = fences[row.id]
-                if (row.attempt, row.lease_owner) == (fence.attempt, fence.owner):
-                    holding[row.id] = row.started_at
-        return holding
+                running[row.id] = _Held(
+                    row.attempt,
+                    row.lease_owner,
+                    row.started_at,
+                    row.cancel_requested_at is not None,
+                )
+        return running
+
+    # --- cancel -----------------------------------------------------------------------------
+
+    async def request_cancel(self, tenant_id: TenantId, run_id: RunId) -> Run:
+        """Record the tenant's request to cancel ``run_id``, in one transaction.
+
+        The run's row is locked first and the database time read only then, so
+        ``cancel_requested_at`` is later than every step start that committed before it, and
+        every later step start sees the request (see ``StepsRepo.start``):
+
+        * ``pending`` or ``queued`` → ``cancelled`` at once (``finished_at`` set, event
+          ``cancelled`` ``{"reason": "cancelled"}``): nobody runs it, nobody will;
+        * ``running`` → ``cancel_requested_at`` set, the run keeps its lease; its worker ends
+          it ``cancelled`` when it sees the request (signal the RuntimeStore after this call:
+          ``moorline.dispatch.cancel.cancel_run`` does both). A repeated request changes
+          nothing.
+
+        Returns:
+            The run after the call: ``cancelled``, or ``running`` with ``cancel_requested_at``.
+
+        Raises:
+            RunNotFound: The tenant has no run ``run_id`` (another tenant's run included).
+            RunFinished: The run already ended (any terminal status); nothing was changed.
+        """
+        tries = 0
+
+        async def write() -> Run:
+            nonlocal tries
+            tries += 1
+            async with self._db.write_transaction() as conn:
+                mine = select(runs).where(runs.c.id == run_id, runs.c.tenant_id == tenant_id)
+                locked = dialects.lock_rows(mine, self._dialect)
+                row = (await conn.execute(locked)).mappings().first()
+                if row is None:
+                    raise RunNotFound(f"no run {run_id!r}")
+                run = run_from_row(row)
+                if run.status.is_terminal:
+                    if tries > 1 and run.status is RunStatus.CANCELLED:
+                        return run  # cancelled by our first try, whose commit went unanswered
+                    raise RunFinished(f"run {run_id} already ended {run.status.value}")
+                if run.cancel_requested_at is not None:
+                    return run
+                now = await _db_now_txn(conn, self._dialect)
+                return await self._cancel_txn(conn, run, now)
+
+        return await self._db.with_retry(write)
+
+    async def _cancel_txn(self, conn: AsyncConnection, run: Run, now: datetime) -> Run:
+        """Cancel the locked, unfinished ``run`` at ``now``: at once unless it is running."""
+        if run.status is RunStatus.RUNNING:
+            values: dict[str, Any] = {"cancel_requested_at": now, "updated_at": now}
+            changed = replace(run, cancel_requested_at=now, updated_at=now)
+        else:
+            elapsed_s = None if run.started_at is None else (now - run.started_at).total_seconds()
+            values = {
+                **_CLEARED,
+                "status": RunStatus.CANCELLED.value,
+                "cancel_requested_at": now,
+                "finished_at": now,
+                "updated_at": now,
+                "elapsed_time": None if elapsed_s is None else max(0.0, elapsed_s),
+            }
+            changed = replace(
+                run,
+                status=RunStatus.CANCELLED,
+                lease_owner=None,
+                lease_expires_at=None,
+                cancel_requested_at=now,
+                finished_at=now,
+                updated_at=now,
+                elapsed_time=values["elapsed_time"],
+            )
+        result = await conn.execute(
+            update(runs)
+            .where(runs.c.id == run.run_id, runs.c.status == run.status.value)
+            .values(**values)
+        )
+        # The row is locked (or, on SQLite, the whole database is): it cannot have moved.
+        if result.rowcount != 1:  # pragma: no cover - would be a locking bug
+            raise AssertionError(f"cancel of locked run {run.run_id} changed {result.rowcount}")
+        if changed.status is RunStatus.CANCELLED:
+            cancelled: list[_EventItem] = [
+                (run.run_id, run.attempt, EVENT_CANCELLED, {"reason": "cancelled"})
+            ]
+            await append_events_txn(conn, self._dialect, cancelled, now=now)
+        return changed
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -610,10 +883,46 @@ def _failed_statement(now: datetime) -> Update:
     )
 
 
+def _cancelled_statement(now: datetime) -> Update:
+    return (
+        update(runs)
+        .where(_FENCED)
+        .values(
+            **_CLEARED,
+            updated_at=now,
+            status=RunStatus.CANCELLED.value,
+            # Set by request_cancel; a cancel signalled through the RuntimeStore alone is
+            # dated here, so every cancelled run has the time its cancel was recorded.
+            cancel_requested_at=func.coalesce(
+                runs.c.cancel_requested_at, literal(now, runs.c.cancel_requested_at.type)
+            ),
+            finished_at=now,
+            elapsed_time=bindparam("b_elapsed"),
+        )
+    )
+
+
+def _timed_out_statement(now: datetime) -> Update:
+    return (
+        update(runs)
+        .where(_FENCED)
+        .values(
+            **_CLEARED,
+            updated_at=now,
+            status=RunStatus.TIMED_OUT.value,
+            error=bindparam("b_error", type_=runs.c.error.type),
+            finished_at=now,
+            elapsed_time=bindparam("b_elapsed"),
+        )
+    )
+
+
 _FINISH_STATEMENTS: dict[str, Callable[[datetime], Update]] = {
     EVENT_SUCCEEDED: _succeeded_statement,
     EVENT_RETRYING: _retrying_statement,
     EVENT_FAILED: _failed_statement,
+    EVENT_CANCELLED: _cancelled_statement,
+    EVENT_TIMED_OUT: _timed_out_statement,
 }
 
 
@@ -631,6 +940,13 @@ def _finish_params(
     if isinstance(outcome, Succeeded):
         params.update(b_output=outcome.output, b_elapsed=elapsed_s)
         return EVENT_SUCCEEDED, params, (EVENT_SUCCEEDED, {})
+    if isinstance(outcome, Stopped):
+        params.update(b_elapsed=elapsed_s)
+        if outcome.status is RunStatus.CANCELLED:
+            return EVENT_CANCELLED, params, (EVENT_CANCELLED, {"reason": "cancelled"})
+        error: JSONObject = outcome.error if outcome.error is not None else {"reason": "timeout"}
+        params.update(b_error=error)
+        return EVENT_TIMED_OUT, params, (EVENT_TIMED_OUT, error)
     if outcome.retry_delay_s is not None:
         delay_s = max(0.0, outcome.retry_delay_s)
         params.update(b_not_before=now + timedelta(seconds=delay_s), b_error=outcome.error)

@@ -20,6 +20,11 @@ writers. A stale fence (reclaimed, cancelled, finished run) matches nothing, wri
 raises :class:`LeaseLost`. The step statements carry their own conditions as well (status, and
 attempt for finishing) and their rowcounts are checked.
 
+**Cancellation.** :meth:`StepsRepo.start` also requires, in the same statement, that the run
+has no recorded cancel, and raises :class:`CancelRequested` otherwise: no step starts after a
+cancel is recorded, whatever the RuntimeStore said. Finishing a step that was already running
+stays allowed, so its result is kept.
+
 Every public method is idempotent, so each is wrapped in ``with_retry``: a checkpoint whose
 commit acknowledgement was lost is retried and finds its own write (RELIABILITY.md E6).
 """
@@ -28,7 +33,7 @@ import builtins
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import RowMapping, insert, null, select, update
+from sqlalchemy import RowMapping, and_, insert, null, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.dialects import DialectName, db_now
@@ -56,6 +61,20 @@ class LeaseLost(MoorlineError):
             f"lease lost: run {fence.run_id} is no longer running under attempt "
             f"{fence.attempt} of owner {fence.owner!r}; {action} was not written"
         )
+        self.fence = fence
+
+
+class CancelRequested(MoorlineError):
+    """The run's cancel is recorded: no new step or interrupt may start; nothing was written.
+
+    The attempt still holds its lease, and may still record what was already in flight; the
+    engine turns this into :class:`~moorline.engine.context.Cancelled`.
+    """
+
+    code = "cancel_requested"
+
+    def __init__(self, fence: Fence, action: str) -> None:
+        super().__init__(f"run {fence.run_id} has a cancel request; {action} was not started")
         self.fence = fence
 
 
@@ -124,24 +143,46 @@ class StepStart:
 
 
 async def hold_fence_txn(
-    conn: AsyncConnection, dialect: DialectName, fence: Fence, action: str
+    conn: AsyncConnection,
+    dialect: DialectName,
+    fence: Fence,
+    action: str,
+    *,
+    refuse_cancelled: bool = False,
 ) -> None:
     """Prove ``fence`` still holds and lock the run's row until the transaction ends.
+
+    With ``refuse_cancelled`` the same statement also requires that no cancel is recorded.
+    ``RunsRepo.request_cancel`` takes the same row lock and reads the database time only once
+    it holds it, so whatever starts here either commits before ``cancel_requested_at`` (and
+    is dated before it) or finds the request and starts nothing: no step starts after its
+    run's cancel was recorded. The happy path stays one statement; only a miss reads again, to
+    tell a lost lease from a cancel.
 
     Args:
         conn: The caller's connection, inside a ``DatabaseManager.write_transaction()``.
         dialect: The database's dialect.
         fence: The writer's fence.
         action: What the caller is about to write, for the error message.
+        refuse_cancelled: The caller starts new work (a step, an interrupt), which a
+            recorded cancel forbids; finishing work already started is always allowed.
 
     Raises:
         LeaseLost: The fence matches no ``runs`` row; the caller must write nothing.
+        CancelRequested: The fence holds but the run's cancel is recorded (only with
+            ``refuse_cancelled``); the caller must write nothing.
     """
-    result = await conn.execute(
-        update(runs).where(fence.clause()).values(updated_at=db_now(dialect))
-    )
-    if result.rowcount != 1:
-        raise LeaseLost(fence, action)
+    held = fence.clause()
+    if refuse_cancelled:
+        held = and_(held, runs.c.cancel_requested_at.is_(None))
+    result = await conn.execute(update(runs).where(held).values(updated_at=db_now(dialect)))
+    if result.rowcount == 1:
+        return
+    if refuse_cancelled:
+        still_ours = select(runs.c.cancel_requested_at).where(fence.clause())
+        if (await conn.execute(still_ours)).first() is not None:
+            raise CancelRequested(fence, action)
+    raise LeaseLost(fence, action)
 
 
 class StepsRepo:
@@ -189,12 +230,15 @@ class StepsRepo:
 
         Raises:
             LeaseLost: The fence no longer holds; nothing was written.
+            CancelRequested: The run's cancel is recorded; nothing was written.
             StepMismatch: The step already succeeded for a different function or call hash.
         """
 
         async def attempt() -> StepStart:
             async with self._db.write_transaction() as conn:
-                await hold_fence_txn(conn, self._dialect, fence, f"start of step {key!r}")
+                await hold_fence_txn(
+                    conn, self._dialect, fence, f"step {key!r}", refuse_cancelled=True
+                )
                 return await self._start_txn(conn, fence, key, function, call_hash)
 
         return await self._db.with_retry(attempt)

@@ -1,0 +1,286 @@
+"""The trigger decision: one call decides whether a trigger becomes a run, and stores it.
+
+:meth:`Admission.admit` takes every trigger (HTTP, webhook, client) through the same steps;
+the first that refuses ends the decision:
+
+1. **API rate limit** of the credential (:mod:`moorline.admission.ratelimit`): over it is
+   429 ``rate_limited`` and nothing is stored or counted.
+2. **Input**: the workflow's parameters validate the input (422 ``invalid_input``, nothing
+   stored).
+3. **Idempotency key**: a run of the tenant already stored under the key is the answer
+   (same workflow and input) or a 409 ``idempotency_conflict`` (anything else).
+4. **Conversation**: a conversation whose run has not ended refuses another (409
+   ``conversation_busy``); a database check.
+5. **Daily quota** (:mod:`moorline.admission.quotas`): one unit is taken atomically. Over the
+   quota the run is stored ``rate_limited`` and the answer is 429 ``quota_exceeded`` with
+   the run's id.
+6. **Enqueue** through the :class:`~moorline.dispatch.submit.Submitter` (group commit; its
+   hook wakes the lane's workers). A run that fails to be stored gives its unit back.
+
+Steps 3 and 4 are reads that come before the quota, so a retried request or a refused one
+never takes a unit, and ``GET /v1/usage`` shows only units of stored runs. What makes them
+safe under concurrency:
+
+- Within a process, triggers that share an idempotency key or a conversation queue on a lock
+  of that key: the second sees the first's run.
+- Across processes, the unique ``(tenant_id, idempotency_key)`` of the runs table decides: a
+  loser gives its unit back and answers with the winner's run.
+- Once a unit is taken, the decision runs to its end even if the client goes away (the rest
+  is shielded from cancellation), so a dropped connection can neither lose a unit nor leave a
+  taken one without its run.
+
+A run refused by the quota is stored without its idempotency key: the key names an accepted
+trigger, so the client may retry with it once the quota resets.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from moorline.admission.quotas import QuotaStore, next_reset, quota_day, seconds_until
+from moorline.admission.ratelimit import RateLimiter, RateLimitState
+from moorline.concurrency import KeyedLock
+from moorline.db.repos.listing import RunListing
+from moorline.db.repos.records import Run
+from moorline.db.repos.runs import RunsRepo, hash_input
+from moorline.dispatch.submit import Submitter, new_run_for_plan
+from moorline.engine.registry import WorkflowDefinition
+from moorline.errors import ConversationBusy, IdempotencyConflict, QuotaExceeded
+from moorline.plans import Plan
+from moorline.types import TenantId
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trigger:
+    """A request to start a workflow, as admission sees it.
+
+    Attributes:
+        tenant_id: Who asks; the run will be theirs.
+        plan: The tenant's plan (lane, priority, quota, rate).
+        rate_identity: The credential whose rate limit the request counts against (an API
+            key's digest, a webhook's id); never a secret.
+        workflow: The registered workflow to run.
+        input: The workflow's arguments as sent (validated here).
+        idempotency_key: Makes a repeated trigger return the first one's run.
+        conversation_id: The conversation the run joins; one active run per conversation.
+        delay_s: Seconds before the run may be claimed.
+    """
+
+    tenant_id: TenantId
+    plan: Plan
+    rate_identity: str
+    workflow: WorkflowDefinition
+    input: Mapping[str, Any]
+    idempotency_key: str | None = None
+    conversation_id: str | None = None
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admitted:
+    """A trigger's run.
+
+    Attributes:
+        run: The run as stored.
+        created: False when the trigger repeated an earlier one (same idempotency key).
+        rate: The credential's rate-limit window after this request; None when unknown.
+    """
+
+    run: Run
+    created: bool
+    rate: RateLimitState | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Usage:
+    """A tenant's quota for the current UTC day."""
+
+    daily_quota: int
+    used_today: int
+    remaining: int
+    resets_at: datetime
+
+
+class Admission:
+    """Decides triggers (see the module docstring) and reports quota usage."""
+
+    def __init__(
+        self,
+        *,
+        runs: RunsRepo,
+        listing: RunListing,
+        submitter: Submitter,
+        quotas: QuotaStore,
+        rate_limiter: RateLimiter,
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
+        """Wire the decision to its stores.
+
+        Args:
+            runs: Stores refused runs and finds runs by idempotency key.
+            listing: Finds a conversation's active run.
+            submitter: Stores admitted runs (group commit) and wakes their lanes.
+            quotas: The daily quota counters.
+            rate_limiter: The API rate limits.
+            clock: Aware UTC "now" (the quota's day), replaceable in tests.
+        """
+        self._runs = runs
+        self._listing = listing
+        self._submitter = submitter
+        self._quotas = quotas
+        self._rate_limiter = rate_limiter
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self._locks: KeyedLock[str] = KeyedLock()
+        self._decisions: set[asyncio.Task[Any]] = set()
+
+    async def admit(self, trigger: Trigger) -> Admitted:
+        """Decide ``trigger``: store its run and queue it, or refuse it.
+
+        Returns:
+            The admitted run (new, or the earlier run of the same idempotency key).
+
+        Raises:
+            RateLimited: over the credential's API rate limit; nothing was stored.
+            InvalidInput: the input does not fit the workflow; nothing was stored.
+            IdempotencyConflict: the key was used with another workflow or input.
+            ConversationBusy: the conversation has an active run; nothing was stored.
+            QuotaExceeded: the daily quota is used up; the run was stored ``rate_limited``.
+            BackendUnavailable: the quota store did not answer; nothing was stored.
+        """
+        rate = await self._rate_limiter.hit(trigger.rate_identity, trigger.plan.rate_limit)
+        checked = replace(trigger, input=trigger.workflow.validate_input(trigger.input))
+        async with _holding(self._locks, _lock_keys(checked)):
+            earlier = await self._earlier_run(checked)
+            if earlier is not None:
+                return Admitted(run=earlier, created=False, rate=rate)
+            if checked.conversation_id is not None:
+                active = await self._listing.active_in_conversation(
+                    checked.tenant_id, checked.conversation_id
+                )
+                if active is not None:
+                    raise ConversationBusy(checked.conversation_id, active)
+            run, created = await self._shielded(self._take_and_store(checked))
+        return Admitted(run=run, created=created, rate=rate)
+
+    async def usage(self, tenant_id: TenantId, plan: Plan) -> Usage:
+        """The tenant's quota today: the plan's quota, units taken, and when it resets."""
+        now = self._clock()
+        used = await self._quotas.used(tenant_id, quota_day(now))
+        return Usage(
+            daily_quota=plan.daily_quota,
+            used_today=used,
+            remaining=max(0, plan.daily_quota - used),
+            resets_at=next_reset(now),
+        )
+
+    async def close(self) -> None:
+        """Let decisions whose clients went away finish (they hold quota units)."""
+        while self._decisions:
+            await asyncio.gather(*self._decisions, return_exceptions=True)
+
+    async def _earlier_run(self, trigger: Trigger) -> Run | None:
+        """The run stored under the trigger's idempotency key, if it is the same trigger.
+
+        Raises:
+            IdempotencyConflict: the key's run has another workflow or input.
+        """
+        key = trigger.idempotency_key
+        if key is None:
+            return None
+        run = await self._runs.find_by_idempotency_key(trigger.tenant_id, key)
+        if run is None:
+            return None
+        if run.workflow != trigger.workflow.name or run.input_hash != hash_input(
+            dict(trigger.input)
+        ):
+            raise IdempotencyConflict(
+                f"idempotency key {key!r} was used by run {run.run_id} with another "
+                "workflow or input"
+            )
+        return run
+
+    async def _take_and_store(self, trigger: Trigger) -> tuple[Run, bool]:
+        now = self._clock()
+        day = quota_day(now)
+        plan = trigger.plan
+        new = new_run_for_plan(
+            plan,
+            tenant_id=trigger.tenant_id,
+            workflow=trigger.workflow.name,
+            input=dict(trigger.input),
+            max_attempts=trigger.workflow.max_attempts,
+            idempotency_key=trigger.idempotency_key,
+            conversation_id=trigger.conversation_id,
+            timeout_s=trigger.workflow.timeout_s,
+            delay_s=trigger.delay_s,
+        )
+        if await self._quotas.consume(trigger.tenant_id, day, plan.daily_quota) is None:
+            retry_after_s = seconds_until(now, next_reset(now))
+            message = (
+                f"daily quota of {plan.daily_quota} runs used up; it resets at 00:00 UTC, "
+                f"in {retry_after_s}s"
+            )
+            refused = await self._runs.insert_rate_limited(
+                replace(new, idempotency_key=None),
+                {"code": QuotaExceeded.code, "message": message},
+            )
+            raise QuotaExceeded(message, run_id=refused.run_id, retry_after_s=retry_after_s)
+        try:
+            return await self._submitter.submit(new), True
+        except IdempotencyConflict:
+            # Another process stored a run under this key since the check above.
+            await self._quotas.release(trigger.tenant_id, day)
+            earlier = await self._earlier_run(trigger)
+            if earlier is None:
+                raise
+            return earlier, False
+        except BaseException:
+            await self._quotas.release(trigger.tenant_id, day)
+            raise
+
+    async def _shielded(self, decision: Coroutine[Any, Any, T]) -> T:
+        """Run ``decision`` to its end even if the caller is cancelled meanwhile."""
+        task = asyncio.ensure_future(decision)
+        self._decisions.add(task)
+        task.add_done_callback(_forget(self._decisions))
+        return await asyncio.shield(task)
+
+
+def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        # Retrieved here so an outcome nobody waits for any more (the client went away) is
+        # not reported as "never retrieved"; a waiting caller still gets it from the shield.
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("a trigger decision ended with %r", task.exception())
+
+    return done
+
+
+def _lock_keys(trigger: Trigger) -> list[str]:
+    keys: list[str] = []
+    if trigger.idempotency_key is not None:
+        keys.append(f"idempotency:{trigger.tenant_id}:{trigger.idempotency_key}")
+    if trigger.conversation_id is not None:
+        keys.append(f"conversation:{trigger.tenant_id}:{trigger.conversation_id}")
+    return keys
+
+
+@asynccontextmanager
+async def _holding(locks: KeyedLock[str], keys: list[str]) -> AsyncIterator[None]:
+    """Hold the lock of every key in ``keys`` (seed 002's per-key locks).
+
+    Taken in sorted order, so two triggers can never hold one each and wait for the other's.
+    """
+    async with AsyncExitStack() as stack:
+        for key in sorted(set(keys)):
+            await stack.enter_async_context(locks.hold(key))
+        yield

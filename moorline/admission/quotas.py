@@ -1,0 +1,177 @@
+"""Daily quotas: how many runs a tenant may start per UTC day, counted atomically.
+
+A unit is taken when a run is admitted and given back when the run could not be stored after
+all. Two stores keep the counters, one per deployment shape, behind :class:`QuotaStore`:
+
+- :class:`RedisQuotaStore` (``MOORLINE_REDIS_URL`` set): one counter per tenant and day,
+  ``<prefix>:{tenant:<id>}:quota:<YYYY-MM-DD>``, changed only by the Lua scripts
+  ``consume_quota`` and ``release_quota``. The counter is created with its expiry in the same
+  atomic step as the first increment, so no client dying between two commands can leave a
+  counter without a TTL (RELIABILITY.md F1), and a release never recreates an expired one.
+- :class:`DatabaseQuotaStore` (no Redis): the ``quota_usage`` table through
+  :class:`~moorline.db.repos.quotas.QuotasRepo`, whose conditional UPDATE is just as atomic.
+
+Both refuse the unit that would pass the limit, whatever the concurrency, so "exactly the
+quota" holds for any number of API processes. Days are UTC and come from the API process's
+clock; the quota resets at 00:00 UTC.
+"""
+
+import math
+from collections.abc import Callable
+from datetime import UTC, date, datetime, time, timedelta
+from typing import Protocol
+
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.quotas import QuotasRepo
+from moorline.errors import BackendUnavailable, ConfigError
+from moorline.runtime.keys import RedisKeys
+from moorline.settings import Settings
+from moorline.types import TenantId
+
+DAY_FORMAT = "%Y-%m-%d"
+
+COUNTER_MARGIN_S = 3600.0
+"""Seconds a Redis counter outlives its day: API processes whose clocks disagree by less than
+this around midnight still find the day's counter instead of starting a fresh one."""
+
+
+def quota_day(now: datetime) -> str:
+    """The UTC day ``now`` falls on, as the counters name it (``YYYY-MM-DD``)."""
+    return now.astimezone(UTC).strftime(DAY_FORMAT)
+
+
+def next_reset(now: datetime) -> datetime:
+    """The next 00:00 UTC after ``now``: when the day's quota starts again."""
+    today = now.astimezone(UTC).date()
+    return datetime.combine(today + timedelta(days=1), time(0), tzinfo=UTC)
+
+
+def seconds_until(now: datetime, then: datetime) -> int:
+    """Whole seconds from ``now`` until ``then``, rounded up and at least 1 (``Retry-After``)."""
+    return max(1, math.ceil((then - now).total_seconds()))
+
+
+class QuotaStore(Protocol):
+    """Per-tenant daily counters with an atomic take-unless-full."""
+
+    async def consume(self, tenant_id: TenantId, day: str, limit: int) -> int | None:
+        """Take one unit of ``day`` unless ``limit`` are taken.
+
+        Returns:
+            The day's usage including this unit; None when refused (nothing was taken).
+
+        Raises:
+            BackendUnavailable: the store did not answer; whether the unit was taken is
+                unknown, so the caller refuses the request.
+        """
+        ...
+
+    async def release(self, tenant_id: TenantId, day: str) -> None:
+        """Give back one unit of ``day`` (never below 0)."""
+        ...
+
+    async def used(self, tenant_id: TenantId, day: str) -> int:
+        """Units taken on ``day``."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; idempotent."""
+        ...
+
+
+class DatabaseQuotaStore(QuotaStore):
+    """Quota counters in the ``quota_usage`` table (deployments without Redis)."""
+
+    def __init__(self, db: DatabaseManager) -> None:
+        self._repo = QuotasRepo(db)
+
+    async def consume(self, tenant_id: TenantId, day: str, limit: int) -> int | None:
+        return await self._repo.consume(tenant_id, day, limit)
+
+    async def release(self, tenant_id: TenantId, day: str) -> None:
+        await self._repo.release(tenant_id, day)
+
+    async def used(self, tenant_id: TenantId, day: str) -> int:
+        return await self._repo.used(tenant_id, day)
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisQuotaStore(QuotaStore):
+    """Quota counters in Redis, each with a TTL from the moment it exists.
+
+    ``RedisError`` never leaves this class: it becomes
+    :class:`~moorline.errors.BackendUnavailable`, and admission fails closed (503) rather than
+    start runs it cannot count.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "mo",
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
+        """Create the store; nothing connects before the first command.
+
+        Args:
+            url: The Redis URL (``MOORLINE_REDIS_URL``).
+            prefix: The key prefix (``MOORLINE_REDIS_PREFIX``).
+            clock: Aware UTC "now", replaceable in tests; it sets the counters' expiry.
+
+        Raises:
+            ConfigError: the ``redis`` package is not installed.
+        """
+        try:
+            from redis.asyncio import Redis
+            from redis.exceptions import RedisError
+
+            from moorline.runtime.redis import load_script
+        except ImportError:  # pragma: no cover - the test environment installs every extra
+            raise ConfigError(
+                "MOORLINE_REDIS_URL: the redis package is missing; install moorline[redis]"
+            ) from None
+        self._client = Redis.from_url(url, decode_responses=True)
+        self._redis_error = RedisError
+        self.keys = RedisKeys(prefix)
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self._consume = self._client.register_script(load_script("consume_quota"))
+        self._release = self._client.register_script(load_script("release_quota"))
+
+    def _ttl_ms(self, day: str) -> int:
+        start = datetime.combine(date.fromisoformat(day), time(0), tzinfo=UTC)
+        ends_at = start + timedelta(days=1, seconds=COUNTER_MARGIN_S)
+        return max(1, math.ceil((ends_at - self._clock()).total_seconds() * 1000))
+
+    async def consume(self, tenant_id: TenantId, day: str, limit: int) -> int | None:
+        try:
+            taken, used = await self._consume(
+                keys=[self.keys.quota(tenant_id, day)], args=[limit, self._ttl_ms(day)]
+            )
+        except self._redis_error as exc:
+            raise BackendUnavailable(f"Redis quota store: {exc}") from exc
+        return int(used) if int(taken) == 1 else None
+
+    async def release(self, tenant_id: TenantId, day: str) -> None:
+        try:
+            await self._release(keys=[self.keys.quota(tenant_id, day)])
+        except self._redis_error as exc:
+            raise BackendUnavailable(f"Redis quota store: {exc}") from exc
+
+    async def used(self, tenant_id: TenantId, day: str) -> int:
+        try:
+            value = await self._client.get(self.keys.quota(tenant_id, day))
+        except self._redis_error as exc:
+            raise BackendUnavailable(f"Redis quota store: {exc}") from exc
+        return 0 if value is None else int(value)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def make_quota_store(settings: Settings, db: DatabaseManager) -> QuotaStore:
+    """Redis counters when ``MOORLINE_REDIS_URL`` is set, else the database's."""
+    if settings.redis_url:
+        return RedisQuotaStore(settings.redis_url, prefix=settings.redis_prefix)
+    return DatabaseQuotaStore(db)

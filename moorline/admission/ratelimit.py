@@ -1,0 +1,115 @@
+"""API rate limits per credential, through the ``limits`` library.
+
+Each plan names a rate (``"20/second"``); every trigger made with one API key (or delivered to
+one webhook) counts against that credential's window. The strategy is the library's *moving
+window*: at most ``count`` hits in any span of the period, with no double burst at a window
+boundary as a fixed window would allow (RELIABILITY.md F3).
+
+Storage follows the deployment: the library's in-process memory storage without Redis, its
+Redis storage with it, under ``<prefix>:ratelimit`` (:meth:`RedisKeys.rate_limits`), where each
+window's key gets its expiry in the same Lua script that writes it.
+
+A rate limit protects the service; it is not an account of anything. When its storage does not
+answer the request is let through and a warning logged (fail open, RELIABILITY.md F5), while the
+daily quota, which is an account, fails closed.
+"""
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import limits
+from limits.aio.storage import MemoryStorage, RedisStorage, Storage
+from limits.aio.strategies import MovingWindowRateLimiter
+
+from moorline.errors import RateLimited
+from moorline.runtime.keys import RedisKeys
+from moorline.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RateLimitState:
+    """Where a credential stands in its window after a request (the ``RateLimit-*`` headers).
+
+    Attributes:
+        limit: Requests allowed per window.
+        remaining: Requests left in the current window.
+        reset_s: Whole seconds until the window has room for one more request again (at
+            least 1 when none remain).
+    """
+
+    limit: int
+    remaining: int
+    reset_s: int
+
+
+class RateLimiter:
+    """Counts requests per credential against its plan's rate; refuses the ones over it."""
+
+    def __init__(self, settings: Settings) -> None:
+        """Choose the storage: Redis when ``MOORLINE_REDIS_URL`` is set, else memory."""
+        self._pool: Any = None
+        storage: Storage
+        if settings.redis_url:
+            from redis.asyncio import ConnectionPool
+
+            # Our own pool, so that close() can release its connections.
+            self._pool = ConnectionPool.from_url(settings.redis_url)
+            storage = RedisStorage(
+                f"async+{settings.redis_url}",
+                implementation="redispy",
+                key_prefix=RedisKeys(settings.redis_prefix).rate_limits(),
+                connection_pool=self._pool,
+            )
+        else:
+            storage = MemoryStorage()
+        self._storage = storage
+        self._limiter = MovingWindowRateLimiter(storage)
+        self._items: dict[str, limits.RateLimitItem] = {}
+
+    def _item(self, rate: str) -> limits.RateLimitItem:
+        item = self._items.get(rate)
+        if item is None:
+            # Plans validate their rate (moorline.plans.parse_rate_limit) with the same grammar.
+            item = self._items[rate] = limits.parse(rate)
+        return item
+
+    async def hit(self, identity: str, rate: str) -> RateLimitState | None:
+        """Count one request of ``identity`` against ``rate``.
+
+        Args:
+            identity: The credential the request came with (never the secret itself).
+            rate: The plan's rate, ``"<count>/<second|minute|hour|day>"``.
+
+        Returns:
+            The credential's window after this request; None when the storage did not
+            answer (the request is let through).
+
+        Raises:
+            RateLimited: the window is full; nothing was counted.
+        """
+        item = self._item(rate)
+        try:
+            allowed = await self._limiter.hit(item, identity)
+            reset_at, remaining = await self._limiter.get_window_stats(item, identity)
+        except self._storage.base_exceptions as exc:
+            logger.warning("rate limit storage unavailable, letting the request through: %s", exc)
+            return None
+        reset_s = max(1, math.ceil(reset_at - time.time()))
+        if not allowed:
+            raise RateLimited(
+                f"API rate limit of {rate} exceeded; retry in {reset_s}s",
+                limit=item.amount,
+                reset_s=reset_s,
+            )
+        return RateLimitState(limit=item.amount, remaining=remaining, reset_s=reset_s)
+
+    async def close(self) -> None:
+        """Release the Redis connections, if any; idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.aclose()

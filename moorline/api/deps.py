@@ -1,0 +1,211 @@
+"""What routes depend on: the app's services, and who is calling.
+
+:class:`Services` is built once per app by :func:`moorline.api.app.create_app` and kept on
+``app.state``; nothing here is module-level state.
+
+Authentication reads ``Authorization: Bearer <credential>`` only:
+
+- :func:`tenant_caller`: an API key, hashed and looked up (see
+  :mod:`moorline.db.repos.tenants`); a missing, unknown or revoked key is 401
+  ``unauthorized``, all alike.
+- :func:`require_admin`: ``MOORLINE_ADMIN_TOKEN``, compared in constant time; a tenant's key
+  is 403 ``forbidden``, anything else 401. Without an admin token the admin routes are off:
+  every credential is refused there.
+
+Every route that takes a run id loads the run through :func:`owned_run`, which answers 404
+``run_not_found`` for a run of another tenant exactly as for one that does not exist
+(DESIGN.md invariant 6); ``tests/api/test_isolation.py`` enumerates the routes to hold every
+one of them to it.
+"""
+
+import hmac
+import re
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from moorline.admission.admit import Admission
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.interrupts import InterruptsRepo
+from moorline.db.repos.listing import RunListing
+from moorline.db.repos.records import Run, Tenant
+from moorline.db.repos.runs import RunsRepo
+from moorline.db.repos.steps import StepsRepo
+from moorline.db.repos.tenants import TenantsRepo, hash_api_key
+from moorline.db.repos.webhooks import WebhooksRepo
+from moorline.dispatch.wakeups import Notifier, Waiter
+from moorline.engine.inbox import Inbox
+from moorline.engine.registry import Moorline
+from moorline.engine.streams import EventStreams
+from moorline.errors import Forbidden, RateLimited, RunNotFound, Unauthorized
+from moorline.plans import Plan, PlansProvider
+from moorline.runtime.base import RuntimeStore
+from moorline.settings import Settings
+from moorline.types import RunId
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9-]{1,36}$")
+"""Run ids are uuid4 text; anything else names no run and is not looked up."""
+
+api_key_scheme = HTTPBearer(
+    scheme_name="ApiKey",
+    description="A tenant's API key: `Authorization: Bearer ml_…`.",
+    auto_error=False,
+)
+admin_scheme = HTTPBearer(
+    scheme_name="AdminToken",
+    description="`MOORLINE_ADMIN_TOKEN`: `Authorization: Bearer <token>`.",
+    auto_error=False,
+)
+
+
+class StreamSlots:
+    """Counts each tenant's open event streams in this process, up to ``limit`` at once.
+
+    Args:
+        limit: Streams one tenant may hold open at once.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._open: dict[str, int] = {}
+
+    def take(self, tenant_id: str) -> None:
+        """Count one more open stream of the tenant.
+
+        Raises:
+            RateLimited: The tenant already holds ``limit`` open streams.
+        """
+        held = self._open.get(tenant_id, 0)
+        if held >= self._limit:
+            raise RateLimited(
+                f"this tenant already has {held} open event streams, the most allowed at once; "
+                "close one and try again",
+                limit=self._limit,
+                reset_s=1,
+            )
+        self._open[tenant_id] = held + 1
+
+    def held(self, tenant_id: str) -> int:
+        """Streams the tenant holds open now."""
+        return self._open.get(tenant_id, 0)
+
+    def give_back(self, tenant_id: str) -> None:
+        """Count one open stream of the tenant less."""
+        held = self._open.get(tenant_id, 0) - 1
+        if held > 0:
+            self._open[tenant_id] = held
+        else:
+            self._open.pop(tenant_id, None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Services:
+    """Everything the routes use, built once per app."""
+
+    settings: Settings
+    db: DatabaseManager
+    workflows: Moorline
+    plans: PlansProvider
+    tenants: TenantsRepo
+    runs: RunsRepo
+    listing: RunListing
+    steps: StepsRepo
+    interrupts: InterruptsRepo
+    webhooks: WebhooksRepo
+    admission: Admission
+    store: RuntimeStore
+    notifier: Notifier
+    waiter: Waiter
+    """Wake-ups: the Submitter notifies through ``notifier``; worker loops that ``moorline
+    serve`` runs in this process wait on ``waiter`` (the same in-process hub)."""
+    inbox: Inbox
+    streams: EventStreams
+    stream_slots: StreamSlots
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Caller:
+    """An authenticated tenant.
+
+    Attributes:
+        tenant: The tenant the API key names.
+        plan: The tenant's plan, as currently configured.
+        rate_identity: Whose API rate limit the request counts against: a digest prefix of
+            the key (never the key itself).
+    """
+
+    tenant: Tenant
+    plan: Plan
+    rate_identity: str
+
+
+def get_services(request: Request) -> Services:
+    """The app's services."""
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+Credentials = HTTPAuthorizationCredentials | None
+
+
+async def tenant_caller(
+    services: ServicesDep, credentials: Annotated[Credentials, Depends(api_key_scheme)]
+) -> Caller:
+    """The tenant whose API key the request carries.
+
+    Raises:
+        Unauthorized: no key, or one that names no tenant (unknown or revoked).
+    """
+    if credentials is None:
+        raise Unauthorized("an API key is required: send 'Authorization: Bearer <key>'")
+    key = credentials.credentials
+    tenant = await services.tenants.authenticate(key)
+    if tenant is None:
+        raise Unauthorized("the API key is not valid")
+    return Caller(
+        tenant=tenant,
+        plan=await services.plans.get(tenant.plan),
+        rate_identity=f"key:{hash_api_key(key)[:32]}",
+    )
+
+
+async def require_admin(
+    services: ServicesDep, credentials: Annotated[Credentials, Depends(admin_scheme)]
+) -> None:
+    """Let only the admin token through.
+
+    Raises:
+        Unauthorized: no credential, or one that is neither the admin token nor an API key.
+        Forbidden: a tenant's API key, or any credential while admin routes are off.
+    """
+    if credentials is None:
+        raise Unauthorized("the admin token is required: send 'Authorization: Bearer <token>'")
+    token = services.settings.admin_token
+    presented = credentials.credentials.encode("utf-8")
+    if token is not None and hmac.compare_digest(
+        presented, token.get_secret_value().encode("utf-8")
+    ):
+        return
+    if await services.tenants.authenticate(credentials.credentials) is not None:
+        raise Forbidden("this is an admin route; a tenant's API key cannot use it")
+    if token is None:
+        raise Forbidden("admin routes are off: MOORLINE_ADMIN_TOKEN is not set")
+    raise Unauthorized("the admin token is not valid")
+
+
+CallerDep = Annotated[Caller, Depends(tenant_caller)]
+
+
+async def owned_run(services: Services, caller: Caller, run_id: str) -> Run:
+    """The run ``run_id`` if it belongs to the caller's tenant.
+
+    Raises:
+        RunNotFound: no such run, or another tenant's (the same answer, the same work).
+    """
+    run = await services.runs.get(RunId(run_id)) if RUN_ID_PATTERN.match(run_id) else None
+    if run is None or run.tenant_id != caller.tenant.tenant_id:
+        raise RunNotFound(f"no run {run_id}")
+    return run

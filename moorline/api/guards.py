@@ -1,0 +1,261 @@
+"""Input limits applied before any route runs: body size, JSON shape, credentials in URLs.
+
+- :class:`RequestGuard` (ASGI middleware, outermost of ours) refuses a request whose query
+  string carries an API key or token (400 ``key_in_query``: URLs end up in logs and proxies),
+  and a body over ``MOORLINE_MAX_BODY_BYTES`` (413 ``body_too_large``): at once when the
+  declared ``Content-Length`` is over, and otherwise (chunked bodies) as soon as the bytes
+  received pass the limit, so no more than the limit is ever buffered. Starlette's own
+  ``RequestBodyLimitMiddleware`` is not used because it answers in plain text, and only once
+  the app reads the body or responds.
+- :class:`JSONBodyRoute` parses the body of every route that takes one with
+  :func:`parse_json` before FastAPI validates it: malformed JSON is 400 ``invalid_json``
+  (FastAPI would say 422), nesting deeper than :data:`MAX_JSON_DEPTH` is 400 too, and text no
+  database can store (NUL, lone surrogates) is 422 ``invalid_request``.
+- :class:`RedactKeys` (a logging filter) blanks anything that looks like an API key in log
+  records, such as an access-log line of a refused ``?api_key=`` request.
+"""
+
+import json
+import logging
+import re
+from collections.abc import Callable, Coroutine
+from typing import Any
+from urllib.parse import parse_qsl
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from moorline.api.errors import error_response
+from moorline.db.repos.tenants import KEY_PREFIX
+from moorline.errors import (
+    BodyTooLarge,
+    CredentialsInQuery,
+    InvalidJson,
+    InvalidRequest,
+    MoorlineError,
+)
+from moorline.types import JSONValue
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a JSON body may have."""
+
+CREDENTIAL_PARAMETERS = frozenset(
+    {"api_key", "apikey", "key", "token", "access_token", "auth", "authorization", "admin_token"}
+)
+"""Query parameters that only ever carry a credential; their presence is refused."""
+
+_KEY = re.compile(r"(?<![A-Za-z0-9])" + re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]{32,}")
+_CREDENTIAL_ASSIGNMENT = re.compile(
+    r"\b(" + "|".join(sorted(CREDENTIAL_PARAMETERS)) + r")=[^&\s\"']+", re.IGNORECASE
+)
+REDACTED = "[redacted]"
+
+
+def has_credentials(query_string: str) -> bool:
+    """Whether a query string carries an API key or a credential parameter."""
+    if _KEY.search(query_string):
+        return True
+    pairs = parse_qsl(query_string, keep_blank_values=True)
+    return any(name.lower() in CREDENTIAL_PARAMETERS or _KEY.search(v) for name, v in pairs)
+
+
+def redact(text: str) -> str:
+    """``text`` with API keys and credential query parameters blanked."""
+    text = _KEY.sub(KEY_PREFIX + REDACTED, text)
+    return _CREDENTIAL_ASSIGNMENT.sub(lambda match: f"{match.group(1)}={REDACTED}", text)
+
+
+class RedactKeys(logging.Filter):
+    """Blank API keys in a record's message and arguments (install it on a logger)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(arg) if isinstance(arg, str) else arg for arg in record.args)
+        return True
+
+
+class RequestGuard:
+    """Refuse credentials in the query string and bodies over the limit (see module doc)."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def receive_within_limit() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise self._too_large()
+            return message
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive_within_limit, send_noting_start)
+        except BodyTooLarge as exc:
+            # Normally the app's error handler answers; this covers a read outside a route.
+            if started:
+                raise
+            await error_response(exc)(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> MoorlineError | None:
+        query = scope.get("query_string", b"").decode("latin-1")
+        if query and has_credentials(query):
+            return CredentialsInQuery(
+                "API keys and tokens are accepted only in the Authorization header, never in "
+                "the URL; consider this key exposed and rotate it"
+            )
+        length = _content_length(scope)
+        if length is not None and length > self.max_body_bytes:
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> BodyTooLarge:
+        return BodyTooLarge(f"the request body is over the limit of {self.max_body_bytes} bytes")
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def parse_json(body: bytes) -> JSONValue:
+    """Parse a request body as strict JSON that every backend can store.
+
+    Raises:
+        InvalidJson: not UTF-8, not JSON, NaN or infinite numbers, or nesting deeper than
+            :data:`MAX_JSON_DEPTH`.
+        InvalidRequest: a string holds NUL or a lone surrogate, which PostgreSQL (and UTF-8)
+            cannot store.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidJson("the body is not UTF-8") from None
+    try:
+        value: JSONValue = json.loads(text, parse_constant=_refuse_constant, parse_float=_float)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as exc:
+        raise InvalidJson(f"the body is not valid JSON: {exc}") from None
+    _check_stored_shape(value)
+    return value
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _float(text: str) -> float:
+    number = float(text)
+    if number in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of range")
+    return number
+
+
+def _too_deep() -> InvalidJson:
+    return InvalidJson(f"the body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _check_stored_shape(value: JSONValue) -> None:
+    """Walk ``value`` without recursion: depth of containers and storable strings."""
+    pending: list[tuple[JSONValue, int]] = [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, dict):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            for key, item in node.items():
+                _check_text(key)
+                pending.append((item, depth + 1))
+        elif isinstance(node, list):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            pending.extend((item, depth + 1) for item in node)
+        elif isinstance(node, str):
+            _check_text(node)
+
+
+def _check_text(text: str) -> None:
+    if text.isascii():
+        if "\x00" in text:
+            raise InvalidRequest("a string in the body holds a NUL character (\\u0000)")
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("a string in the body holds a lone UTF-16 surrogate") from None
+
+
+def _is_json_type(content_type: str) -> bool:
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
+
+
+class JSONRequest(Request):
+    """A request whose JSON body was parsed by :func:`parse_json` before the route ran."""
+
+    _parsed: JSONValue
+
+    async def parse(self) -> None:
+        """Read and parse the body (nothing to parse when it is empty).
+
+        Raises:
+            InvalidRequest: the body is declared as something other than JSON.
+        """
+        body = await self.body()
+        if not body:
+            return
+        declared = self.headers.get("content-type")
+        if declared is not None and not _is_json_type(declared):
+            raise InvalidRequest(
+                f"the body must be JSON (Content-Type: application/json), not {declared!r}"
+            )
+        self._parsed = parse_json(body)
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_parsed"):
+            await self.parse()
+        return self._parsed
+
+
+class JSONBodyRoute(APIRoute):
+    """A route whose JSON body goes through :func:`parse_json` (routes without one: as is)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def parse_then_handle(request: Request) -> Response:
+            parsed = JSONRequest(request.scope, request.receive)
+            await parsed.parse()
+            return await handler(parsed)
+
+        return parse_then_handle

@@ -1,0 +1,430 @@
+"""Runs: trigger a workflow, read, list, resume, cancel and message runs, stream their events.
+
+A trigger goes through :class:`~moorline.admission.admit.Admission` (rate limit, input,
+idempotency, conversation, quota, enqueue); the route only finds the workflow in the app's
+registry, which it knows for validation and never runs. Every route with a run id loads the
+run through :func:`~moorline.api.deps.owned_run` (another tenant's run is 404).
+
+The event stream is Server-Sent Events over :class:`~moorline.engine.streams.EventStreams`:
+each event carries its ``seq`` as its ``id``, so a client that reconnects with
+``Last-Event-ID`` (or ``?after=``) resumes after the last one it saw, with neither gap nor
+duplicate. The stream closes after the run's terminal event, after ``EXECUTION_TIMEOUT``
+(a client reconnects and resumes), or when the client leaves; a comment every
+``SSE_PING_INTERVAL`` keeps proxies from closing an idle one. Each tenant may hold
+``MAX_STREAMS_PER_TENANT`` streams open per process (:class:`~moorline.api.deps.StreamSlots`).
+"""
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Path, Query, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from moorline.admission.admit import Admitted, Trigger
+from moorline.api.deps import CallerDep, ServicesDep, StreamSlots, owned_run
+from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
+from moorline.api.guards import JSONBodyRoute
+from moorline.api.schemas import (
+    CONVERSATION,
+    WORKFLOW,
+    Cancelled,
+    MessageAccepted,
+    MessageIn,
+    PendingInterrupt,
+    Resume,
+    Resumed,
+    RunAccepted,
+    RunCreate,
+    RunList,
+    RunOut,
+    RunSummary,
+    StepOut,
+)
+from moorline.db.repos.interrupts import InterruptResolved
+from moorline.db.repos.listing import RunCursor, RunFilter
+from moorline.db.repos.records import DecisionReason, Event, Run
+from moorline.dispatch.cancel import cancel_run
+from moorline.engine.streams import EventStream
+from moorline.errors import (
+    ConversationBusy,
+    IdempotencyConflict,
+    InterruptNotFound,
+    InvalidInput,
+    InvalidRequest,
+    LimitExceeded,
+    NoPendingInterrupt,
+    NotFound,
+    QuotaExceeded,
+    RateLimited,
+    RunFinished,
+    RunNotFound,
+    RunNotInteractive,
+    Unauthorized,
+    WorkflowNotFound,
+)
+from moorline.runtime.base import RuntimeStore
+from moorline.types import JSONObject, RunId, RunStatus
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 200
+"""A ``limit`` above this is served as this (clamped, not refused)."""
+
+RunIdPath = Annotated[str, Path(max_length=200, description="The run's id.")]
+
+
+def accepted(run: Run) -> RunAccepted:
+    """The answer to a trigger."""
+    return RunAccepted(
+        run_id=run.run_id,
+        workflow=run.workflow,
+        status=run.status,
+        queue=run.lane,
+        created_at=run.created_at,
+    )
+
+
+def summary(run: Run) -> RunSummary:
+    """``run`` as listed."""
+    return RunSummary(
+        run_id=run.run_id,
+        workflow=run.workflow,
+        tenant_id=run.tenant_id,
+        status=run.status,
+        queue=run.lane,
+        attempt=run.attempt,
+        error=run.error,
+        conversation_id=run.conversation_id,
+        created_at=run.created_at,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        elapsed_time=run.elapsed_time,
+    )
+
+
+def encode_cursor(cursor: RunCursor) -> str:
+    """The opaque ``next_cursor`` string of a listing position."""
+    raw = json.dumps([cursor.created_at.isoformat(), cursor.run_id], separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(text: str) -> RunCursor:
+    """The listing position of a ``cursor`` this API returned.
+
+    Raises:
+        InvalidRequest: not a cursor this API returned.
+    """
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        created_at, run_id = json.loads(raw)
+        position = RunCursor(created_at=datetime.fromisoformat(created_at), run_id=RunId(run_id))
+    except (binascii.Error, ValueError, TypeError):
+        raise InvalidRequest("cursor: not a cursor this API returned") from None
+    if position.created_at.tzinfo is None or not isinstance(run_id, str):
+        raise InvalidRequest("cursor: not a cursor this API returned")
+    return position
+
+
+async def trigger_run(
+    workflow: Annotated[str, Path(max_length=200, description="A registered workflow.")],
+    body: RunCreate,
+    caller: CallerDep,
+    services: ServicesDep,
+    response: Response,
+) -> RunAccepted:
+    """Start a run: 202 when admitted, 200 for a repeated idempotency key."""
+    definition = services.workflows.get(workflow)
+    admitted = await services.admission.admit(
+        Trigger(
+            tenant_id=caller.tenant.tenant_id,
+            plan=caller.plan,
+            rate_identity=caller.rate_identity,
+            workflow=definition,
+            input=body.input,
+            idempotency_key=body.idempotency_key,
+            conversation_id=body.conversation_id,
+            delay_s=body.delay_seconds,
+        )
+    )
+    return answer_trigger(admitted, response)
+
+
+def answer_trigger(admitted: Admitted, response: Response) -> RunAccepted:
+    """Status and rate-limit headers of an admitted trigger, and its body."""
+    response.status_code = 202 if admitted.created else 200
+    if admitted.rate is not None:
+        rate = admitted.rate
+        response.headers.update(rate_limit_headers(rate.limit, rate.remaining, rate.reset_s))
+    return accepted(admitted.run)
+
+
+async def get_run(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) -> RunOut:
+    """A run with its steps and the decision it waits for, if any."""
+    run = await owned_run(services, caller, run_id)
+    steps = await services.steps.list(run.run_id)
+    pending = await services.interrupts.pending_for_run(run.run_id)
+    waiting = pending[0] if pending and not run.status.is_terminal else None
+    return RunOut(
+        **summary(run).model_dump(),
+        input=run.input,
+        output=run.output,
+        steps=[
+            StepOut(
+                key=step.key,
+                status=step.status.value,
+                attempt=step.attempt,
+                started_at=step.started_at,
+                finished_at=step.finished_at,
+            )
+            for step in steps
+        ],
+        pending_interrupt=(
+            None
+            if waiting is None
+            else PendingInterrupt(
+                interrupt_id=waiting.interrupt_id,
+                action=waiting.action,
+                data=waiting.data,
+                expires_at=waiting.expires_at,
+            )
+        ),
+    )
+
+
+async def list_runs(
+    caller: CallerDep,
+    services: ServicesDep,
+    status: RunStatus | None = None,
+    workflow: Annotated[str | None, Query(max_length=200, pattern=WORKFLOW)] = None,
+    conversation_id: Annotated[str | None, Query(max_length=200, pattern=CONVERSATION)] = None,
+    limit: Annotated[
+        int, Query(ge=1, description=f"Runs per page; above {MAX_PAGE_SIZE} counts as that.")
+    ] = DEFAULT_PAGE_SIZE,
+    cursor: Annotated[str | None, Query(max_length=500)] = None,
+) -> RunList:
+    """The tenant's runs, newest first, a page at a time."""
+    page = await services.listing.page(
+        caller.tenant.tenant_id,
+        where=RunFilter(status=status, workflow=workflow, conversation_id=conversation_id),
+        limit=min(limit, MAX_PAGE_SIZE),
+        after=None if cursor is None else decode_cursor(cursor),
+    )
+    return RunList(
+        runs=[summary(run) for run in page.runs],
+        next_cursor=None if page.next_cursor is None else encode_cursor(page.next_cursor),
+    )
+
+
+async def resume_run(
+    run_id: RunIdPath, body: Resume, caller: CallerDep, services: ServicesDep
+) -> Resumed:
+    """Approve or deny the decision a run waits for; the first decision wins."""
+    run = await owned_run(services, caller, run_id)
+    interrupt_id = body.interrupt_id
+    if interrupt_id is None:
+        pending = (
+            [] if run.status.is_terminal else await services.interrupts.pending_for_run(run.run_id)
+        )
+        if not pending:
+            raise NoPendingInterrupt(f"run {run.run_id} waits for no decision")
+        interrupt_id = pending[0].interrupt_id
+    reason = DecisionReason.APPROVED if body.approved else DecisionReason.DENIED
+    try:
+        resolved = await services.interrupts.resolve(
+            run.run_id, interrupt_id, approved=body.approved, reason=reason, data=body.data
+        )
+    except NotFound:
+        raise InterruptNotFound(f"no interrupt {interrupt_id} in run {run.run_id}") from None
+    await _wake(services.store, run.run_id, interrupt_id, body.approved, reason, body.data)
+    return Resumed(run_id=run.run_id, interrupt_id=resolved.interrupt_id, resolution="resolved")
+
+
+async def _wake(
+    store: RuntimeStore,
+    run_id: RunId,
+    interrupt_id: str,
+    approved: bool,
+    reason: DecisionReason,
+    data: JSONObject | None,
+) -> None:
+    """Wake the run's waiting worker; the database already holds the decision.
+
+    A lost wake-up costs the worker one poll of the database, so a store that does not answer
+    does not fail the request.
+    """
+    decision: JSONObject = {"approved": approved, "reason": reason.value, "data": data}
+    try:
+        await store.resolve_interrupt(run_id, interrupt_id, decision)
+    except Exception:
+        logger.warning("could not wake run %s after a decision", run_id, exc_info=True)
+
+
+async def cancel(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) -> Cancelled:
+    """Cancel a run: a queued one ends at once, a running one at its next check."""
+    run = await owned_run(services, caller, run_id)
+    cancelled = await cancel_run(services.runs, services.store, caller.tenant.tenant_id, run.run_id)
+    return Cancelled(run_id=cancelled.run_id, status=cancelled.status)
+
+
+async def post_message(
+    run_id: RunIdPath, body: MessageIn, caller: CallerDep, services: ServicesDep
+) -> MessageAccepted:
+    """Hand a message to a running run's workflow (it drains messages at its checkpoints)."""
+    run = await owned_run(services, caller, run_id)
+    message = await services.inbox.post_message(caller.tenant.tenant_id, run.run_id, body.content)
+    return MessageAccepted(run_id=run.run_id, seq=message.seq)
+
+
+def resume_point(last_event_id: str | None, after: str | None) -> int:
+    """The ``seq`` to stream after: ``Last-Event-ID`` wins over ``?after=``; 0 for all.
+
+    Raises:
+        InvalidRequest: Not a non-negative whole number.
+    """
+    for name, value in (("Last-Event-ID", last_event_id), ("after", after)):
+        if value is None:
+            continue
+        if not value.isascii() or not value.isdigit() or len(value) > 18:
+            raise InvalidRequest(f"{name}: must be the id of an event (a whole number >= 0)")
+        return int(value)
+    return 0
+
+
+def sse_event(event: Event) -> ServerSentEvent:
+    """An event as sent: its ``seq`` as ``id``, its type as ``event``, its data as JSON."""
+    return ServerSentEvent(
+        id=str(event.seq),
+        event=event.type,
+        data=json.dumps(event.data, separators=(",", ":")),
+    )
+
+
+async def stream_events(
+    run_id: RunIdPath,
+    caller: CallerDep,
+    services: ServicesDep,
+    after: Annotated[
+        str | None, Query(max_length=20, description="Resume after this event id.")
+    ] = None,
+    last_event_id: Annotated[str | None, Header(max_length=20)] = None,
+) -> EventSourceResponse:
+    """The run's events as Server-Sent Events: stored ones after the cursor, then live ones."""
+    run = await owned_run(services, caller, run_id)
+    after_seq = resume_point(last_event_id, after)
+    tenant_id = caller.tenant.tenant_id
+    services.stream_slots.take(tenant_id)
+    try:
+        stream = await services.streams.open(tenant_id, run.run_id, after_seq=after_seq)
+    except BaseException:
+        services.stream_slots.give_back(tenant_id)
+        raise
+    settings = services.settings
+    return EventSourceResponse(
+        _send(stream, services.stream_slots, tenant_id, settings.execution_timeout),
+        ping=settings.sse_ping_interval,
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+async def _send(
+    stream: EventStream, slots: StreamSlots, tenant_id: str, lifetime_s: float
+) -> AsyncIterator[ServerSentEvent]:
+    """The stream's events until it ends or its lifetime is over; releases its slot."""
+    try:
+        async with stream, asyncio.timeout(lifetime_s):
+            async for event in stream:
+                yield sse_event(event)
+    except TimeoutError:
+        return  # the client reconnects with Last-Event-ID and resumes
+    finally:
+        slots.give_back(tenant_id)
+
+
+def build_router() -> APIRouter:
+    """A new router with the run routes."""
+    router = APIRouter(prefix="/v1", tags=["runs"], route_class=JSONBodyRoute)
+    router.add_api_route(
+        "/workflows/{workflow}/runs",
+        trigger_run,
+        methods=["POST"],
+        status_code=202,
+        responses={
+            200: {"model": RunAccepted, "description": "The run of a repeated idempotency key"},
+            **responses(
+                Unauthorized,
+                *BODY_ERRORS,
+                WorkflowNotFound,
+                InvalidInput,
+                IdempotencyConflict,
+                ConversationBusy,
+                QuotaExceeded,
+                RateLimited,
+            ),
+        },
+        summary="Start a run of a workflow",
+    )
+    router.add_api_route(
+        "/runs",
+        list_runs,
+        methods=["GET"],
+        responses=responses(Unauthorized, InvalidRequest),
+        summary="List runs, newest first",
+    )
+    router.add_api_route(
+        "/runs/{run_id}",
+        get_run,
+        methods=["GET"],
+        responses=responses(Unauthorized, InvalidRequest, RunNotFound),
+        summary="A run with its steps and pending interrupt",
+    )
+    router.add_api_route(
+        "/runs/{run_id}/resume",
+        resume_run,
+        methods=["POST"],
+        responses=responses(
+            Unauthorized,
+            *BODY_ERRORS,
+            RunNotFound,
+            InterruptNotFound,
+            NoPendingInterrupt,
+            InterruptResolved,
+        ),
+        summary="Approve or deny a paused run",
+    )
+    router.add_api_route(
+        "/runs/{run_id}/cancel",
+        cancel,
+        methods=["POST"],
+        status_code=202,
+        responses=responses(Unauthorized, InvalidRequest, RunNotFound, RunFinished),
+        summary="Cancel a run",
+    )
+    router.add_api_route(
+        "/runs/{run_id}/messages",
+        post_message,
+        methods=["POST"],
+        status_code=202,
+        responses=responses(
+            Unauthorized, *BODY_ERRORS, InvalidInput, RunNotFound, RunNotInteractive, LimitExceeded
+        ),
+        summary="Send a message to a running run",
+    )
+    router.add_api_route(
+        "/runs/{run_id}/events",
+        stream_events,
+        methods=["GET"],
+        response_class=EventSourceResponse,
+        responses={
+            200: {"content": {"text/event-stream": {}}, "description": "The run's events"},
+            **responses(Unauthorized, InvalidRequest, RunNotFound, RateLimited),
+        },
+        summary="Stream a run's events (Server-Sent Events)",
+    )
+    return router

@@ -1,0 +1,252 @@
+"""Request and response bodies of API v1 (API.md); the field names are contract.
+
+Request bodies forbid unknown fields, so a client can never set what the server owns
+(``tenant_id``, ``status``, ``attempt``, usage counters: RELIABILITY.md I10). Strings that end
+up in keys or URLs have a pattern; free text refuses control characters, which not every
+database stores.
+"""
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moorline.types import RunStatus
+
+PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
+"""Text without control characters."""
+
+TOKEN = r"^[!-~]+$"
+"""Visible ASCII, no spaces: keys that must compare exactly on every database."""
+
+CONVERSATION = r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$"
+"""Conversation ids become Redis key parts: no ``:``, ``{``, ``}``, ``*`` or spaces."""
+
+WORKFLOW = r"^[A-Za-z][A-Za-z0-9_.-]*$"
+"""As ``moorline.engine.registry.NAME_PATTERN``."""
+
+MAX_DELAY_S = 30 * 86400.0
+"""Longest ``delay_seconds``: thirty days."""
+
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=PRINTABLE)]
+PlanName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="A configured plan: `professional`, `team`, `sandbox` or one of the plans "
+        "file.",
+        examples=["team"],
+    ),
+]
+WorkflowName = Annotated[str, Field(min_length=1, max_length=200, pattern=WORKFLOW)]
+ConversationId = Annotated[str, Field(min_length=1, max_length=200, pattern=CONVERSATION)]
+IdempotencyKey = Annotated[str, Field(min_length=1, max_length=200, pattern=TOKEN)]
+
+
+class RequestBody(BaseModel):
+    """A request body: unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- tenants (admin) ------------------------------------------------------------------------
+
+
+class TenantCreate(RequestBody):
+    """A new tenant."""
+
+    name: Name
+    plan: PlanName
+
+
+class TenantCreated(BaseModel):
+    """The new tenant and its API key, shown this once (only its hash is stored)."""
+
+    tenant_id: str
+    name: str
+    plan: str
+    api_key: str
+
+
+class TenantPlanChange(RequestBody):
+    """Move a tenant to another plan."""
+
+    plan: PlanName
+
+
+class TenantOut(BaseModel):
+    """A tenant."""
+
+    tenant_id: str
+    name: str
+    plan: str
+
+
+class LaneOut(BaseModel):
+    """One lane's load."""
+
+    lane: str
+    queued: int
+    running: int
+    oldest_queued_age_s: float | None = Field(
+        description="Seconds the longest-waiting claimable run has waited; null when none."
+    )
+
+
+class Queues(BaseModel):
+    """Every lane's load."""
+
+    lanes: list[LaneOut]
+
+
+# --- runs -----------------------------------------------------------------------------------
+
+
+class RunCreate(RequestBody):
+    """A trigger."""
+
+    input: dict[str, Any] = Field(
+        default_factory=dict, description="The workflow's arguments by parameter name."
+    )
+    idempotency_key: IdempotencyKey | None = Field(
+        default=None, description="The same key and input again returns the first run."
+    )
+    conversation_id: ConversationId | None = Field(
+        default=None, description="At most one active run per conversation."
+    )
+    delay_seconds: float = Field(
+        default=0.0, ge=0.0, le=MAX_DELAY_S, allow_inf_nan=False, description="Claim no sooner."
+    )
+
+
+class RunAccepted(BaseModel):
+    """A run that was admitted (or, for a repeated idempotency key, the earlier one)."""
+
+    run_id: str
+    workflow: str
+    status: RunStatus
+    queue: str
+    created_at: datetime
+
+
+class StepOut(BaseModel):
+    """One checkpointed step."""
+
+    key: str
+    status: str
+    attempt: int
+    started_at: datetime
+    finished_at: datetime | None
+
+
+class PendingInterrupt(BaseModel):
+    """The decision a run waits for."""
+
+    interrupt_id: str
+    action: str
+    data: Any
+    expires_at: datetime
+
+
+class RunSummary(BaseModel):
+    """A run as listed."""
+
+    run_id: str
+    workflow: str
+    tenant_id: str
+    status: RunStatus
+    queue: str
+    attempt: int
+    error: Any
+    conversation_id: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    elapsed_time: float | None
+
+
+class RunOut(RunSummary):
+    """A run with its input, output, steps and pending interrupt."""
+
+    input: Any
+    output: Any
+    steps: list[StepOut]
+    pending_interrupt: PendingInterrupt | None
+
+
+class RunList(BaseModel):
+    """A page of runs, newest first."""
+
+    runs: list[RunSummary]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page.")
+
+
+class Resume(RequestBody):
+    """A decision on a paused run."""
+
+    interrupt_id: Annotated[str, Field(min_length=1, max_length=36, pattern=TOKEN)] | None = Field(
+        default=None, description="Default: the run's oldest pending interrupt."
+    )
+    approved: bool
+    data: dict[str, Any] | None = Field(default=None, description="Handed to the workflow.")
+
+
+class MessageIn(RequestBody):
+    """A message for a running run's workflow."""
+
+    content: str = Field(description="The message; non-empty.")
+
+
+class MessageAccepted(BaseModel):
+    """A stored message, in the order the workflow will drain it."""
+
+    run_id: str
+    seq: int
+
+
+class Cancelled(BaseModel):
+    """A recorded cancel: ``cancelled`` at once, or ``running`` until the run's next check."""
+
+    run_id: str
+    status: RunStatus
+
+
+class Resumed(BaseModel):
+    """The recorded decision."""
+
+    run_id: str
+    interrupt_id: str
+    resolution: Literal["resolved"]
+
+
+# --- webhooks and usage ---------------------------------------------------------------------
+
+
+class WebhookCreate(RequestBody):
+    """A new webhook for a workflow."""
+
+    workflow: WorkflowName
+    secret: Annotated[str, Field(min_length=16, max_length=200, pattern=PRINTABLE)] | None = Field(
+        default=None, description="The HMAC secret; a random one when absent."
+    )
+
+
+class WebhookCreated(BaseModel):
+    """The webhook: where to deliver and the secret to sign with."""
+
+    webhook_id: str
+    url: str
+    secret: str
+
+
+class UsageOut(BaseModel):
+    """The tenant's daily quota."""
+
+    tenant_id: str
+    plan: str
+    daily_quota: int
+    used_today: int
+    remaining: int
+    resets_at: datetime

@@ -1,0 +1,188 @@
+"""Reads over many runs: a tenant's run listing, a conversation's active run, lane loads.
+
+Listings page with a keyset cursor rather than an offset: a page is the runs strictly *after*
+the last one of the previous page in ``(created_at, id)`` order, newest first, so a page costs
+the same however deep it is and runs inserted meanwhile neither repeat nor shift the pages.
+``id`` breaks ties, which are common: a group-committed batch shares one ``created_at``. The
+query walks ``ix_runs_tenant_created`` (``tenant_id, created_at``) backwards.
+"""
+
+import builtins
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.sql.elements import ColumnElement
+
+from moorline.db.dialects import DialectName, db_now
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.records import LaneLoad, Run, run_from_row
+from moorline.db.schema import runs
+from moorline.types import RunId, RunStatus, TenantId
+
+ACTIVE_STATUSES = (RunStatus.PENDING, RunStatus.QUEUED, RunStatus.RUNNING)
+"""The statuses of a run that has not ended: it holds its conversation."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunCursor:
+    """A position in a listing: the last run of a page. The next page starts after it."""
+
+    created_at: datetime
+    run_id: RunId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunFilter:
+    """Conditions a listed run must meet; None matches everything."""
+
+    status: RunStatus | None = None
+    workflow: str | None = None
+    conversation_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunPage:
+    """One page of a listing, newest first, and where the next one starts (None: no more)."""
+
+    runs: builtins.list[Run]
+    next_cursor: RunCursor | None
+
+
+class RunListing:
+    """Tenant-scoped run listings and the aggregate reads of the admin API."""
+
+    def __init__(self, db: DatabaseManager) -> None:
+        self._db = db
+        self._dialect: DialectName = db.dialect
+
+    async def page(
+        self,
+        tenant_id: TenantId,
+        *,
+        where: RunFilter,
+        limit: int,
+        after: RunCursor | None = None,
+    ) -> RunPage:
+        """The tenant's runs matching ``where``, newest first, ``limit`` at most.
+
+        Args:
+            tenant_id: Only this tenant's runs are ever returned.
+            where: Conditions on status, workflow and conversation.
+            limit: Most runs on the page (at least 1).
+            after: The cursor of the previous page; None for the first page.
+
+        Raises:
+            ValueError: ``limit`` is below 1.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        conditions = [runs.c.tenant_id == tenant_id, *_matching(where)]
+        if after is not None:
+            conditions.append(
+                or_(
+                    runs.c.created_at < after.created_at,
+                    and_(runs.c.created_at == after.created_at, runs.c.id < after.run_id),
+                )
+            )
+        stmt = (
+            select(runs)
+            .where(*conditions)
+            .order_by(runs.c.created_at.desc(), runs.c.id.desc())
+            .limit(limit + 1)  # one more than asked: whether a next page exists
+        )
+
+        async def read() -> RunPage:
+            async with self._db.connect() as conn:
+                found = [run_from_row(row) for row in (await conn.execute(stmt)).mappings()]
+            page = found[:limit]
+            if len(found) <= limit:
+                return RunPage(runs=page, next_cursor=None)
+            last = page[-1]
+            return RunPage(
+                runs=page, next_cursor=RunCursor(created_at=last.created_at, run_id=last.run_id)
+            )
+
+        return await self._db.with_retry(read)
+
+    async def active_in_conversation(
+        self, tenant_id: TenantId, conversation_id: str
+    ) -> RunId | None:
+        """The oldest run of the tenant's conversation that has not ended, if any."""
+        stmt = (
+            select(runs.c.id, runs.c.conversation_id)
+            .where(
+                runs.c.tenant_id == tenant_id,
+                runs.c.conversation_id == conversation_id,
+                runs.c.status.in_([status.value for status in ACTIVE_STATUSES]),
+            )
+            .order_by(runs.c.created_at, runs.c.id)
+            .limit(1)
+        )
+
+        async def read() -> RunId | None:
+            async with self._db.connect() as conn:
+                row = (await conn.execute(stmt)).first()
+            # MariaDB's binary collation ignores trailing spaces: compare exactly here.
+            if row is None or row.conversation_id != conversation_id:
+                return None
+            return RunId(row.id)
+
+        return await self._db.with_retry(read)
+
+    async def lane_loads(self, lanes: Iterable[str] = ()) -> builtins.list[LaneLoad]:
+        """Queued and running runs per lane, and how long the oldest claimable one has waited.
+
+        Args:
+            lanes: Lanes to report even when empty (the configured ones); lanes that hold
+                runs are reported too.
+
+        Returns:
+            One entry per lane, by lane name.
+        """
+        queued, running = RunStatus.QUEUED.value, RunStatus.RUNNING.value
+        counts = (
+            select(runs.c.lane, runs.c.status, func.count().label("n"))
+            .where(runs.c.status.in_([queued, running]))
+            .group_by(runs.c.lane, runs.c.status)
+        )
+        now = db_now(self._dialect)
+        oldest = (
+            select(runs.c.lane, func.min(runs.c.not_before).label("since"))
+            .where(runs.c.status == queued, runs.c.not_before <= now)
+            .group_by(runs.c.lane)
+        )
+
+        async def read() -> builtins.list[LaneLoad]:
+            async with self._db.connect() as conn:
+                current: datetime = (await conn.execute(select(now))).scalar_one()
+                by_status = {(row.lane, row.status): row.n for row in await conn.execute(counts)}
+                since = {row.lane: row.since for row in await conn.execute(oldest)}
+            names = sorted({*lanes, *(lane for lane, _ in by_status)})
+            return [
+                LaneLoad(
+                    lane=lane,
+                    queued=by_status.get((lane, queued), 0),
+                    running=by_status.get((lane, running), 0),
+                    oldest_queued_age_s=(
+                        None
+                        if since.get(lane) is None
+                        else max(0.0, (current - since[lane]).total_seconds())
+                    ),
+                )
+                for lane in names
+            ]
+
+        return await self._db.with_retry(read)
+
+
+def _matching(where: RunFilter) -> builtins.list[ColumnElement[bool]]:
+    conditions: builtins.list[ColumnElement[bool]] = []
+    if where.status is not None:
+        conditions.append(runs.c.status == where.status.value)
+    if where.workflow is not None:
+        conditions.append(runs.c.workflow == where.workflow)
+    if where.conversation_id is not None:
+        conditions.append(runs.c.conversation_id == where.conversation_id)
+    return conditions

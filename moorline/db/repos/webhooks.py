@@ -1,0 +1,79 @@
+"""Inbound webhooks: a tenant's URL that starts one workflow per signed delivery.
+
+A webhook's id is a random uuid4 and its URL is public; what authenticates a delivery is the
+HMAC signature made with the webhook's secret (see :mod:`moorline.api.routes.webhooks`). The
+secret is stored as given because verification needs it.
+"""
+
+import uuid
+
+from sqlalchemy import RowMapping, insert, select
+from sqlalchemy.exc import IntegrityError
+
+from moorline.db.dialects import DialectName, db_now
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.records import Webhook
+from moorline.db.schema import webhooks
+from moorline.errors import TenantNotFound
+from moorline.types import TenantId
+
+
+class WebhooksRepo:
+    """Creates and finds webhooks."""
+
+    def __init__(self, db: DatabaseManager) -> None:
+        self._db = db
+        self._dialect: DialectName = db.dialect
+
+    async def create(self, tenant_id: TenantId, workflow: str, secret: str) -> Webhook:
+        """Register a webhook of ``tenant_id`` that starts ``workflow``.
+
+        Not retried on a lost connection: a retry after a lost acknowledgement would register
+        a second webhook under another id.
+
+        Raises:
+            TenantNotFound: No such tenant; nothing was written.
+        """
+        webhook_id = str(uuid.uuid4())
+        async with self._db.transaction() as conn:
+            try:
+                await conn.execute(
+                    insert(webhooks).values(
+                        id=webhook_id,
+                        tenant_id=tenant_id,
+                        workflow=workflow,
+                        secret=secret,
+                        created_at=db_now(self._dialect),
+                    )
+                )
+            except IntegrityError as exc:
+                # A fresh uuid4 cannot collide; the foreign key to the tenant can fail.
+                raise TenantNotFound(f"no tenant {tenant_id}") from exc
+            row = (
+                (await conn.execute(select(webhooks).where(webhooks.c.id == webhook_id)))
+                .mappings()
+                .one()
+            )
+        return _webhook_from_row(row)
+
+    async def get(self, webhook_id: str) -> Webhook | None:
+        """The webhook with this id, or None."""
+        stmt = select(webhooks).where(webhooks.c.id == webhook_id)
+
+        async def read() -> Webhook | None:
+            async with self._db.connect() as conn:
+                row = (await conn.execute(stmt)).mappings().first()
+            # MariaDB's binary collation still ignores trailing spaces: compare exactly here.
+            return None if row is None or row["id"] != webhook_id else _webhook_from_row(row)
+
+        return await self._db.with_retry(read)
+
+
+def _webhook_from_row(row: RowMapping) -> Webhook:
+    return Webhook(
+        webhook_id=row["id"],
+        tenant_id=TenantId(row["tenant_id"]),
+        workflow=row["workflow"],
+        secret=row["secret"],
+        created_at=row["created_at"],
+    )

@@ -1,0 +1,218 @@
+"""Conversations at run time: the conversation lease and the interactive window of an attempt.
+
+At most one run per ``conversation_id`` is active. The database decides at admission
+(:meth:`~moorline.db.repos.runs.RunsRepo.submit_many` refuses a second active run with
+:class:`~moorline.errors.ConversationBusy`); at run time the RuntimeStore holds two states with
+different lifetimes (seed 000):
+
+- the **conversation lease**, held by ``"<run id>#<attempt>"`` from the moment the attempt
+  starts until it is over and its outcome written (:meth:`Conversations.release`), renewed by
+  the worker's heartbeat with the lease TTL. A lease left by a dead attempt expires with its
+  TTL; one left by an attempt the database shows over (its run ended, or was taken over) is
+  released by the next holder at once. A live holder of another run refuses the attempt with
+  ``ConversationBusy``, a retryable failure: two runs of one conversation never execute
+  together.
+- the **interactive window**, which names the run whose workflow code is executing now: it
+  opens when the workflow starts and closes as soon as it returns or raises, before the
+  attempt's post-processing (final events, outcome), so messages are accepted only while
+  something can still drain them. Runs without a conversation use their run id as the window's
+  key.
+
+The store is coordination that may be lost: when it cannot be reached, the attempt runs on
+(the database still fences every write); its window stays closed, so messages are refused
+until a heartbeat reaches the store again.
+"""
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from moorline.db.repos.queue import Claim
+from moorline.db.repos.records import Run
+from moorline.db.repos.runs import RunsRepo
+from moorline.errors import BackendUnavailable, ConversationBusy
+from moorline.runtime.base import RuntimeStore
+from moorline.types import Attempt, RunId, RunStatus
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+HOLDER_SEPARATOR = "#"
+
+STORE_CALL_TIMEOUT_S = 5.0
+"""Longest a bookkeeping call to the store may take before it is given up (and logged)."""
+
+
+def lease_holder(claim: Claim) -> str:
+    """The conversation-lease holder of an attempt: ``"<run id>#<attempt>"``."""
+    return f"{claim.fence.run_id}{HOLDER_SEPARATOR}{claim.fence.attempt}"
+
+
+def parse_holder(holder: str) -> tuple[RunId, Attempt] | None:
+    """``(run id, attempt)`` of a :func:`lease_holder` string; None for anything else."""
+    run_id, separator, attempt = holder.rpartition(HOLDER_SEPARATOR)
+    if not separator or not run_id or not attempt.isdigit():
+        return None
+    return RunId(run_id), Attempt(int(attempt))
+
+
+def window_key(run: Run) -> str:
+    """The key of a run's interactive window: its conversation, else the run itself."""
+    return run.conversation_id if run.conversation_id is not None else run.run_id
+
+
+@dataclass(eq=False, slots=True)
+class _Live:
+    claim: Claim
+    holds_lease: bool = False
+    window_open: bool = False
+
+
+class Conversations:
+    """Conversation leases and interactive windows of this worker's attempts.
+
+    Args:
+        store: The RuntimeStore.
+        runs: Reads the runs of stale lease holders.
+        lease_ttl_s: TTL of leases and windows (``MOORLINE_LEASE_TTL``); the heartbeat
+            renews them every third of it.
+    """
+
+    def __init__(self, store: RuntimeStore, runs: RunsRepo, *, lease_ttl_s: float) -> None:
+        self._store = store
+        self._runs = runs
+        self._ttl_s = lease_ttl_s
+        self._live: dict[tuple[RunId, Attempt], _Live] = {}
+
+    async def enter(self, claim: Claim) -> None:
+        """Take the conversation lease (if the run has a conversation), open the window.
+
+        Raises:
+            ConversationBusy: Another run of the conversation holds the lease and is live.
+        """
+        live = self._live.setdefault(_key(claim), _Live(claim))
+        conversation_id = claim.run.conversation_id
+        try:
+            if conversation_id is not None:
+                await self._acquire(claim, conversation_id)
+                live.holds_lease = True
+            await self._store.mark_interactive(
+                window_key(claim.run), claim.fence.run_id, self._ttl_s
+            )
+            live.window_open = True
+        except BackendUnavailable as exc:
+            logger.warning(
+                "run %s: runtime store unreachable, no conversation lease or window: %r",
+                claim.fence.run_id,
+                exc,
+                extra=_extra(claim),
+            )
+        except BaseException:
+            await self.release(claim)
+            raise
+
+    async def leave(self, claim: Claim) -> None:
+        """Close the interactive window: the workflow code has returned or raised."""
+        live = self._live.get(_key(claim))
+        if live is None or not live.window_open:
+            return
+        live.window_open = False
+        await self._quietly(
+            claim, self._store.clear_interactive(window_key(claim.run), claim.fence.run_id)
+        )
+
+    async def release(self, claim: Claim) -> None:
+        """The attempt is over: close its window and give its conversation lease up."""
+        await self.leave(claim)
+        live = self._live.pop(_key(claim), None)
+        conversation_id = claim.run.conversation_id
+        if live is not None and live.holds_lease and conversation_id is not None:
+            await self._quietly(
+                claim, self._store.release_lease(conversation_id, lease_holder(claim))
+            )
+
+    async def renew(self, claims: Sequence[Claim]) -> None:
+        """Extend the leases and windows of these attempts (the worker's heartbeat)."""
+        held = [live for claim in claims if (live := self._live.get(_key(claim))) is not None]
+        await asyncio.gather(*(self._renew_one(live) for live in held))
+
+    async def _renew_one(self, live: _Live) -> None:
+        claim = live.claim
+        conversation_id = claim.run.conversation_id
+        if live.holds_lease and conversation_id is not None:
+            holder = lease_holder(claim)
+            renewed = await self._quietly(
+                claim, self._store.renew_lease(conversation_id, holder, self._ttl_s)
+            )
+            if renewed is False:
+                # Expired (a store restart, a long pause): take it again if nobody else has.
+                taken = await self._quietly(
+                    claim, self._store.acquire_lease(conversation_id, holder, self._ttl_s)
+                )
+                if taken is not None and not taken.acquired:
+                    logger.warning(
+                        "run %s: conversation %r is now held by %s",
+                        claim.fence.run_id,
+                        conversation_id,
+                        taken.holder,
+                        extra=_extra(claim),
+                    )
+        if live.window_open:
+            await self._quietly(
+                claim,
+                self._store.mark_interactive(
+                    window_key(claim.run), claim.fence.run_id, self._ttl_s
+                ),
+            )
+
+    async def _acquire(self, claim: Claim, conversation_id: str) -> None:
+        mine = lease_holder(claim)
+        acquired, holder = await self._store.acquire_lease(conversation_id, mine, self._ttl_s)
+        if acquired:
+            return
+        if await self._is_stale(holder):
+            # Compare-and-delete: only that holder's lease goes, never a newer one.
+            await self._store.release_lease(conversation_id, holder)
+            acquired, holder = await self._store.acquire_lease(conversation_id, mine, self._ttl_s)
+            if acquired:
+                return
+        parsed = parse_holder(holder)
+        raise ConversationBusy(conversation_id, parsed[0] if parsed is not None else holder)
+
+    async def _is_stale(self, holder: str) -> bool:
+        """Whether the database shows the holder's attempt over (its run ended or moved on)."""
+        parsed = parse_holder(holder)
+        if parsed is None:
+            return False
+        run_id, attempt = parsed
+        run = await self._runs.get(run_id)
+        return run is None or run.status is not RunStatus.RUNNING or run.attempt != attempt
+
+    async def _quietly(self, claim: Claim, call: Awaitable[T]) -> T | None:
+        """Await a bookkeeping call; log (and return None) if the store fails or hangs."""
+        try:
+            async with asyncio.timeout(STORE_CALL_TIMEOUT_S):
+                return await call
+        except (BackendUnavailable, TimeoutError) as exc:
+            logger.warning(
+                "run %s: runtime store bookkeeping failed: %r",
+                claim.fence.run_id,
+                exc,
+                extra=_extra(claim),
+            )
+            return None
+
+
+def _key(claim: Claim) -> tuple[RunId, Attempt]:
+    return claim.fence.run_id, claim.fence.attempt
+
+
+def _extra(claim: Claim) -> dict[str, object]:
+    return {
+        "run_id": claim.fence.run_id,
+        "attempt": claim.fence.attempt,
+        "tenant_id": claim.run.tenant_id,
+    }

@@ -1,0 +1,274 @@
+"""Admission under concurrency: exact quotas, one run per key, no unit lost or left over.
+
+The tests run on the issue's two deployment shapes: embedded (SQLite, quota counted in the
+database, rate limits in memory) and scaled out (PostgreSQL with Redis, counters in Redis, as
+``moorline serve`` with ``MOORLINE_REDIS_URL`` set). The database counter's SQL is held to its
+contract on every backend in ``tests/contract/test_admission_repos.py``. After every Redis
+test no quota or rate-limit key may lack a TTL (RELIABILITY.md F1).
+"""
+
+import asyncio
+import os
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from moorline.admission.admit import Admission, Trigger
+from moorline.admission.quotas import DatabaseQuotaStore, QuotaStore, quota_day
+from moorline.admission.ratelimit import RateLimiter
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.listing import RunListing
+from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.db.repos.tenants import TenantsRepo
+from moorline.dispatch.submit import Submitter
+from moorline.plans import PlansProvider
+from moorline.settings import Settings
+from moorline.types import RunStatus, TenantId
+from tests.api import workflows
+from tests.api.conftest import ADMIN, Api, MakeApi
+from tests.conftest import CAPABILITIES
+from tests.helpers import wait_for
+from tests.runtime.conftest import delete_keys, keys_under, keys_without_ttl
+from tests.servers import REDIS_TEST_URL, require_server, unique_name
+
+FULL = os.environ.get("MOORLINE_FULL") == "1"
+TRIGGERS = 2000 if FULL else 200
+SAME_KEY = 1000 if FULL else 100
+QUOTA = 50  # the sandbox plan's, in tests/api/conftest.py
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The two deployment shapes: embedded, and a server database with Redis."""
+    name: str = request.param
+    return name
+
+
+@pytest.fixture(scope="module")
+def api_database_url(database_url: str) -> str:
+    return database_url
+
+
+@dataclass
+class Deployment:
+    """What the backend's deployment counts with: Redis (a prefix of its own) or nothing."""
+
+    redis: Redis | None
+    prefix: str
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        if self.redis is None:
+            return {}
+        return {"redis_url": REDIS_TEST_URL, "redis_prefix": self.prefix}
+
+    async def immortal_keys(self) -> list[str]:
+        return [] if self.redis is None else await keys_without_ttl(self.redis, self.prefix)
+
+
+@pytest.fixture
+async def deployment(backend: str) -> AsyncIterator[Deployment]:
+    if "server" not in CAPABILITIES[backend]:
+        yield Deployment(redis=None, prefix="")
+        return
+    require_server("redis")
+    client = Redis.from_url(REDIS_TEST_URL, decode_responses=True)
+    prefix = unique_name("mo_api")
+    try:
+        yield Deployment(redis=client, prefix=prefix)
+        assert await keys_without_ttl(client, prefix) == []
+    finally:
+        await delete_keys(client, prefix)
+        await client.aclose()
+
+
+async def test_concurrent_triggers_admit_exactly_the_quota(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    async with make_api(**deployment.settings) as api:
+        caller = await api.tenant("sandbox")
+        answers = await asyncio.gather(
+            *(api.trigger(caller, input={"message": str(i)}) for i in range(TRIGGERS))
+        )
+        statuses = Counter(answer.status_code for answer in answers)
+        assert statuses == {202: QUOTA, 429: TRIGGERS - QUOTA}
+        refused = [answer.json()["error"] for answer in answers if answer.status_code == 429]
+        assert {error["code"] for error in refused} == {"quota_exceeded"}
+        assert await api.count_runs(caller, RunStatus.QUEUED) == QUOTA
+        assert await api.count_runs(caller, RunStatus.RATE_LIMITED) == TRIGGERS - QUOTA
+        usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+        assert (usage["used_today"], usage["remaining"]) == (QUOTA, 0)
+        if deployment.redis is not None:
+            keys = await keys_under(deployment.redis, deployment.prefix)
+            assert any(":quota:" in key for key in keys)
+            assert any(":ratelimit:" in key for key in keys)
+        assert await deployment.immortal_keys() == []
+
+
+async def test_one_idempotency_key_posted_concurrently_is_one_run(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    async with make_api(**deployment.settings) as api:
+        caller = await api.tenant("sandbox")
+        body = {"input": {"message": "once"}, "idempotency_key": "deploy-42"}
+        answers = await asyncio.gather(
+            *(
+                api.client.post("/v1/workflows/echo/runs", json=body, headers=caller.headers)
+                for _ in range(SAME_KEY)
+            )
+        )
+        assert Counter(answer.status_code for answer in answers) == {202: 1, 200: SAME_KEY - 1}
+        assert len({answer.json()["run_id"] for answer in answers}) == 1
+        assert await api.count_runs(caller) == 1
+        usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+        assert usage["used_today"] == 1
+        other = await api.trigger(caller, input={"message": "twice"}, idempotency_key="deploy-42")
+        assert other.status_code == 409
+
+
+async def test_clients_that_go_away_mid_request_lose_no_unit(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    async with make_api(**deployment.settings) as api:
+        caller = await api.tenant("sandbox")
+        requests = [
+            asyncio.ensure_future(api.trigger(caller, input={"message": str(i)}))
+            for i in range(QUOTA * 2)
+        ]
+
+        async def some_admitted() -> bool:
+            usage = await api.client.get("/v1/usage", headers=caller.headers)
+            return bool(usage.json()["used_today"] >= 5)
+
+        await wait_for(some_admitted, message="the first admissions")
+        gone = [request for request in requests if not request.done()][::2]
+        for request in gone:
+            request.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
+        assert any(request.cancelled() for request in gone)
+        await api.app.state.services.admission.close()  # decisions of departed clients end
+
+        queued = await api.count_runs(caller, RunStatus.QUEUED)
+        usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+        assert usage["used_today"] == queued == QUOTA  # every unit has its run, and vice versa
+        assert await deployment.immortal_keys() == []
+
+
+class RacingQuotas(DatabaseQuotaStore):
+    """Counts in the database; on consume, first lets "another API process" store ``rival``.
+
+    That is the interleaving the unique idempotency key must decide: both processes found no
+    run under the key, both take a unit, only one run can be stored.
+    """
+
+    def __init__(self, db: DatabaseManager, rival: NewRun) -> None:
+        super().__init__(db)
+        self._db = db
+        self._rival: NewRun | None = rival
+
+    async def consume(self, tenant_id: TenantId, day: str, limit: int) -> int | None:
+        rival, self._rival = self._rival, None
+        if rival is not None:
+            await RunsRepo(self._db).submit_many([rival])
+        return await super().consume(tenant_id, day, limit)
+
+
+async def admission_over(
+    db: DatabaseManager, submitter: Submitter, quotas: QuotaStore
+) -> Admission:
+    runs = RunsRepo(db)
+    return Admission(
+        runs=runs,
+        listing=RunListing(db),
+        submitter=submitter,
+        quotas=quotas,
+        rate_limiter=RateLimiter(Settings()),
+    )
+
+
+async def test_a_trigger_that_loses_the_key_race_gives_its_unit_back(
+    make_api: MakeApi,
+) -> None:
+    async with make_api() as api:
+        caller = await api.tenant("sandbox")
+        tenant_id = TenantId(caller.tenant_id)
+        plan = await PlansProvider(api.settings).get("sandbox")
+        rival = NewRun(
+            tenant_id=tenant_id,
+            workflow="echo",
+            input={"message": "hi"},
+            lane=plan.lane,
+            idempotency_key="race",
+        )
+        quotas = RacingQuotas(api.db, rival)
+        submitter = Submitter(RunsRepo(api.db))
+        admission = await admission_over(api.db, submitter, quotas)
+        trigger = Trigger(
+            tenant_id=tenant_id,
+            plan=plan,
+            rate_identity="test",
+            workflow=workflows.app.get("echo"),
+            input={"message": "hi"},
+            idempotency_key="race",
+        )
+        try:
+            admitted = await admission.admit(trigger)
+        finally:
+            await submitter.close()
+        assert not admitted.created
+        assert admitted.run.idempotency_key == "race"
+        assert await quotas.used(tenant_id, quota_day(admitted.run.created_at)) == 0
+        assert await api.count_runs(caller) == 1
+
+
+async def test_a_run_that_cannot_be_stored_gives_its_unit_back(make_api: MakeApi) -> None:
+    async with make_api() as api:
+        caller = await api.tenant("sandbox")
+        tenant_id = TenantId(caller.tenant_id)
+        submitter = Submitter(RunsRepo(api.db))
+        await submitter.close()  # every submission now fails, after the unit was taken
+        quotas = DatabaseQuotaStore(api.db)
+        admission = await admission_over(api.db, submitter, quotas)
+        trigger = Trigger(
+            tenant_id=tenant_id,
+            plan=await PlansProvider(api.settings).get("sandbox"),
+            rate_identity="test",
+            workflow=workflows.app.get("echo"),
+            input={},
+        )
+        with pytest.raises(RuntimeError, match="closed"):
+            await admission.admit(trigger)
+        usage = await admission.usage(tenant_id, await PlansProvider(api.settings).get("sandbox"))
+        assert usage.used_today == 0
+        assert await api.count_runs(caller) == 0
+        assert await TenantsRepo(api.db).get(tenant_id) is not None
+
+
+async def test_usage_and_queues_tell_the_truth(api: Api) -> None:
+    caller = await api.tenant("sandbox")
+
+    async def sandbox_queued() -> int:
+        lanes = (await api.client.get("/v1/admin/queues", headers=ADMIN)).json()["lanes"]
+        [lane] = [lane for lane in lanes if lane["lane"] == "workflow_sandbox"]
+        queued: int = lane["queued"]
+        return queued
+
+    queued_before = await sandbox_queued()
+    before = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+    assert before == {
+        "tenant_id": caller.tenant_id,
+        "plan": "sandbox",
+        "daily_quota": QUOTA,
+        "used_today": 0,
+        "remaining": QUOTA,
+        "resets_at": before["resets_at"],
+    }
+    for expected in range(1, 4):
+        assert (await api.trigger(caller)).status_code == 202
+        now = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+        assert (now["used_today"], now["remaining"]) == (expected, QUOTA - expected)
+    assert await sandbox_queued() == queued_before + 3

@@ -1,0 +1,219 @@
+"""Tenant isolation, driven by the route table (RELIABILITY.md I3, DESIGN.md invariant 6).
+
+Every route of the app whose path takes a parameter must have a probe in :data:`PROBES`; a
+new route without one fails :func:`test_every_route_with_a_parameter_has_a_probe`, so no
+route that takes an id reaches CI without its isolation check. Each probe uses tenant B's
+credentials on tenant A's object and asserts B learns nothing (404 exactly as for an object
+that does not exist, or 401/403 where the route is not a tenant's) and changes nothing.
+"""
+
+import json
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from fastapi.routing import iter_route_contexts
+
+from moorline.api.routes.webhooks import sign
+from moorline.db.repos.interrupts import InterruptsRepo
+from moorline.db.repos.messages import MessagesRepo
+from moorline.db.repos.runs import RunsRepo
+from moorline.db.repos.tenants import TenantsRepo
+from moorline.types import RunId, RunStatus, TenantId
+from tests.api.conftest import ADMIN, Api, Caller
+
+
+@dataclass
+class World:
+    """Tenant A's objects, and tenant B who probes them."""
+
+    a: Caller
+    b: Caller
+    run_id: str
+    interrupt_id: str
+    webhook_id: str
+    webhook_secret: str
+    b_webhook_secret: str
+
+
+Probe = Callable[[Api, World], Awaitable[None]]
+
+
+def same_not_found(foreign: httpx.Response, missing: httpx.Response, *ids: str) -> None:
+    """B's answer about A's object is the answer about no object: status, code, shape, size."""
+    assert foreign.status_code == missing.status_code == 404, foreign.text
+    texts = [foreign.text, missing.text]
+    for object_id in ids:
+        texts[0] = texts[0].replace(object_id, "<id>")
+    texts[1] = re.sub(r"[0-9a-f-]{36}", "<id>", texts[1])
+    assert texts[0] == texts[1]
+
+
+async def probe_get_run(api: Api, world: World) -> None:
+    foreign = await api.client.get(f"/v1/runs/{world.run_id}", headers=world.b.headers)
+    missing = await api.client.get(f"/v1/runs/{uuid.uuid4()}", headers=world.b.headers)
+    same_not_found(foreign, missing, world.run_id)
+    assert foreign.json()["error"]["code"] == "run_not_found"
+    own = await api.client.get(f"/v1/runs/{world.run_id}", headers=world.a.headers)
+    assert own.status_code == 200
+
+
+async def probe_resume_run(api: Api, world: World) -> None:
+    body = {"approved": True}
+    foreign = await api.client.post(
+        f"/v1/runs/{world.run_id}/resume", json=body, headers=world.b.headers
+    )
+    missing = await api.client.post(
+        f"/v1/runs/{uuid.uuid4()}/resume", json=body, headers=world.b.headers
+    )
+    same_not_found(foreign, missing, world.run_id)
+    with_id = await api.client.post(
+        f"/v1/runs/{world.run_id}/resume",
+        json={**body, "interrupt_id": world.interrupt_id},
+        headers=world.b.headers,
+    )
+    assert with_id.status_code == 404
+    interrupt = await InterruptsRepo(api.db).get(world.interrupt_id)
+    assert interrupt is not None and interrupt.is_pending  # B decided nothing
+
+
+async def probe_cancel_run(api: Api, world: World) -> None:
+    foreign = await api.client.post(f"/v1/runs/{world.run_id}/cancel", headers=world.b.headers)
+    missing = await api.client.post(f"/v1/runs/{uuid.uuid4()}/cancel", headers=world.b.headers)
+    same_not_found(foreign, missing, world.run_id)
+    run = await RunsRepo(api.db).get(RunId(world.run_id))
+    assert run is not None and run.cancel_requested_at is None  # B cancelled nothing
+    assert not await api.app.state.services.store.is_cancelled(RunId(world.run_id))
+
+
+async def probe_post_message(api: Api, world: World) -> None:
+    body = {"content": "from B"}
+    foreign = await api.client.post(
+        f"/v1/runs/{world.run_id}/messages", json=body, headers=world.b.headers
+    )
+    missing = await api.client.post(
+        f"/v1/runs/{uuid.uuid4()}/messages", json=body, headers=world.b.headers
+    )
+    same_not_found(foreign, missing, world.run_id)
+    assert await MessagesRepo(api.db).list(RunId(world.run_id)) == []
+
+
+async def probe_stream_events(api: Api, world: World) -> None:
+    foreign = await api.client.get(f"/v1/runs/{world.run_id}/events", headers=world.b.headers)
+    missing = await api.client.get(f"/v1/runs/{uuid.uuid4()}/events", headers=world.b.headers)
+    same_not_found(foreign, missing, world.run_id)
+    assert foreign.headers["content-type"].startswith("application/json")
+
+
+async def probe_change_plan(api: Api, world: World) -> None:
+    response = await api.client.patch(
+        f"/v1/admin/tenants/{world.a.tenant_id}", json={"plan": "sandbox"}, headers=world.b.headers
+    )
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "forbidden"
+    tenant = await TenantsRepo(api.db).get(TenantId(world.a.tenant_id))
+    assert tenant is not None and tenant.plan == world.a.plan
+
+
+async def probe_deliver_webhook(api: Api, world: World) -> None:
+    body = json.dumps({"action": "opened"}).encode()
+    before = await api.count_runs(world.a)
+    for secret in (world.b_webhook_secret, "guessed-secret-0123456789"):
+        response = await api.client.post(
+            f"/v1/hooks/{world.webhook_id}",
+            content=body,
+            headers={"X-Hub-Signature-256": sign(secret, body), **world.b.headers},
+        )
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_signature"
+    assert await api.count_runs(world.a) == before
+
+
+async def probe_trigger(api: Api, world: World) -> None:
+    # ``{workflow}`` names a workflow of the app, not a tenant's object: B's trigger is B's.
+    response = await api.trigger(world.b)
+    assert response.status_code == 202
+    run = await api.client.get(f"/v1/runs/{response.json()['run_id']}", headers=world.b.headers)
+    assert run.json()["tenant_id"] == world.b.tenant_id
+
+
+PROBES: dict[tuple[str, str], Probe] = {
+    ("GET", "/v1/runs/{run_id}"): probe_get_run,
+    ("POST", "/v1/runs/{run_id}/resume"): probe_resume_run,
+    ("POST", "/v1/runs/{run_id}/cancel"): probe_cancel_run,
+    ("POST", "/v1/runs/{run_id}/messages"): probe_post_message,
+    ("GET", "/v1/runs/{run_id}/events"): probe_stream_events,
+    ("PATCH", "/v1/admin/tenants/{tenant_id}"): probe_change_plan,
+    ("POST", "/v1/hooks/{webhook_id}"): probe_deliver_webhook,
+    ("POST", "/v1/workflows/{workflow}/runs"): probe_trigger,
+}
+
+
+def parameterised_routes(api: Api) -> set[tuple[str, str]]:
+    """Every (method, path) of the app whose path takes a parameter, hidden routes included."""
+    found: set[tuple[str, str]] = set()
+    for route in iter_route_contexts(api.app.routes):
+        path = route.path
+        if path is None or "{" not in path:
+            continue
+        found.update((method, path) for method in route.methods or ())
+    return found
+
+
+async def build_world(api: Api) -> World:
+    a, b = await api.tenant(), await api.tenant()
+    run_id = (await api.trigger(a, conversation_id="secret-room")).json()["run_id"]
+    fence = await api.start(run_id)
+    interrupt = await InterruptsRepo(api.db).open(fence, "permission:1", "post", {}, 300.0)
+    hooks = []
+    for caller in (a, b):
+        created = await api.client.post(
+            "/v1/webhooks", json={"workflow": "review"}, headers=caller.headers
+        )
+        assert created.status_code == 201
+        hooks.append(created.json())
+    return World(
+        a=a,
+        b=b,
+        run_id=run_id,
+        interrupt_id=interrupt.interrupt_id,
+        webhook_id=hooks[0]["webhook_id"],
+        webhook_secret=hooks[0]["secret"],
+        b_webhook_secret=hooks[1]["secret"],
+    )
+
+
+async def test_every_route_with_a_parameter_has_a_probe(api: Api) -> None:
+    routes = parameterised_routes(api)
+    unprobed = sorted(routes - set(PROBES))
+    assert not unprobed, f"routes with an id and no isolation probe in PROBES: {unprobed}"
+    stale = sorted(set(PROBES) - routes)
+    assert not stale, f"probes for routes that no longer exist: {stale}"
+
+
+@pytest.mark.parametrize("route", sorted(PROBES), ids=lambda route: " ".join(route))
+async def test_tenant_b_cannot_reach_tenant_a(api: Api, route: tuple[str, str]) -> None:
+    world = await build_world(api)
+    await PROBES[route](api, world)
+
+
+async def test_listings_and_usage_show_only_the_callers_own(api: Api) -> None:
+    world = await build_world(api)
+    listed = await api.client.get(
+        "/v1/runs", params={"conversation_id": "secret-room"}, headers=world.b.headers
+    )
+    assert listed.json() == {"runs": [], "next_cursor": None}
+    everything = await api.client.get("/v1/runs", headers=world.b.headers)
+    assert world.run_id not in everything.text
+    running = await api.client.get(
+        "/v1/runs", params={"status": RunStatus.RUNNING.value}, headers=world.a.headers
+    )
+    assert [run["run_id"] for run in running.json()["runs"]] == [world.run_id]
+    usage = (await api.client.get("/v1/usage", headers=world.b.headers)).json()
+    assert (usage["tenant_id"], usage["used_today"]) == (world.b.tenant_id, 0)
+    # The admin's view of the lanes is the admin's only.
+    assert (await api.client.get("/v1/admin/queues", headers=world.b.headers)).status_code == 403
+    assert (await api.client.get("/v1/admin/queues", headers=ADMIN)).status_code == 200

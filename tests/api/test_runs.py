@@ -1,0 +1,178 @@
+"""Run routes: a run with its steps and pending interrupt, listings and their pages, resume."""
+
+import asyncio
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import event
+
+from moorline.db.repos.interrupts import InterruptsRepo
+from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.db.repos.steps import StepsRepo
+from moorline.runtime.base import InterruptStatus
+from moorline.types import RunStatus, TenantId
+from tests.api.conftest import Api
+
+
+async def test_a_run_shows_its_steps_and_the_decision_it_waits_for(api: Api) -> None:
+    caller = await api.tenant()
+    accepted = await api.trigger(caller, "add", input={"a": 2, "b": 3}, conversation_id="c-1")
+    assert accepted.status_code == 202
+    created = accepted.json()
+    assert (created["status"], created["queue"], created["workflow"]) == (
+        "queued",
+        "workflow_team",
+        "add",
+    )
+    run_id = created["run_id"]
+    fence = await api.start(run_id)
+    steps = StepsRepo(api.db)
+    await steps.start(fence, "fetch", "fetch", "0" * 64)
+    await steps.succeed(fence, "fetch", {"diff": "+1"})
+    await steps.start(fence, "review", "review", "1" * 64)
+    interrupt = await InterruptsRepo(api.db).open(fence, "permission:1", "post", {"pr": 7}, 60.0)
+
+    run = (await api.client.get(f"/v1/runs/{run_id}", headers=caller.headers)).json()
+
+    assert run["run_id"] == run_id and run["tenant_id"] == caller.tenant_id
+    assert (run["status"], run["attempt"], run["queue"]) == ("running", 1, "workflow_team")
+    assert run["input"] == {"a": 2, "b": 3}
+    assert (run["output"], run["error"], run["conversation_id"]) == (None, None, "c-1")
+    assert run["started_at"] is not None and run["finished_at"] is None
+    assert [(s["key"], s["status"], s["attempt"]) for s in run["steps"]] == [
+        ("fetch", "succeeded", 1),
+        ("review", "running", 1),
+    ]
+    assert run["steps"][0]["finished_at"] is not None
+    assert run["pending_interrupt"] == {
+        "interrupt_id": interrupt.interrupt_id,
+        "action": "post",
+        "data": {"pr": 7},
+        "expires_at": run["pending_interrupt"]["expires_at"],
+    }
+    assert datetime.fromisoformat(run["pending_interrupt"]["expires_at"]) == interrupt.expires_at
+    assert datetime.fromisoformat(run["created_at"]) == datetime.fromisoformat(
+        created["created_at"]
+    )
+
+
+async def test_resume_records_the_decision_and_wakes_the_waiting_run(api: Api) -> None:
+    caller = await api.tenant()
+    run_id = (await api.trigger(caller)).json()["run_id"]
+    fence = await api.start(run_id)
+    interrupt = await InterruptsRepo(api.db).open(fence, "permission:1", "deploy", {}, 60.0)
+    store = api.app.state.services.store
+    await store.open_interrupt(fence.run_id, interrupt.interrupt_id, 60.0)
+    waiter = asyncio.create_task(store.wait_interrupt(fence.run_id, interrupt.interrupt_id, 30.0))
+
+    response = await api.client.post(
+        f"/v1/runs/{run_id}/resume",
+        json={"approved": False, "data": {"why": "friday"}},
+        headers=caller.headers,
+    )
+
+    assert response.status_code == 200
+    decision = await asyncio.wait_for(waiter, 10)
+    assert decision == {"approved": False, "reason": "denied", "data": {"why": "friday"}}
+    state = await store.get_interrupt(fence.run_id, interrupt.interrupt_id)
+    assert state is not None and state.status is InterruptStatus.RESOLVED
+    stored = await InterruptsRepo(api.db).get(interrupt.interrupt_id)
+    assert stored is not None and not stored.approved and stored.decision == {"why": "friday"}
+    after = (await api.client.get(f"/v1/runs/{run_id}", headers=caller.headers)).json()
+    assert after["pending_interrupt"] is None
+
+
+async def test_listing_filters_and_pages_newest_first(api: Api) -> None:
+    caller = await api.tenant()
+    # Concurrent triggers share a group-committed transaction, hence a created_at: the
+    # cursor must page through ties without losing or repeating a run.
+    answers = await asyncio.gather(
+        *(api.trigger(caller, conversation_id=f"c-{i % 2}") for i in range(7)),
+        api.trigger(caller, "add", input={"a": 1, "b": 1}),
+    )
+    assert [answer.status_code for answer in answers].count(202) == 3  # c-0, c-1, add
+    await api.start(answers[-1].json()["run_id"])
+
+    seen: list[dict[str, Any]] = []
+    cursor: str | None = None
+    while True:
+        params: dict[str, Any] = {"limit": 2} if cursor is None else {"limit": 2, "cursor": cursor}
+        page = (await api.client.get("/v1/runs", params=params, headers=caller.headers)).json()
+        assert len(page["runs"]) <= 2
+        seen += page["runs"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert len(seen) == len({run["run_id"] for run in seen}) == 3
+    order = [(run["created_at"], run["run_id"]) for run in seen]
+    assert order == sorted(order, reverse=True)
+    assert "input" not in seen[0] and "steps" not in seen[0]
+
+    async def listed(**params: Any) -> list[str]:
+        response = await api.client.get("/v1/runs", params=params, headers=caller.headers)
+        assert response.status_code == 200, response.text
+        return [run["workflow"] for run in response.json()["runs"]]
+
+    assert await listed(workflow="add") == ["add"]
+    assert await listed(status="running") == ["add"]
+    assert await listed(status="queued") == ["echo", "echo"]
+    assert await listed(conversation_id="c-1") == ["echo"]
+    assert await listed(status="succeeded") == []
+
+
+async def test_limit_is_clamped_and_cursors_are_checked(api: Api) -> None:
+    caller = await api.tenant()
+    runs = RunsRepo(api.db)
+    await runs.submit_many(
+        [
+            NewRun(tenant_id=TenantId(caller.tenant_id), workflow="echo", input={}, lane="x")
+            for _ in range(205)
+        ]
+    )
+    default = (await api.client.get("/v1/runs", headers=caller.headers)).json()
+    assert len(default["runs"]) == 50 and default["next_cursor"] is not None
+    clamped = await api.client.get("/v1/runs", params={"limit": 5000}, headers=caller.headers)
+    assert clamped.status_code == 200
+    assert len(clamped.json()["runs"]) == 200 and clamped.json()["next_cursor"] is not None
+    for bad in ("not-a-cursor", "W10", "WyJ4IiwgInkiXQ"):  # junk, [], ["x", "y"]
+        response = await api.client.get("/v1/runs", params={"cursor": bad}, headers=caller.headers)
+        assert response.status_code == 422, bad
+        assert response.json()["error"]["code"] == "invalid_request"
+    zero = await api.client.get("/v1/runs", params={"limit": 0}, headers=caller.headers)
+    assert zero.status_code == 422
+
+
+async def test_the_listing_walks_the_tenant_created_index(api: Api) -> None:
+    caller = await api.tenant()
+    statements: list[tuple[str, Any]] = []
+
+    def capture(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if "FROM runs" in statement and "ORDER BY runs.created_at DESC" in statement:
+            statements.append((statement, parameters))
+
+    engine = api.db.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        page = await api.client.get(
+            "/v1/runs", params={"status": "queued", "limit": 3}, headers=caller.headers
+        )
+        assert page.status_code == 200
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    [(statement, parameters)] = statements
+    async with api.db.connect() as conn:
+        plan = await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters)
+        details = " ".join(str(row[-1]) for row in plan)
+    assert "ix_runs_tenant_created" in details, details
+    # The index gives the created_at order; only runs that share a created_at (one group
+    # commit) are sorted by id, as they come ("RIGHT PART"), never the whole listing.
+    assert "TEMP B-TREE FOR ORDER BY" not in details, details
+
+
+async def test_delay_seconds_postpones_the_claim(api: Api) -> None:
+    caller = await api.tenant()
+    accepted = await api.trigger(caller, delay_seconds=3600)
+    assert accepted.status_code == 202
+    run = await RunsRepo(api.db).get(accepted.json()["run_id"])
+    assert run is not None and run.status is RunStatus.QUEUED
+    assert 3590 <= (run.not_before - run.created_at).total_seconds() <= 3610

@@ -1,0 +1,131 @@
+"""Runs executed by the real runner (or a real Worker) over a real database and RuntimeStore.
+
+Runs are stored through :class:`RunsRepo` (so conversation admission applies) and claimed for
+real; a reclaim puts the run back to ``queued`` and claims it again, which fences the earlier
+attempt out exactly as the reaper would.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from sqlalchemy import select
+
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.events import EventsRepo
+from moorline.db.repos.queue import Claim, QueueRepo
+from moorline.db.repos.records import Event
+from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.db.schema import runs
+from moorline.dispatch.retry import RetryPolicy
+from moorline.engine.inbox import Inbox
+from moorline.engine.registry import Moorline
+from moorline.engine.runner import WorkflowRunner
+from moorline.engine.streams import EventStreams
+from moorline.runtime.base import RuntimeStore
+from moorline.settings import Settings
+from moorline.types import JSONObject, RunId, RunStatus, TenantId
+from moorline.worker.worker import Worker
+from tests.contract.queue_helpers import NO_CAP, Tenants, no_caps, requeue_all, unique
+from tests.helpers import wait_for
+
+
+class EngineHarness:
+    """One lane, an app to register workflows on, the API-side services, claims by hand."""
+
+    def __init__(
+        self,
+        db: DatabaseManager,
+        store: RuntimeStore,
+        tenants: Tenants,
+        *,
+        lease_ttl_s: float = 30.0,
+        event_batch_size: int = 256,
+        event_flush_interval_s: float = 0.05,
+    ) -> None:
+        self.db = db
+        self.store = store
+        self.tenants = tenants
+        self.settings = Settings(lease_ttl=lease_ttl_s)
+        self.app = Moorline(self.settings)
+        self.runner = WorkflowRunner(
+            self.app,
+            db=db,
+            store=store,
+            settings=self.settings,
+            event_batch_size=event_batch_size,
+            event_flush_interval_s=event_flush_interval_s,
+        )
+        self.lane = unique("lane")
+        self.queue = QueueRepo(db)
+        self.runs = RunsRepo(db)
+        self.events = EventsRepo(db)
+        self.inbox = Inbox(db, store)
+        self.streams = EventStreams(db, store, poll_interval_s=0.2)
+        self.tenant: TenantId | None = None
+
+    async def new_run(
+        self, workflow: str, *, conversation_id: str | None = None, input: JSONObject | None = None
+    ) -> RunId:
+        if self.tenant is None:
+            self.tenant = await self.tenants.new()
+        [run] = await self.runs.submit_many(
+            [
+                NewRun(
+                    tenant_id=self.tenant,
+                    workflow=workflow,
+                    input=input or {},
+                    lane=self.lane,
+                    conversation_id=conversation_id,
+                )
+            ]
+        )
+        return run.run_id
+
+    async def claim(self) -> Claim:
+        [claim] = await self.queue.claim_batch(
+            self.lane, unique("owner"), limit=1, lease_ttl_s=30.0, tenant_caps=NO_CAP
+        )
+        return claim
+
+    async def reclaim(self) -> Claim:
+        """Take the run from its current attempt and claim it again (attempt + 1)."""
+        assert self.tenant is not None
+        await requeue_all(self.db, self.tenant)
+        return await self.claim()
+
+    async def status(self, run_id: RunId) -> RunStatus:
+        async with self.db.connect() as conn:
+            value = await conn.execute(select(runs.c.status).where(runs.c.id == run_id))
+            return RunStatus(value.scalar_one())
+
+    async def stored(self, run_id: RunId, event_type: str | None = None) -> list[Event]:
+        events = await self.events.list(run_id)
+        return [e for e in events if event_type is None or e.type == event_type]
+
+    @asynccontextmanager
+    async def worker(self, *, slots: int = 4) -> AsyncIterator[Worker]:
+        """A real Worker on the lane, stopped (gracefully) when the block ends."""
+        worker = Worker(
+            self.db,
+            self.runner,
+            lanes={self.lane: slots},
+            lease_ttl_s=self.settings.lease_ttl,
+            tenant_caps=no_caps,
+            retry_policy=RetryPolicy(base_s=0.0, cap_s=0.0),
+            poll_interval_s=0.05,
+            grace_s=5.0,
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        try:
+            yield worker
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+    async def until_status(self, run_id: RunId, status: RunStatus, timeout_s: float = 20) -> None:
+        async def reached() -> bool:
+            return await self.status(run_id) is status
+
+        await wait_for(reached, timeout_s=timeout_s, message=f"run {run_id} to be {status}")

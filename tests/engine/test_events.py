@@ -1,0 +1,225 @@
+"""Events end to end on both stores: batched deltas, durability points, streams and cut-offs.
+
+``delta`` events are written in batches (by size, by time, and before every checkpoint and the
+outcome); a stream replays stored events after a cursor and follows live ones without a gap or
+a duplicate at the seam; a subscriber that falls behind is cut off without slowing the worker
+and resumes from the database.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from moorline import Context
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.records import Event
+from moorline.db.repos.runs import NewRun
+from moorline.engine.streams import EventStream
+from moorline.errors import RunNotFound
+from moorline.runtime.base import RuntimeStore
+from moorline.runtime.memory import InMemoryRuntimeStore
+from moorline.types import JSONValue, RunId, RunStatus
+from tests.contract.queue_helpers import Tenants
+from tests.engine.harness import EngineHarness
+from tests.helpers import wait_for
+from tests.runtime.conftest import make_redis_store
+
+STREAMED_DELTAS = 400
+SLOW_QUEUE = 20
+"""Live events a slow subscriber may fall behind by in the cut-off test."""
+
+
+@pytest.fixture
+async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
+    made = Tenants(db)
+    yield made
+    await made.purge()
+
+
+@pytest.fixture
+def engine(db: DatabaseManager, store: RuntimeStore, tenants: Tenants) -> EngineHarness:
+    return EngineHarness(db, store, tenants)
+
+
+async def collect(stream: EventStream) -> list[Event]:
+    return [event async for event in stream]
+
+
+def is_contiguous(events: list[Event], first: int) -> bool:
+    return [event.seq for event in events] == list(range(first, first + len(events)))
+
+
+async def test_deltas_are_written_in_batches_and_before_every_checkpoint(
+    db: DatabaseManager, store: RuntimeStore, tenants: Tenants
+) -> None:
+    # Flushes by size and at checkpoints only: the timer is far away.
+    engine = EngineHarness(db, store, tenants, event_batch_size=4, event_flush_interval_s=60)
+    stored_during: list[int] = []
+
+    async def stored_deltas(run_id: RunId) -> int:
+        return len(await engine.stored(run_id, "delta"))
+
+    @engine.app.workflow("streamer")
+    async def streamer(ctx: Context) -> JSONValue:
+        for i in range(3):
+            await ctx.emit("delta", {"i": i})
+        stored_during.append(await stored_deltas(ctx.run_id))  # a part batch waits
+        await ctx.emit("delta", {"i": 3})
+
+        async def batch_written() -> int:
+            return await stored_deltas(ctx.run_id)
+
+        # A full batch is written in the background, with nothing else to trigger it.
+        stored_during.append(await wait_for(batch_written, message="the full batch"))
+        for i in range(4, 10):
+            await ctx.emit("delta", {"i": i})
+        # The step starts after the buffered deltas are stored.
+        seen = await ctx.step("look", stored_deltas, ctx.run_id)
+        for i in range(10, 13):
+            await ctx.emit("delta", {"i": i})
+        await ctx.emit("note", {"after": 13})
+        for i in range(13, 15):
+            await ctx.emit("delta", {"i": i})
+        return seen
+
+    run_id = await engine.new_run("streamer")
+    assert await engine.runner.run(await engine.claim()) == 10
+    # The last two were written before the runner returned (before any outcome).
+    stored = await engine.stored(run_id)
+    assert stored_during == [0, 4]
+    assert [(e.type, e.data) for e in stored] == [
+        ("queued", {}),
+        ("started", {}),
+        *[("delta", {"i": i}) for i in range(13)],
+        ("note", {"after": 13}),
+        *[("delta", {"i": i}) for i in range(13, 15)],
+    ]
+    assert is_contiguous(stored, 1)
+    # Events written together share their transaction's clock reading.
+    by_seq = {event.seq: event.created_at for event in stored}
+    assert len({by_seq[seq] for seq in range(3, 7)}) == 1, "deltas 0-3: one batch"
+    assert len({by_seq[seq] for seq in range(13, 17)}) == 1, "deltas 10-12 and the note"
+
+
+async def test_a_trickle_is_written_and_streamed_by_the_timer(engine: EngineHarness) -> None:
+    gate = asyncio.Event()
+
+    @engine.app.workflow("trickle")
+    async def trickle(ctx: Context) -> JSONValue:
+        await ctx.emit("delta", {"text": "Hel"})
+        await gate.wait()
+        return None
+
+    run_id = await engine.new_run("trickle")
+    live = await engine.store.subscribe_events(run_id)
+    task = asyncio.create_task(engine.runner.run(await engine.claim()))
+
+    async def stored() -> list[Event]:
+        return await engine.stored(run_id, "delta")
+
+    [delta] = await wait_for(stored, message="the timer to write the delta")
+    received = await asyncio.wait_for(live.take(), 5)
+    assert [(event["seq"], event["data"]) for event in received] == [(delta.seq, {"text": "Hel"})]
+    assert not task.done(), "written while the workflow is still waiting"
+    gate.set()
+    await asyncio.wait_for(task, 10)
+    await live.close()
+
+
+async def test_a_stream_replays_stored_events_then_follows_live_ones(
+    engine: EngineHarness,
+) -> None:
+    halfway, go = asyncio.Event(), asyncio.Event()
+
+    @engine.app.workflow("streamer")
+    async def streamer(ctx: Context) -> JSONValue:
+        for i in range(STREAMED_DELTAS):
+            if i == STREAMED_DELTAS // 4:
+                halfway.set()
+                await go.wait()
+            await ctx.emit("delta", {"i": i})
+            if i % 16 == 0:
+                await asyncio.sleep(0)
+        await ctx.emit("done", {})
+        return "ok"
+
+    run_id = await engine.new_run("streamer")
+    assert engine.tenant is not None
+    async with engine.worker():
+        await asyncio.wait_for(halfway.wait(), 10)
+
+        async def some_stored() -> bool:
+            return len(await engine.stored(run_id, "delta")) >= 64
+
+        await wait_for(some_stored, message="a first part of the deltas to be stored")
+        whole = await engine.streams.open(engine.tenant, run_id)
+        resumed = await engine.streams.open(engine.tenant, run_id, after_seq=50)
+        go.set()
+        streams = await asyncio.wait_for(asyncio.gather(collect(whole), collect(resumed)), 30)
+    everything, after_50 = streams
+    expected = ["queued", "started", *["delta"] * STREAMED_DELTAS, "done", "succeeded"]
+    assert [event.type for event in everything] == expected
+    assert is_contiguous(everything, 1), "no gap and no duplicate at the seam"
+    assert after_50 == everything[50:]
+    assert everything == await engine.stored(run_id)
+    with pytest.raises(RunNotFound):
+        await engine.streams.open(await engine.tenants.new(), run_id)
+
+
+@pytest.fixture
+def small_queue_store(store_kind: str, request: pytest.FixtureRequest) -> RuntimeStore:
+    """A store whose subscribers may fall only ``SLOW_QUEUE`` events behind (the test closes it)."""
+    if store_kind == "redis":
+        prefix: str = request.getfixturevalue("redis_prefix")
+        return make_redis_store(prefix, event_queue_size=SLOW_QUEUE)
+    return InMemoryRuntimeStore(event_queue_size=SLOW_QUEUE)
+
+
+async def test_a_slow_subscriber_is_cut_off_and_resumes_from_the_database(
+    db: DatabaseManager, small_queue_store: RuntimeStore, tenants: Tenants
+) -> None:
+    store = small_queue_store
+    engine = EngineHarness(db, store, tenants, event_batch_size=16)
+    reading = asyncio.Event()
+
+    @engine.app.workflow("fast")
+    async def fast(ctx: Context) -> JSONValue:
+        for i in range(300):
+            if i == 16:
+                await reading.wait()
+            await ctx.emit("delta", {"i": i})
+        return "done"
+
+    run_id = await engine.new_run("fast")
+    assert engine.tenant is not None
+    try:
+        stream = await engine.streams.open(engine.tenant, run_id)
+        async with engine.worker():
+            first = await asyncio.wait_for(anext(stream), 10)
+            reading.set()
+            # The reader now takes nothing while the run emits: it never slows the run.
+            await engine.until_status(run_id, RunStatus.SUCCEEDED)
+        events = [first, *await asyncio.wait_for(collect(stream), 30)]
+    finally:
+        await store.close()
+    assert stream.cut_offs >= 1, "the subscriber fell behind and was cut off"
+    assert is_contiguous(events, 1), "it resumed from the database without a gap or duplicate"
+    assert [event.type for event in events] == [
+        "queued",
+        "started",
+        *["delta"] * 300,
+        "succeeded",
+    ]
+
+
+async def test_a_stream_ends_when_the_run_ended_without_a_terminal_event(
+    engine: EngineHarness,
+) -> None:
+    tenant = await engine.tenants.new()
+    [refused] = await engine.runs.insert_pending(
+        [NewRun(tenant_id=tenant, workflow="never", input={}, lane=engine.lane)]
+    )
+    stream = await engine.streams.open(tenant, refused.run_id)
+    assert await engine.runs.mark_rate_limited(refused.run_id, {"code": "quota_exceeded"})
+    assert await asyncio.wait_for(collect(stream), 10) == []

@@ -1,0 +1,213 @@
+"""Injected messages and conversations, end to end through the runner, on both stores.
+
+Messages are accepted only while the workflow code runs, delivered exactly once and in order
+across a crash between a drain and the next checkpoint; a conversation's lease is held from the
+attempt's start until its outcome is written, renewed by the worker's heartbeat.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+
+from moorline import Context
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.runs import NewRun, Succeeded
+from moorline.db.schema import runs
+from moorline.engine.conversations import lease_holder
+from moorline.errors import ConversationBusy, InvalidInput, RunNotFound, RunNotInteractive
+from moorline.runtime.base import RuntimeStore
+from moorline.settings import Settings
+from moorline.types import JSONValue, RunId, RunStatus
+from tests.contract.queue_helpers import Tenants
+from tests.engine.harness import EngineHarness
+from tests.helpers import wait_for
+
+HEARTBEAT_LEASE_S = 1.2
+"""Lease TTL of the heartbeat test: renewals every 0.4 s, self-fencing at 1.0 s."""
+
+
+@pytest.fixture
+async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
+    made = Tenants(db)
+    yield made
+    await made.purge()
+
+
+@pytest.fixture
+def engine(db: DatabaseManager, store: RuntimeStore, tenants: Tenants) -> EngineHarness:
+    return EngineHarness(db, store, tenants)
+
+
+async def test_messages_are_accepted_only_while_the_workflow_code_runs(
+    engine: EngineHarness,
+) -> None:
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    @engine.app.workflow("chat")
+    async def chat(ctx: Context) -> list[str]:
+        entered.set()
+        await gate.wait()
+        return await ctx.drain_messages()
+
+    run_id = await engine.new_run("chat")
+    assert engine.tenant is not None
+    tenant = engine.tenant
+    with pytest.raises(RunNotInteractive):
+        await engine.inbox.post_message(tenant, run_id, "too early: the run is queued")
+    claim = await engine.claim()
+    task = asyncio.create_task(engine.runner.run(claim))
+    await asyncio.wait_for(entered.wait(), 10)
+    assert (await engine.inbox.post_message(tenant, run_id, "hello")).seq == 1
+    assert (await engine.inbox.post_message(tenant, run_id, "again")).seq == 2
+    with pytest.raises(RunNotFound):
+        await engine.inbox.post_message(await engine.tenants.new(), run_id, "not my run")
+    with pytest.raises(InvalidInput):
+        await engine.inbox.post_message(tenant, run_id, "")
+    gate.set()
+    assert await asyncio.wait_for(task, 10) == ["hello", "again"]
+    # The outcome is not written yet (the run is still running), but the workflow code is
+    # over: nothing could drain a message any more.
+    assert await engine.status(run_id) is RunStatus.RUNNING
+    with pytest.raises(RunNotInteractive):
+        await engine.inbox.post_message(tenant, run_id, "too late")
+    await engine.runner.release(claim)
+    listed = await engine.inbox.list_messages(tenant, run_id)
+    assert [(m.content, m.delivered_attempt) for m in listed] == [("hello", 1), ("again", 1)]
+
+
+async def test_a_replay_gets_the_same_messages_from_the_same_drain(engine: EngineHarness) -> None:
+    entered = {1: asyncio.Event(), 2: asyncio.Event()}
+    gates = {1: asyncio.Event(), 2: asyncio.Event()}
+
+    @engine.app.workflow("chat")
+    async def chat(ctx: Context) -> list[list[str]]:
+        entered[ctx.attempt].set()
+        await gates[ctx.attempt].wait()
+        first = await ctx.drain_messages()
+        if ctx.attempt == 1:
+            raise ConnectionError("the worker died between the drain and its next checkpoint")
+        return [first, await ctx.drain_messages()]
+
+    run_id = await engine.new_run("chat")
+    assert engine.tenant is not None
+    first_try = asyncio.create_task(engine.runner.run(await engine.claim()))
+    await asyncio.wait_for(entered[1].wait(), 10)
+    for text in ("m1", "m2"):
+        await engine.inbox.post_message(engine.tenant, run_id, text)
+    gates[1].set()
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(first_try, 10)
+
+    second_try = asyncio.create_task(engine.runner.run(await engine.reclaim()))
+    await asyncio.wait_for(entered[2].wait(), 10)
+    await engine.inbox.post_message(engine.tenant, run_id, "m3")
+    gates[2].set()
+    # The replayed first drain returns its recorded batch, not m3; the next one takes m3.
+    assert await asyncio.wait_for(second_try, 10) == [["m1", "m2"], ["m3"]]
+    received = await engine.stored(run_id, "message_received")
+    assert [(e.data, e.attempt) for e in received] == [
+        ({"seq": 1, "content": "m1"}, 1),
+        ({"seq": 2, "content": "m2"}, 1),
+        ({"seq": 3, "content": "m3"}, 2),
+    ]
+
+
+async def test_the_conversation_lease_lives_until_the_outcome_is_written(
+    engine: EngineHarness,
+) -> None:
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    @engine.app.workflow("turn")
+    async def turn(ctx: Context) -> JSONValue:
+        entered.set()
+        await gate.wait()
+        return ctx.conversation_id
+
+    store = engine.store
+    run_id = await engine.new_run("turn", conversation_id="conv")
+    async with engine.worker():
+        await asyncio.wait_for(entered.wait(), 10)
+        assert await store.get_lease_holder("conv") == f"{run_id}#1"
+        assert await store.is_interactive("conv", run_id)
+        with pytest.raises(ConversationBusy) as busy:
+            await engine.new_run("turn", conversation_id="conv")
+        assert busy.value.active_run_id == run_id
+        gate.set()
+
+        async def released() -> bool:
+            return await store.get_lease_holder("conv") is None
+
+        await wait_for(released, message="the conversation lease to be released")
+        assert await engine.status(run_id) is RunStatus.SUCCEEDED, "released after the outcome"
+        assert not await store.is_interactive("conv", run_id)
+        # The conversation is free: its next run is admitted and runs.
+        following = await engine.new_run("turn", conversation_id="conv")
+        await engine.until_status(following, RunStatus.SUCCEEDED)
+
+
+async def test_the_heartbeat_keeps_the_lease_and_the_window_alive(
+    store: RuntimeStore, tmp_path: Path
+) -> None:
+    """On both stores; the database is beside the point, so this one uses SQLite only."""
+    db = DatabaseManager(Settings(database_url=f"sqlite+aiosqlite:///{tmp_path}/heartbeat.db"))
+    await db.initialize()
+    tenants = Tenants(db)
+    engine = EngineHarness(db, store, tenants, lease_ttl_s=HEARTBEAT_LEASE_S)
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    @engine.app.workflow("turn")
+    async def turn(ctx: Context) -> JSONValue:
+        entered.set()
+        await gate.wait()
+        return None
+
+    try:
+        run_id = await engine.new_run("turn", conversation_id="conv")
+        async with engine.worker():
+            await asyncio.wait_for(entered.wait(), 10)
+            # Time passing is what is tested: without renewals both would expire.
+            await asyncio.sleep(1.5 * HEARTBEAT_LEASE_S)
+            assert await store.get_lease_holder("conv") == f"{run_id}#1"
+            assert await store.is_interactive("conv", run_id)
+            gate.set()
+            await engine.until_status(run_id, RunStatus.SUCCEEDED)
+    finally:
+        await db.dispose()
+
+
+async def test_a_stale_holder_is_replaced_and_a_live_one_refuses(engine: EngineHarness) -> None:
+    @engine.app.workflow("turn")
+    async def turn(ctx: Context) -> JSONValue:
+        return await engine.store.get_lease_holder("conv")
+
+    # An earlier run of the conversation ended, but its worker died before releasing.
+    ended = await engine.new_run("turn", conversation_id="conv")
+    ended_claim = await engine.claim()
+    assert await engine.runs.finish_many([Succeeded(fence=ended_claim.fence, output=None)])
+    await engine.store.acquire_lease("conv", lease_holder(ended_claim), 30.0)
+    current = await engine.new_run("turn", conversation_id="conv")
+    claim = await engine.claim()
+    assert claim.fence.run_id == current and ended_claim.fence.run_id == ended
+    assert await engine.runner.run(claim) == f"{current}#1"
+    await engine.runner.release(claim)
+    assert await engine.store.get_lease_holder("conv") is None
+
+    # A run stored behind admission's back while another of the conversation is live.
+    await engine.store.acquire_lease("conv", f"{current}#1", 30.0)
+    assert engine.tenant is not None
+    [intruder] = await engine.runs.submit_many(
+        [NewRun(tenant_id=engine.tenant, workflow="turn", input={}, lane=engine.lane)]
+    )
+    async with engine.db.transaction() as conn:
+        await conn.execute(
+            update(runs).where(runs.c.id == intruder.run_id).values(conversation_id="conv")
+        )
+    assert await engine.status(current) is RunStatus.RUNNING, "its outcome was never written"
+    intruding = await engine.claim()
+    with pytest.raises(ConversationBusy) as busy:
+        await engine.runner.run(intruding)
+    assert busy.value.active_run_id == RunId(current)
+    assert await engine.store.get_lease_holder("conv") == f"{current}#1"

@@ -1,0 +1,459 @@
+"""What the repositories should do with one tenant's runs: a plain-Python model over ticks.
+
+The state machine in ``test_run_state_machine.py`` drives the real repositories and this model
+side by side, and compares them after every rule. The model knows nothing of SQL: it is the
+run lifecycle of DESIGN.md ("Run lifecycle"), the fencing rule (invariant 2) and the contracts
+in the repositories' docstrings, written as the simplest code that could hold them.
+
+**Time** is a logical clock of integer ticks. A lease granted or renewed at tick ``t`` expires
+at ``t + LEASE_TTL_TICKS``; a retry "later" becomes claimable one tick on; an interrupt opened
+with a timeout of ``k`` ticks is overdue ``k`` ticks on. The database never sees ticks: the
+machine grants every lease, delay and deadline an hour of database time, so the database clock
+alone never moves anything during an example, and when the model's clock passes a deadline
+the machine rewrites that column into the past by database time. The repositories still
+compare with the database clock, as in production; only the passing of time is simulated.
+
+**The workflow** every run executes is ``WORKFLOW``: step ``s0``, the approval ``i0``, then
+step ``s1`` only if ``i0`` was approved. An attempt replays it from the start (a succeeded step
+is a replay, not a second call), so the only checkpoints that may ever exist are a prefix of
+it: ``i0`` after ``s0`` succeeded, ``s1`` after ``i0`` was approved.
+
+**History** is checked from the events table, independently of the model: the statuses the
+events spell out follow ``ALLOWED_EDGES``, every claim (``started``) takes the next attempt,
+and nothing follows a terminal event (:func:`check_history`).
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moorline.db.repos.events import (
+    EVENT_CANCELLED,
+    EVENT_FAILED,
+    EVENT_QUEUED,
+    EVENT_RECLAIMED,
+    EVENT_RELEASED,
+    EVENT_RETRYING,
+    EVENT_STARTED,
+    EVENT_SUCCEEDED,
+    EVENT_TIMED_OUT,
+)
+from moorline.db.repos.records import DecisionReason, Fence, InterruptStatus
+from moorline.types import Attempt, JSONObject, RunId, RunStatus, StepStatus
+
+LEASE_TTL_TICKS = 2
+"""Ticks a lease lasts after its claim or its last renewal."""
+
+RETRY_LATER_TICKS = 1
+"""Ticks before a run retried "later" may be claimed again."""
+
+S0, I0, S1 = "s0", "i0", "s1"
+WORKFLOW = (S0, I0, S1)
+"""What every run executes, in order; ``s1`` only when ``i0`` was approved."""
+
+END = len(WORKFLOW)
+"""An attempt's position once it has nothing left to do but return."""
+
+S = RunStatus
+ALLOWED_EDGES = frozenset(
+    {
+        (S.PENDING, S.QUEUED),
+        (S.PENDING, S.RATE_LIMITED),
+        (S.QUEUED, S.RUNNING),
+        (S.RUNNING, S.QUEUED),
+        (S.RUNNING, S.SUCCEEDED),
+        (S.RUNNING, S.FAILED),
+        (S.RUNNING, S.CANCELLED),
+        (S.RUNNING, S.TIMED_OUT),
+        # A cancel ends a run nobody executes at once (RunsRepo.request_cancel).
+        (S.PENDING, S.CANCELLED),
+        (S.QUEUED, S.CANCELLED),
+    }
+)
+"""The lifecycle's edges (DESIGN.md); every other change of status is a bug."""
+
+EVENT_STATUS: dict[str, RunStatus] = {
+    EVENT_QUEUED: S.QUEUED,
+    EVENT_STARTED: S.RUNNING,
+    EVENT_RETRYING: S.QUEUED,
+    EVENT_RECLAIMED: S.QUEUED,
+    EVENT_RELEASED: S.QUEUED,
+    EVENT_SUCCEEDED: S.SUCCEEDED,
+    EVENT_FAILED: S.FAILED,
+    EVENT_CANCELLED: S.CANCELLED,
+    EVENT_TIMED_OUT: S.TIMED_OUT,
+}
+"""The status each lifecycle event records a move to."""
+
+Kind = Literal["succeeded", "retry_now", "retry_later", "failed", "timed_out", "cancelled"]
+"""How an attempt ends, as the worker reports it to ``RunsRepo.finish_many``."""
+
+StepStart = Literal["lease_lost", "cancel_requested", "new", "repeated", "replay"]
+Cancel = Literal["not_found", "finished", "cancelled", "requested"]
+
+PERSON_REASONS = frozenset({DecisionReason.APPROVED, DecisionReason.DENIED})
+
+
+@dataclass
+class ModelInterrupt:
+    interrupt_id: str
+    attempt: int
+    deadline_tick: int
+    status: InterruptStatus = InterruptStatus.PENDING
+    reason: DecisionReason | None = None
+    decision: JSONObject | None = None
+    is_overdue: bool = False
+    """Its deadline passed in the database (``expires_at`` rewritten into the past)."""
+
+
+@dataclass
+class ModelRun:
+    run_id: RunId
+    max_attempts: int
+    status: RunStatus
+    attempt: int = 0
+    owner: str | None = None
+    lease_until_tick: int | None = None
+    due_tick: int | None = None
+    """Not claimable before this tick (a retry "later"); None: claimable now."""
+    is_cancel_requested: bool = False
+    steps: dict[str, tuple[StepStatus, int]] = field(default_factory=dict)
+    interrupt: ModelInterrupt | None = None
+
+
+@dataclass
+class Progress:
+    """Where one attempt is in ``WORKFLOW``, as its worker sees it."""
+
+    position: int = 0
+    in_flight: str | None = None
+    """The step started and not yet finished by this attempt."""
+    has_raised: bool = False
+    """Its last step failed: the workflow raised, unless it retries the step."""
+
+
+WorkerState = Literal["alive", "paused"]
+
+
+@dataclass
+class Worker:
+    """One worker process: a lease owner and the attempts it believes it holds.
+
+    A paused worker neither heartbeats nor writes until it resumes, and then writes with the
+    fences it still holds, however stale. A crashed worker is replaced by a fresh process
+    with a new owner id; the dead one's leases are simply never renewed again.
+    """
+
+    slot: int
+    generation: int = 0
+    state: WorkerState = "alive"
+    held: dict[Fence, Progress] = field(default_factory=dict)
+
+    def owner(self, lane: str) -> str:
+        return f"{lane}/w{self.slot}.{self.generation}"
+
+
+class RunModel:
+    """The runs of one tenant and lane, as the repositories should leave them."""
+
+    def __init__(self) -> None:
+        self.clock = 0
+        self.runs: dict[RunId, ModelRun] = {}
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def run(self, run_id: RunId) -> ModelRun:
+        return self.runs[run_id]
+
+    def is_current(self, fence: Fence) -> bool:
+        """Whether ``fence`` is the live attempt of its run: every fenced write must succeed."""
+        run = self.runs[fence.run_id]
+        return run.status is S.RUNNING and run.attempt == fence.attempt and run.owner == fence.owner
+
+    def is_lease_expired(self, run: ModelRun) -> bool:
+        return run.lease_until_tick is not None and run.lease_until_tick <= self.clock
+
+    def claimable(self) -> set[RunId]:
+        return {
+            run.run_id
+            for run in self.runs.values()
+            if run.status is S.QUEUED and run.due_tick is None and not run.is_cancel_requested
+        }
+
+    def expired(self) -> set[RunId]:
+        return {
+            run.run_id
+            for run in self.runs.values()
+            if run.status is S.RUNNING and self.is_lease_expired(run)
+        }
+
+    # --- submission -------------------------------------------------------------------------
+
+    def submit(self, run_id: RunId, max_attempts: int, *, pending: bool) -> None:
+        status = S.PENDING if pending else S.QUEUED
+        self.runs[run_id] = ModelRun(run_id=run_id, max_attempts=max_attempts, status=status)
+
+    def enqueue(self, run_id: RunId) -> bool:
+        run = self.runs[run_id]
+        if run.status is not S.PENDING:
+            return False
+        run.status = S.QUEUED
+        return True
+
+    def rate_limit(self, run_id: RunId) -> bool:
+        run = self.runs[run_id]
+        if run.status is not S.PENDING:
+            return False
+        run.status = S.RATE_LIMITED
+        return True
+
+    # --- claims and leases ------------------------------------------------------------------
+
+    def claim(self, run_id: RunId, owner: str) -> Attempt:
+        """Record the claim of a claimable run; the attempt it must have been given."""
+        run = self.runs[run_id]
+        if run_id not in self.claimable():
+            raise AssertionError(f"run {run_id} was claimed while {run.status.value}")
+        run.status = S.RUNNING
+        run.attempt += 1
+        run.owner = owner
+        run.lease_until_tick = self.clock + LEASE_TTL_TICKS
+        return Attempt(run.attempt)
+
+    def renew(self, fences: list[Fence]) -> tuple[set[tuple[RunId, Attempt]], set[RunId]]:
+        """Renew the current ones among ``fences``; (renewed, those with a cancel recorded)."""
+        renewed: set[tuple[RunId, Attempt]] = set()
+        cancelled: set[RunId] = set()
+        for fence in fences:
+            if self.is_current(fence):
+                run = self.runs[fence.run_id]
+                run.lease_until_tick = self.clock + LEASE_TTL_TICKS
+                renewed.add((fence.run_id, fence.attempt))
+                if run.is_cancel_requested:
+                    cancelled.add(fence.run_id)
+        return renewed, cancelled
+
+    def release(self, fence: Fence) -> bool:
+        if not self.is_current(fence):
+            return False
+        run = self.runs[fence.run_id]
+        self._end_lease(run, S.CANCELLED if run.is_cancel_requested else S.QUEUED)
+        return True
+
+    def reap(self, run_id: RunId) -> RunStatus:
+        """Record the reaping of an expired run; the status it must have been moved to."""
+        run = self.runs[run_id]
+        if run_id not in self.expired():
+            raise AssertionError(f"run {run_id} was reaped while {run.status.value} and unexpired")
+        if run.is_cancel_requested:
+            status = S.CANCELLED
+        elif run.attempt >= run.max_attempts:
+            status = S.FAILED
+        else:
+            status = S.QUEUED
+        self._end_lease(run, status)
+        return status
+
+    def _end_lease(self, run: ModelRun, status: RunStatus) -> None:
+        run.status = status
+        run.owner = None
+        run.lease_until_tick = None
+        run.due_tick = None
+
+    # --- finishing --------------------------------------------------------------------------
+
+    def finish(self, outcomes: list[tuple[Fence, Kind]]) -> list[bool]:
+        """Apply a ``finish_many`` batch in order; per outcome, whether it must have applied.
+
+        An outcome applies exactly when its fence is current at its turn in the batch, so a
+        second outcome for a run never applies. A recorded cancel wins over every outcome.
+        """
+        applied: list[bool] = []
+        for fence, kind in outcomes:
+            if not self.is_current(fence):
+                applied.append(False)
+                continue
+            run = self.runs[fence.run_id]
+            if run.is_cancel_requested or kind == "cancelled":
+                run.is_cancel_requested = True
+                self._end_lease(run, S.CANCELLED)
+            elif kind in ("retry_now", "retry_later"):
+                self._end_lease(run, S.QUEUED)
+                if kind == "retry_later":
+                    run.due_tick = self.clock + RETRY_LATER_TICKS
+            else:
+                self._end_lease(run, S(kind))
+            applied.append(True)
+        return applied
+
+    # --- cancel -----------------------------------------------------------------------------
+
+    def cancel(self, run_id: RunId, *, is_owner: bool) -> Cancel:
+        if not is_owner:
+            return "not_found"
+        run = self.runs[run_id]
+        if run.status.is_terminal:
+            return "finished"
+        run.is_cancel_requested = True
+        if run.status is S.RUNNING:
+            return "requested"
+        self._end_lease(run, S.CANCELLED)
+        return "cancelled"
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def start_step(self, fence: Fence, key: str) -> StepStart:
+        if not self.is_current(fence):
+            return "lease_lost"
+        run = self.runs[fence.run_id]
+        if run.is_cancel_requested:
+            return "cancel_requested"
+        found = run.steps.get(key)
+        if found is not None and found[0] is StepStatus.SUCCEEDED:
+            return "replay"
+        run.steps[key] = (StepStatus.RUNNING, fence.attempt)
+        return "new" if found is None else "repeated"
+
+    def finish_step(self, fence: Fence, key: str, status: StepStatus) -> bool:
+        """Record a step's outcome; False when the fence no longer holds (nothing written)."""
+        if not self.is_current(fence):
+            return False
+        run = self.runs[fence.run_id]
+        if run.steps.get(key) != (StepStatus.RUNNING, fence.attempt):
+            raise AssertionError(f"step {key} finished while not running under {fence}")
+        run.steps[key] = (status, fence.attempt)
+        return True
+
+    # --- approvals --------------------------------------------------------------------------
+
+    def open_interrupt(
+        self, fence: Fence, interrupt_id: str, timeout_ticks: int
+    ) -> ModelInterrupt | StepStart:
+        """The interrupt the workflow's approval gets (new or recorded), or why it got none."""
+        if not self.is_current(fence):
+            return "lease_lost"
+        run = self.runs[fence.run_id]
+        if run.is_cancel_requested:
+            return "cancel_requested"
+        if run.interrupt is None:
+            run.interrupt = ModelInterrupt(
+                interrupt_id=interrupt_id,
+                attempt=fence.attempt,
+                deadline_tick=self.clock + timeout_ticks,
+            )
+        return run.interrupt
+
+    def resolve(
+        self, run_id: RunId, reason: DecisionReason, decision: JSONObject | None
+    ) -> tuple[bool, ModelInterrupt]:
+        """Apply a decision; (whether it must have been accepted, the interrupt after it)."""
+        interrupt = self.runs[run_id].interrupt
+        if interrupt is None:
+            raise AssertionError(f"run {run_id} has no interrupt to resolve")
+        status = (
+            InterruptStatus.APPROVED
+            if reason is DecisionReason.APPROVED
+            else InterruptStatus.DENIED
+        )
+        if interrupt.status is InterruptStatus.PENDING:
+            if reason in PERSON_REASONS and interrupt.is_overdue:
+                # A person came too late: the refusal expires the interrupt.
+                self._expire(interrupt)
+                return False, interrupt
+            interrupt.status, interrupt.reason, interrupt.decision = status, reason, decision
+            return True, interrupt
+        same = (interrupt.status, interrupt.reason, interrupt.decision) == (
+            status,
+            reason,
+            decision,
+        )
+        return same, interrupt
+
+    def expire_due(self) -> set[str]:
+        """Expire every overdue pending interrupt; their ids."""
+        expired: set[str] = set()
+        for run in self.runs.values():
+            interrupt = run.interrupt
+            if interrupt is not None and interrupt.is_overdue:
+                if interrupt.status is InterruptStatus.PENDING:
+                    self._expire(interrupt)
+                    expired.add(interrupt.interrupt_id)
+        return expired
+
+    def _expire(self, interrupt: ModelInterrupt) -> None:
+        interrupt.status = InterruptStatus.DENIED
+        interrupt.reason = DecisionReason.TIMEOUT
+        interrupt.decision = None
+
+    # --- time -------------------------------------------------------------------------------
+
+    def advance(self, ticks: int) -> tuple[set[RunId], set[RunId], set[str]]:
+        """Move the clock; the leases, delays and deadlines that ran out (for the database)."""
+        self.clock += ticks
+        leases = self.expired()
+        delays: set[RunId] = set()
+        deadlines: set[str] = set()
+        for run in self.runs.values():
+            if run.due_tick is not None and run.due_tick <= self.clock:
+                run.due_tick = None
+                delays.add(run.run_id)
+            interrupt = run.interrupt
+            if (
+                interrupt is not None
+                and not interrupt.is_overdue
+                and interrupt.status is InterruptStatus.PENDING
+                and interrupt.deadline_tick <= self.clock
+            ):
+                interrupt.is_overdue = True
+                deadlines.add(interrupt.interrupt_id)
+        return leases, delays, deadlines
+
+
+def next_position(position: int, interrupt: ModelInterrupt | None) -> int:
+    """Where an attempt at ``i0`` goes once ``interrupt`` is decided (or stays, if pending)."""
+    if interrupt is None or interrupt.status is InterruptStatus.PENDING:
+        return position
+    return position + 1 if interrupt.status is InterruptStatus.APPROVED else END
+
+
+def check_prefix_closed(
+    run_id: RunId,
+    steps: dict[str, StepStatus],
+    interrupt: InterruptStatus | None,
+) -> None:
+    """The run's checkpoints are a prefix of ``WORKFLOW``: only what the workflow reached."""
+    unknown = set(steps) - {S0, S1}
+    assert not unknown, f"run {run_id}: checkpoints of steps the workflow has not: {unknown}"
+    s0_done = steps.get(S0) is StepStatus.SUCCEEDED
+    if interrupt is not None:
+        assert s0_done, f"run {run_id}: approval {I0} opened before {S0} succeeded"
+    if S1 in steps:
+        assert s0_done and interrupt is InterruptStatus.APPROVED, (
+            f"run {run_id}: {S1} checkpointed while {S0} is {steps.get(S0)} and {I0} is {interrupt}"
+        )
+
+
+def check_history(
+    run_id: RunId, events: list[tuple[str, int]], status: RunStatus, attempt: int
+) -> None:
+    """The run's events spell a path along ``ALLOWED_EDGES`` that ends where the row is.
+
+    Every ``started`` event carries the attempt after the previous one's (each claim takes the
+    next fencing token), every other event the attempt current when it was written, and no
+    event follows a terminal one.
+    """
+    current = S.PENDING
+    last_started = 0
+    for seq, (event_type, event_attempt) in enumerate(events, 1):
+        where = f"run {run_id} event {seq} ({event_type}, attempt {event_attempt})"
+        assert event_type in EVENT_STATUS, f"{where}: not a lifecycle event"
+        moved_to = EVENT_STATUS[event_type]
+        assert (current, moved_to) in ALLOWED_EDGES, f"{where}: {current} → {moved_to}"
+        if event_type == EVENT_STARTED:
+            assert event_attempt == last_started + 1, f"{where}: after attempt {last_started}"
+            last_started = event_attempt
+        else:
+            assert event_attempt == last_started, f"{where}: during attempt {last_started}"
+        current = moved_to
+    ends = status if current is S.PENDING and status is S.RATE_LIMITED else current
+    assert ends is status, f"run {run_id}: events end {current}, the row says {status}"
+    assert last_started == attempt, f"run {run_id}: last claim {last_started}, row {attempt}"
