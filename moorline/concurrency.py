@@ -17,6 +17,8 @@ few places where blocking code must run beside the loop. Each tool here covers o
   through a bounded queue. The thread never touches the loop's state: it only puts into the
   queue, through the loop. The consumer stops it with a :class:`threading.Event` and drains the
   queue as it leaves, so a producer blocked on a full queue is always released.
+- :func:`keep_cancel`: await a call from a library that may swallow a cancellation (redis-py on
+  Python 3.11) and raise it anyway.
 - :class:`TTLCache`: values loaded by an async function and trusted for a TTL, one load per key
   at a time; see the class for what is served while a reload runs or after one failed.
 
@@ -458,6 +460,23 @@ async def run_in_thread(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
         async for result in results:
             return result
     raise AssertionError("unreachable: the bridge ended without a result")  # pragma: no cover
+
+
+async def keep_cancel(call: Awaitable[T]) -> T:
+    """Await a Redis call; raise the cancellation it swallowed, if it swallowed one.
+
+    redis-py sends with ``asyncio.wait_for`` when a socket timeout is set (its default is 5 s).
+    On Python 3.11, ``wait_for`` returns the result instead of raising when the cancel lands as
+    the send completes (CPython gh-86296, fixed in 3.12). The task's ``cancelling()`` count
+    still records the request, so a call that returns with a higher count than it started with
+    lost one: raise it here. Without this, a watcher cancelled at that moment never ends.
+    """
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+    result = await call
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError
+    return result
 
 
 def _name_of(fn: Callable[..., Any]) -> str:

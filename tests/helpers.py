@@ -1,11 +1,15 @@
 """Test helpers: poll-with-deadline instead of sleeps."""
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+FULL_SIZE = os.environ.get("MOORLINE_FULL") == "1"
+"""``make test-full``: fault and property tests at the issues' full size instead of CI size."""
 
 
 async def wait_for(

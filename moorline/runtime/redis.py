@@ -42,6 +42,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from moorline.concurrency import keep_cancel
 from moorline.errors import BackendUnavailable
 from moorline.runtime.base import (
     CANCELLED_DECISION,
@@ -111,7 +112,7 @@ def _translate(
     @functools.wraps(method)
     async def wrapper(self: "RedisRuntimeStore", /, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            return await method(self, *args, **kwargs)
+            return await keep_cancel(method(self, *args, **kwargs))
         except RedisError as exc:
             raise BackendUnavailable(f"Redis runtime store: {method.__name__}: {exc}") from exc
 
@@ -444,7 +445,7 @@ class RedisRuntimeStore(RuntimeStore):
                 while True:
                     try:
                         if not checked:
-                            done, value = await check()
+                            done, value = await keep_cancel(check())
                             checked = True
                             if done:
                                 return value
@@ -464,7 +465,7 @@ class RedisRuntimeStore(RuntimeStore):
         # error, never a silent "no decision" while Redis is unreachable.
         try:
             async with asyncio.timeout(min(FINAL_CHECK_TIMEOUT_S, self._poll_interval_s)):
-                done, value = await check()
+                done, value = await keep_cancel(check())
         except (TimeoutError, RedisError) as exc:
             raise BackendUnavailable(
                 f"Redis did not answer while waiting on run {run_id}: {exc!r}"
@@ -484,7 +485,7 @@ class RedisRuntimeStore(RuntimeStore):
         link = await self._hub.subscribe(channel, wake)
         try:
             await self._step("recheck", run_id)
-            done, value = await check()
+            done, value = await keep_cancel(check())
             if done:
                 return value
             await self._step("wait", run_id)
@@ -496,7 +497,7 @@ class RedisRuntimeStore(RuntimeStore):
                     raise RedisConnectionError("the Pub/Sub connection broke while waiting")
                 # Cleared before the check: a signal that lands during it is not lost.
                 wake.event.clear()
-                done, value = await check()
+                done, value = await keep_cancel(check())
                 if done:
                     return value
         finally:

@@ -30,6 +30,7 @@ One :class:`Worker` per process (or per in-process loop of ``moorline serve``):
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -390,11 +391,11 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         try:
             while not self._closing.is_set():
-                try:
-                    await asyncio.wait_for(self._closing.wait(), self.heartbeat_interval_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.heartbeat_interval_s):
+                        await self._closing.wait()
                     return
-                except TimeoutError:
-                    pass
                 await self._renew_all()
         finally:
             if self._runtime_renewal is not None:

@@ -258,11 +258,6 @@ class Crasher:
 def crash_store(backend: str, request: pytest.FixtureRequest) -> RuntimeStore:
     """The embedded database pairs with the in-memory store, a server database with Redis."""
     kind = "memory" if "embedded" in CAPABILITIES[backend] else "redis"
-    if backend == "mysql":
-        # Known bug, open (session note of 2026-11-23): since messages, batched events and
-        # conversations were merged, attempt 1 of even a one-step run hangs here on MariaDB +
-        # Redis (PostgreSQL + Redis and SQLite pass). Skipped until fixed, loudly, by name.
-        pytest.skip("KNOWN BUG: an attempt hangs on MariaDB + Redis since the messages merge")
     store: RuntimeStore = request.getfixturevalue(f"{kind}_store")
     return store
 

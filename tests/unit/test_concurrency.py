@@ -12,6 +12,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from moorline.concurrency import (
     RWLock,
     ThreadBridge,
     TTLCache,
+    keep_cancel,
     run_in_thread,
 )
 from tests.helpers import wait_for
@@ -602,3 +604,47 @@ async def test_cache_put_invalidate_and_bound() -> None:
     assert await cache.get("a") == "a@v1" and load.calls == ["a", "b", "c", "a"]
     with pytest.raises(ValueError, match="ttl_s"):
         TTLCache(load, ttl_s=0)
+
+
+async def test_keep_cancel_raises_a_cancel_the_awaited_call_swallowed() -> None:
+    # What Python 3.11's asyncio.wait_for (used by redis-py to send) does when the cancel lands
+    # as the call completes: it returns the result and the cancel is gone.
+    entered = asyncio.Event()
+
+    async def swallowing_call() -> str:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "result"
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def waiter(call: Callable[[], "asyncio.Future[str] | Any"]) -> str:
+        result: str = await call()
+        await asyncio.sleep(0)  # a later await the cancel would otherwise have ended
+        return result
+
+    unprotected = asyncio.create_task(waiter(swallowing_call))
+    await asyncio.wait_for(entered.wait(), TIMEOUT_S)
+    unprotected.cancel()
+    assert await unprotected == "result"  # the bug this guards against: the cancel is lost
+
+    entered.clear()
+    protected = asyncio.create_task(waiter(lambda: keep_cancel(swallowing_call())))
+    await asyncio.wait_for(entered.wait(), TIMEOUT_S)
+    protected.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await protected
+    assert protected.cancelled()
+
+
+async def test_keep_cancel_passes_results_and_errors_through() -> None:
+    async def answer() -> int:
+        return 42
+
+    async def fail() -> int:
+        raise ValueError("boom")
+
+    assert await keep_cancel(answer()) == 42
+    with pytest.raises(ValueError, match="boom"):
+        await keep_cancel(fail())
