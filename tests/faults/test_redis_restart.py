@@ -1,0 +1,209 @@
+"""Restart Redis under real worker processes (issue 4, RELIABILITY.md E).
+
+Two ``moorline worker`` processes on PostgreSQL share a *private* Redis server (its own port
+and folder, so restarting it disturbs no other test). While runs hold leases in their steps,
+wait on permission requests and have cancels pending, the test stops Redis (every key, lease,
+interrupt flag and cancel flag is gone: it keeps nothing on disk) and starts it again. Then:
+
+- every cancel lands: the ones recorded as Redis died (their store signal never went out, so
+  only the database can deliver them) and the ones made after it;
+- every interrupt is still resolvable, and the run goes on with the decision taken;
+- the runs that were only working finish, and no run is stuck: everything is terminal within
+  the recovery bound of the moment Redis came back;
+- no key the runtime wrote after the restart lacks a TTL.
+"""
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.interrupts import InterruptsRepo
+from moorline.db.repos.records import DecisionReason
+from moorline.db.repos.runs import RunsRepo
+from moorline.dispatch.cancel import cancel_run
+from moorline.runtime.redis import RedisRuntimeStore
+from moorline.types import JSONObject, RunId, RunStatus, TenantId
+from tests.contract.queue_helpers import Tenants, statuses
+from tests.faults.harness import PLAN, RECOVERY_BOUND_S, Workers, submit
+from tests.faults.test_cancel_faults import started_after_cancel
+from tests.helpers import wait_for
+from tests.runtime.conftest import keys_without_ttl, make_redis_store
+from tests.servers import unique_name
+
+pytestmark = pytest.mark.faults
+
+STEP_S = 0.3
+"""The cancel targets' step length: each attempt is always just inside or between steps."""
+WORKING_S = 4.0
+"""The plain runs' length: they hold their leases across the restart."""
+
+
+@pytest.fixture(scope="module", params=["postgresql"])
+def backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+class PrivateRedis:
+    """A redis-server of this test alone, on a free port, persisting nothing."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.folder),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError(f"private redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # as a crash: nothing is flushed, every key is lost
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed")
+    server = PrivateRedis(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def store(redis_server: PrivateRedis) -> AsyncIterator[RedisRuntimeStore]:
+    made = make_redis_store(unique_name("mo_restart"), url=redis_server.url)
+    yield made
+    await made.close()
+
+
+@pytest.fixture
+async def tenant(db: DatabaseManager) -> AsyncIterator[TenantId]:
+    made = Tenants(db)
+    yield await made.new(PLAN)
+    await made.purge()
+
+
+@pytest.fixture
+def workers(
+    database_url: str, tmp_path: Path, redis_server: PrivateRedis, store: RedisRuntimeStore
+) -> Iterator[Workers]:
+    made = Workers(
+        database_url, tmp_path, redis_url=redis_server.url, redis_prefix=store.keys.prefix
+    )
+    yield made
+    made.kill_all()
+
+
+async def test_a_redis_restart_loses_no_cancel_no_decision_and_strands_no_run(
+    db: DatabaseManager,
+    tenant: TenantId,
+    workers: Workers,
+    redis_server: PrivateRedis,
+    store: RedisRuntimeStore,
+) -> None:
+    runs = RunsRepo(db)
+    permissions = InterruptsRepo(db)
+    for _ in range(2):
+        workers.start()
+    targets = await submit(runs, [tenant], "cancel_target", [{"step_s": STEP_S}] * 6)
+    asking = await submit(runs, [tenant], "approve_then_act", [{}] * 4)
+    working = await submit(runs, [tenant], "work", [{"seconds": WORKING_S}] * 4)
+    everything = targets + asking + working
+
+    async def all_asking() -> bool:
+        return all([await permissions.pending_for_run(run_id) for run_id in asking])
+
+    async def all_running() -> bool:
+        found = await statuses(db, targets + working)
+        return all(status == RunStatus.RUNNING.value for status, _ in found.values())
+
+    await wait_for(all_asking, timeout_s=30, message="every permission request")
+    await wait_for(all_running, timeout_s=30, message="the other runs to be running")
+
+    # Cancels recorded in the database just as Redis dies, before their store signal went out:
+    # only the workers' heartbeats can deliver them now.
+    before = targets[:3]
+    for run_id in before:
+        await runs.request_cancel(tenant, run_id)
+    redis_server.stop()
+    redis_server.start()
+    back_at = time.monotonic()
+
+    after = targets[3:]
+    for run_id in after:
+        await cancel_run(runs, store, tenant, run_id)
+    decisions: dict[RunId, bool] = {run_id: index % 2 == 0 for index, run_id in enumerate(asking)}
+    for run_id, approved in decisions.items():
+        [pending] = await permissions.pending_for_run(run_id)
+        reason = DecisionReason.APPROVED if approved else DecisionReason.DENIED
+        await permissions.resolve(
+            run_id, pending.interrupt_id, approved=approved, reason=reason, data=None
+        )
+        decision: JSONObject = {"approved": approved, "reason": reason.value, "data": None}
+        await store.resolve_interrupt(run_id, pending.interrupt_id, decision)
+
+    async def all_terminal() -> bool:
+        found = await statuses(db, everything)
+        return all(RunStatus(status).is_terminal for status, _ in found.values())
+
+    await wait_for(
+        all_terminal,
+        timeout_s=RECOVERY_BOUND_S + WORKING_S + 10,
+        message="every run to end after the restart",
+    )
+    took_s = time.monotonic() - back_at
+    assert took_s <= RECOVERY_BOUND_S + WORKING_S + 10
+
+    found = await statuses(db, everything)
+    assert {run_id: found[run_id][0] for run_id in targets} == dict.fromkeys(targets, "cancelled")
+    assert await started_after_cancel(db, targets) == []
+    assert {run_id: found[run_id][0] for run_id in working} == dict.fromkeys(working, "succeeded")
+    for run_id, approved in decisions.items():
+        run = await runs.get(run_id)
+        assert run is not None and run.status is RunStatus.SUCCEEDED, (run_id, run)
+        assert isinstance(run.output, dict)
+        assert (run.output["approved"], run.output["acted"]) == (approved, approved)
+        assert await permissions.pending_for_run(run_id) == []
+
+    workers.terminate_all()
+    assert all(proc.returncode == 0 for proc in workers.procs), [
+        workers.log(proc)[-2000:] for proc in workers.procs if proc.returncode != 0
+    ]
+    assert await keys_without_ttl(store.client, store.keys.prefix) == []
