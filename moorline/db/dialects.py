@@ -51,6 +51,23 @@ def db_now(name: DialectName, *, plus_s: float = 0.0) -> ColumnElement[datetime]
     return type_coerce(expr, UTCDateTime())
 
 
+READ_ONLY_SQLSTATE = "25006"
+"""PostgreSQL's read_only_sql_transaction: a write reached a standby or a demoted primary."""
+READ_ONLY_MYSQL_ERRORS = frozenset({1290, 1792, 1836})
+"""MySQL/MariaDB: --read-only option, read-only transaction, read-only mode."""
+
+
+def is_read_only_error(exc: BaseException) -> bool:
+    """Whether a driver error says the node does not accept writes (it was demoted)."""
+    if getattr(exc, "sqlstate", None) == READ_ONLY_SQLSTATE:
+        return True
+    cause = exc.__cause__
+    if cause is not None and getattr(cause, "sqlstate", None) == READ_ONLY_SQLSTATE:
+        return True
+    args: tuple[object, ...] = exc.args
+    return bool(args) and args[0] in READ_ONLY_MYSQL_ERRORS
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a lost or refused connection that a retry may cure."""
     if isinstance(exc, OperationalError | DisconnectionError):

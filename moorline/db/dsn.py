@@ -305,7 +305,10 @@ def make_failover_creator(
 
     Every new connection starts again at the primary: there is no rotation and no memory of
     the last address that answered, so the primary is used again as soon as it is back. Each
-    address gets ``probe_timeout_s`` to accept; the first that does wins.
+    address gets ``probe_timeout_s`` to accept; the first that does *and accepts writes* wins:
+    a standby or a demoted primary (PostgreSQL ``pg_is_in_recovery()`` or
+    ``transaction_read_only``, MySQL ``@@global.read_only``) is skipped, so no write is ever
+    sent to a read-only node.
 
     Args:
         targets: the addresses, primary first, all of one driver.
@@ -327,6 +330,19 @@ def make_failover_creator(
             except Exception as exc:  # any failure of one address moves on to the next
                 failures.append((target.display, _describe(exc, target, probe_timeout_s)))
                 continue
+            try:
+                async with asyncio.timeout(probe_timeout_s):
+                    writable = await _is_writable(connection, target.driver)
+            except Exception as exc:
+                await _close_quietly(connection)
+                failures.append((target.display, _describe(exc, target, probe_timeout_s)))
+                continue
+            if not writable:
+                # A standby, or a primary that was demoted after a failover: writing there
+                # would fail at best and fork the data at worst, so the next address is tried.
+                await _close_quietly(connection)
+                failures.append((target.display, "read-only (a standby or a demoted node)"))
+                continue
             if failures:
                 logger.warning(
                     "database failover: connected to %s after %s",
@@ -337,6 +353,28 @@ def make_failover_creator(
         raise DatabaseUnreachable(failures)
 
     return create
+
+
+async def _is_writable(connection: Any, driver: Driver) -> bool:
+    """Whether the node behind a fresh connection accepts writes (one round trip)."""
+    if driver == "postgres":
+        read_only = await connection.fetchval(
+            "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
+        )
+        return not read_only
+    async with connection.cursor() as cursor:
+        await cursor.execute("SELECT @@global.read_only")
+        (read_only,) = await cursor.fetchone()
+    return not read_only
+
+
+async def _close_quietly(connection: Any) -> None:
+    try:
+        result = connection.close()
+        if asyncio.iscoroutine(result):  # asyncpg's close is a coroutine, aiomysql's is not
+            await result
+    except Exception:  # the connection is being dropped; its close may fail too
+        logger.debug("closing a rejected database connection failed", exc_info=True)
 
 
 async def _connect(target: ConnectTarget, timeout_s: float) -> Any:

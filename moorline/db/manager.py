@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from sqlalchemy import event
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection, ExceptionContext, make_url
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -29,7 +29,12 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import StaticPool
 
-from moorline.db.dialects import DialectName, is_transient, write_isolation_level
+from moorline.db.dialects import (
+    DialectName,
+    is_read_only_error,
+    is_transient,
+    write_isolation_level,
+)
 from moorline.db.dsn import (
     ConnectTarget,
     DatabaseUnreachable,
@@ -97,7 +102,7 @@ class DatabaseManager:
         dialect_url = (
             "postgresql+asyncpg://" if self.targets[0].driver == "postgres" else "mysql+aiomysql://"
         )
-        return create_async_engine(
+        engine = create_async_engine(
             dialect_url,
             async_creator=make_failover_creator(self.targets),
             pool_size=s.db_pool_size,
@@ -106,6 +111,17 @@ class DatabaseManager:
             pool_recycle=int(s.db_pool_recycle),
             pool_pre_ping=s.db_pool_pre_ping,
         )
+
+        @event.listens_for(engine.sync_engine, "handle_error")
+        def _discard_read_only(context: ExceptionContext) -> None:
+            # A pooled connection whose node was demoted under it refuses writes: treat that
+            # as a lost connection, so the pool drops it (and every connection of its
+            # generation) and the next checkout goes through the failover creator, which
+            # skips read-only nodes. with_retry then retries the work on the new primary.
+            if is_read_only_error(context.original_exception):
+                context.is_disconnect = True
+
+        return engine
 
     def _create_sqlite_engine(self, url: str) -> AsyncEngine:
         parsed = make_url(url)

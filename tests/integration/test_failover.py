@@ -8,6 +8,7 @@ import asyncio
 import logging
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -298,3 +299,55 @@ async def test_mysql_unix_socket_without_host() -> None:
             text("SELECT host FROM information_schema.processlist WHERE id = CONNECTION_ID()")
         )
         assert host.scalar_one() == "localhost"  # TCP connections show "127.0.0.1:<port>"
+
+
+async def test_a_pooled_connection_that_turned_read_only_is_dropped_and_the_write_retried() -> None:
+    # As when its node is demoted under it: the one pooled connection refuses writes from now.
+    require_server("postgresql")
+    table = f"moorline_ro_probe_{uuid.uuid4().hex[:10]}"
+    db = DatabaseManager(
+        Settings(database_url=PG_ADMIN_URL, db_pool_size=1, db_max_overflow=0, db_retry_base=0.01)
+    )
+    try:
+        async with db.connect() as conn:
+            first_pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+            await conn.execute(text("SET SESSION default_transaction_read_only = on"))
+            await conn.commit()
+
+        async def write() -> int:
+            async with db.transaction() as conn:
+                await conn.execute(text(f"CREATE TABLE {table} (x int)"))
+                pid: int = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+                return pid
+
+        # The read-only refusal counts as a lost connection: the pool drops it and the retry
+        # runs on a fresh connection, which the failover creator checked is writable.
+        assert await db.with_retry(write) != first_pid
+    finally:
+        async with db.transaction() as conn:
+            await conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+        await db.dispose()
+
+
+async def test_a_read_only_address_is_skipped_like_a_dead_one() -> None:
+    # A standby is simulated by a role whose sessions are read-only. (MariaDB's read_only is
+    # global to the shared server: its side of the check is not exercised against a read-only
+    # node here.)
+    require_server("postgresql")
+    kind, admin_url = "postgresql", PG_ADMIN_URL
+    role = f"moorline_ro_{uuid.uuid4().hex[:10]}"
+    async with manager(admin_url) as admin, admin.transaction() as conn:
+        await conn.execute(text(f"CREATE ROLE {role} LOGIN SUPERUSER"))
+        await conn.execute(text(f"ALTER ROLE {role} SET default_transaction_read_only = on"))
+    try:
+        read_only = make_url(admin_url).set(username=role).render_as_string(hide_password=False)
+        async with manager(tagged(kind, read_only, "standby"), tagged(kind, admin_url, "ok")) as db:
+            async with AsyncExitStack() as stack:
+                assert await read_tag(kind, db, stack) == "ok"
+        async with manager(read_only) as db:
+            with pytest.raises(DatabaseUnreachable, match="read-only"):
+                async with db.connect():
+                    pass
+    finally:
+        async with manager(admin_url) as admin, admin.transaction() as conn:
+            await conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
