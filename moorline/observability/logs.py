@@ -40,14 +40,20 @@ _run: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
 _AUTHORIZATION = re.compile(r"\b(Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]{4,}", re.IGNORECASE)
 _SECRET_ASSIGNMENT = re.compile(
     r"\b((?:[a-z_]*_)?(?:secret|token|password|api_key|apikey|authorization))"
-    r"([\"']?\s*[:=]\s*[\"']?)([^\s\"'&,}]+)",
+    # Not the scheme of an Authorization value: _AUTHORIZATION blanks the credential after it.
+    r"([\"']?\s*[:=]\s*[\"']?)(?!(?:Bearer|Basic|Token)\s)([^\s\"'&,}]+)",
     re.IGNORECASE,
 )
 _SHORTEST_SECRET = 8
 """Secrets shorter than this are not searched for by value: they would blank common words."""
 
 # The standard attributes of every LogRecord: anything else on a record came through ``extra``.
-_STANDARD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+# uvicorn's ``color_message`` repeats the message with terminal colours.
+_STANDARD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {
+    "message",
+    "asctime",
+    "color_message",
+}
 
 
 @contextmanager
@@ -110,24 +116,32 @@ class RedactingFormatter(logging.Formatter):
 
 
 class JsonFormatter(RedactingFormatter):
-    """One JSON object per record: time, level, logger, message, run fields, extras, traceback."""
+    """One JSON object per record: time, level, logger, message, run fields, extras, traceback.
 
-    def render(self, record: logging.LogRecord) -> str:
+    Each field is redacted before it is encoded: in the encoded line a quote inside a value is
+    an escaped quote, which the ``key: value`` patterns would not see through.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": self.redact(record.getMessage()),
         }
         for name, value in vars(record).items():
             if name not in _STANDARD_ATTRIBUTES and not name.startswith("_"):
-                entry[name] = value
+                entry[name] = value if _is_plain(value) else self.redact(str(value))
         if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
+            entry["exception"] = self.redact(self.formatException(record.exc_info))
         if record.stack_info:
-            entry["stack"] = self.formatStack(record.stack_info)
-        # default=str: an extra that JSON cannot carry (a datetime, an enum) still logs.
-        return json.dumps(entry, default=str, ensure_ascii=False)
+            entry["stack"] = self.redact(self.formatStack(record.stack_info))
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def _is_plain(value: object) -> bool:
+    """A number, a boolean or None: nothing to redact, and JSON keeps its type."""
+    return value is None or isinstance(value, bool | int | float)
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
