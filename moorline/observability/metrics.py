@@ -30,19 +30,15 @@ registered in prometheus-client's global registry, and each app or worker proces
 gets its own, passed down like the settings.
 """
 
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from moorline.types import TERMINAL_STATUSES, RunStatus
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-"""prometheus-client's own switch for multiprocess mode (it reads it when metrics are built)."""
 
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 """From a no-op workflow (milliseconds) to an agent run near the default 30-minute limit."""
@@ -204,8 +200,12 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 
 def is_multiprocess() -> bool:
-    """Whether prometheus-client runs in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``)."""
-    return MULTIPROC_ENV in os.environ or MULTIPROC_ENV.lower() in os.environ
+    """Whether prometheus-client chose multiprocess mode when it was imported.
+
+    It reads ``PROMETHEUS_MULTIPROC_DIR`` once, at import; asking it what it chose (rather than
+    reading the variable again) keeps the scrape in step with where the values really are.
+    """
+    return values.ValueClass is not values.MutexValue
 
 
 def render(metrics: Metrics, snapshot: Snapshot) -> bytes:

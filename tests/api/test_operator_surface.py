@@ -1,8 +1,9 @@
 """The operator surface of a real ``moorline serve``: ``/metrics`` and the logs (issue 6).
 
-- 200 runs through the HTTP API while ``/metrics`` is scraped: every figure adds up to what the
-  API reports, during the load (a scrape, then the API, then a scrape again: the API's count
-  lies between the two) and after it (equal).
+- 200 runs through the HTTP API of ``serve --workers 2`` beside a separate ``moorline worker``
+  (metrics in prometheus-client's multiprocess mode) while ``/metrics`` is scraped: every figure
+  adds up to what the API reports, during the load (a scrape, then the API, then a scrape
+  again: the API's count lies between the two) and after it (equal).
 - With ``MOORLINE_LOG_FORMAT=json`` every line of an end-to-end run (a retry, a webhook
   delivery, a key put in a URL) is one JSON object, the lines about a run carry its
   ``run_id``, ``attempt`` and ``tenant_id``, and no API key, admin token, webhook secret or
@@ -62,6 +63,7 @@ class Serve:
     url: str
     stdout: Path
     stderr: Path
+    """Where the process's output goes (``running`` fills them, ``url`` empty, for a worker)."""
 
     def output(self) -> str:
         return "".join(
@@ -69,31 +71,34 @@ class Serve:
         )
 
 
-@contextlib.contextmanager
-def serving(root: Path, *, workers: int, **settings: str) -> Iterator[Serve]:
-    """A ``moorline serve`` process over a fresh SQLite database; SIGTERM'd (status 0) at exit."""
+def moorline_env(root: Path, **settings: str) -> dict[str, str]:
+    """The environment of the test's ``moorline`` processes: one SQLite file, one plans file."""
     plans = root / "plans.yaml"
     plans.write_text(PLANS_YAML, encoding="utf-8")
-    port = free_port()
-    workers_option = ("--workers", str(workers))
-    serve = Serve(url=f"http://127.0.0.1:{port}", stdout=root / "out.log", stderr=root / "err.log")
-    with serve.stdout.open("wb") as out, serve.stderr.open("wb") as err:
+    return cli_env(
+        MOORLINE_DATABASE_URL=f"sqlite+aiosqlite:///{root / 'moorline.db'}",
+        MOORLINE_ADMIN_TOKEN=ADMIN_TOKEN,
+        MOORLINE_PLANS_FILE=str(plans),
+        MOORLINE_APP="tests.api.observed:app",
+        **settings,
+    )
+
+
+@contextlib.contextmanager
+def running(
+    root: Path, name: str, args: list[str], env: dict[str, str]
+) -> Iterator[tuple[subprocess.Popen[bytes], Serve]]:
+    """``python -m moorline <args>``, its output in ``<name>.out``/``.err``; SIGTERM'd at exit.
+
+    It must then exit with status 0 (a graceful stop).
+    """
+    logs = Serve(url="", stdout=root / f"{name}.out", stderr=root / f"{name}.err")
+    with logs.stdout.open("wb") as out, logs.stderr.open("wb") as err:
         process = subprocess.Popen(
-            [sys.executable, "-m", "moorline", "serve", "--port", str(port), *workers_option],
-            cwd=root,
-            env=cli_env(
-                MOORLINE_DATABASE_URL=f"sqlite+aiosqlite:///{root / 'moorline.db'}",
-                MOORLINE_ADMIN_TOKEN=ADMIN_TOKEN,
-                MOORLINE_PLANS_FILE=str(plans),
-                MOORLINE_APP="tests.api.observed:app",
-                **settings,
-            ),
-            stdout=out,
-            stderr=err,
+            [sys.executable, "-m", "moorline", *args], cwd=root, env=env, stdout=out, stderr=err
         )
     try:
-        _wait_until_ready(serve.url, process)
-        yield serve
+        yield process, logs
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -101,7 +106,18 @@ def serving(root: Path, *, workers: int, **settings: str) -> Iterator[Serve]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    assert process.returncode == 0, serve.output()
+    assert process.returncode == 0, logs.output()
+
+
+@contextlib.contextmanager
+def serving(root: Path, *, workers: int, **settings: str) -> Iterator[Serve]:
+    """A ready ``moorline serve --workers N`` over a fresh SQLite database."""
+    port = free_port()
+    args = ["serve", "--port", str(port), "--workers", str(workers)]
+    with running(root, "serve", args, moorline_env(root, **settings)) as (process, logs):
+        serve = Serve(url=f"http://127.0.0.1:{port}", stdout=logs.stdout, stderr=logs.stderr)
+        _wait_until_ready(serve.url, process)
+        yield serve
 
 
 def _wait_until_ready(url: str, process: subprocess.Popen[bytes]) -> None:
@@ -159,9 +175,25 @@ async def count_runs(client: httpx.AsyncClient, key: str, status: str) -> int:
 
 
 async def test_metrics_add_up_to_what_the_api_reports(tmp_path: Path) -> None:
-    with serving(tmp_path, workers=2) as serve:
-        async with httpx.AsyncClient(base_url=serve.url, timeout=30.0) as client:
-            await _load_and_check(client)
+    # prometheus-client's multiprocess mode: the server (two worker loops) and a separate
+    # ``moorline worker`` share one directory, and the server's /metrics sums both processes'
+    # events; the figures read from the database count every process's runs anyway.
+    shared = tmp_path / "prometheus"
+    shared.mkdir()
+    multiprocess = {"PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    with serving(tmp_path, workers=2, **multiprocess) as serve:
+        env = moorline_env(tmp_path, **multiprocess)
+        with running(tmp_path, "worker", ["worker"], env) as (worker, logs):
+
+            async def worker_serving() -> bool:
+                assert worker.poll() is None, logs.output()
+                return "serving" in logs.stderr.read_text(encoding="utf-8")
+
+            await wait_for(worker_serving, timeout_s=30, message="the worker process to start")
+            async with httpx.AsyncClient(base_url=serve.url, timeout=30.0) as client:
+                await _load_and_check(client)
+    # Both processes wrote their events where the server's scrape read them.
+    assert {path.name.rsplit("_", 1)[-1] for path in shared.iterdir()} >= {f"{worker.pid}.db"}
 
 
 async def _load_and_check(client: httpx.AsyncClient) -> None:
@@ -232,7 +264,7 @@ async def _load_and_check(client: httpx.AsyncClient) -> None:
     assert total(final, "moorline_rejections_total", reason="quota_exceeded") == 1
     assert total(final, "moorline_rejections_total", reason="rate_limited") == 0
     assert total(final, "moorline_runs_total", status="failed") == 0
-    # Each run was claimed once and ran once, in this process's worker loops.
+    # Each run was claimed once and ran once, in the server's loops or the worker process.
     ran = RUNS + 2
     assert total(final, "moorline_run_duration_seconds_count", outcome="succeeded") == ran
     assert total(final, "moorline_dispatch_latency_seconds_count") == ran
