@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TextIO
 
 from moorline.settings import LogFormat, Settings
 
@@ -150,7 +150,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def make_handler(
     settings: Settings,
     *,
-    stream: Any = None,
+    stream: TextIO | None = None,
     scrub: Callable[[str], str] | None = None,
 ) -> logging.Handler:
     """A stream handler with the run-context filter and the format ``settings`` asks for.
@@ -182,3 +182,6 @@ def configure_logging(settings: Settings, *, scrub: Callable[[str], str] | None 
         root.removeHandler(handler)
     root.addHandler(make_handler(settings, scrub=scrub))
     root.setLevel(logging.INFO)
+    # Alembic announces its migration context at INFO whenever the schema version is checked
+    # at start; a refused start must stay one line on stderr.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
