@@ -253,8 +253,18 @@ async def _load_and_check(client: httpx.AsyncClient) -> None:
         )
 
     await wait_for(all_done, timeout_s=60, interval_s=0.1, message="every run to succeed")
+    ran = RUNS + 2
 
-    final = await scrape(client)
+    async def every_attempt_counted() -> Samples | None:
+        # A worker counts an attempt just after its outcome is committed, which the API may
+        # report a moment sooner.
+        samples = await scrape(client)
+        counted = total(samples, "moorline_run_duration_seconds_count", outcome="succeeded")
+        return samples if counted >= ran else None
+
+    counted = await wait_for(every_attempt_counted, message="every attempt to be counted")
+    assert counted is not None
+    final: Samples = counted
     assert total(final, "moorline_runs_total", status="succeeded", lane=BUSY_LANE) == RUNS
     assert total(final, "moorline_runs_total", status="succeeded", lane=TIGHT_LANE) == 2
     assert total(final, "moorline_runs_total", status="succeeded") == RUNS + 2
@@ -265,7 +275,6 @@ async def _load_and_check(client: httpx.AsyncClient) -> None:
     assert total(final, "moorline_rejections_total", reason="rate_limited") == 0
     assert total(final, "moorline_runs_total", status="failed") == 0
     # Each run was claimed once and ran once, in the server's loops or the worker process.
-    ran = RUNS + 2
     assert total(final, "moorline_run_duration_seconds_count", outcome="succeeded") == ran
     assert total(final, "moorline_dispatch_latency_seconds_count") == ran
     assert total(final, "moorline_retries_total") == 0
