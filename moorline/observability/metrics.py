@@ -27,7 +27,7 @@ Two kinds of figure, kept apart on purpose:
   show in the database figures only.
 
 One scrape over 100,000 stored runs takes about 80 ms on SQLite (median, on a loaded 2-core
-machine; ``bench/metrics_scrape.py``), nearly all of it the count per (status, lane).
+machine; ``bench/metrics_scrape.py``).
 
 Metric objects are built per :class:`Metrics` instance with ``registry=None``: nothing is
 registered in prometheus-client's global registry, and each app or worker process (or test)
