@@ -114,6 +114,7 @@ class Settings(BaseSettings):
     """API key that client commands send."""
 
     log_format: LogFormat = LogFormat.TEXT
+    """``text`` (one readable line per record) or ``json`` (one JSON object per line)."""
 
     @field_validator("database_urls", mode="before")
     @classmethod

@@ -6,6 +6,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from prometheus_client.registry import Collector
+
 T = TypeVar("T")
 
 FULL_SIZE = os.environ.get("MOORLINE_FULL") == "1"
@@ -28,3 +30,14 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {message}")
         await asyncio.sleep(interval_s)
+
+
+def sampled(metric: Collector, sample: str, **labels: str) -> float:
+    """The sum of ``metric``'s samples named ``sample`` whose labels include ``labels``."""
+    wanted = set(labels.items())
+    return sum(
+        found.value
+        for family in metric.collect()
+        for found in family.samples
+        if found.name == sample and wanted <= set(found.labels.items())
+    )

@@ -49,7 +49,8 @@ from moorline.db.repos.records import Run
 from moorline.db.repos.runs import RunsRepo, hash_input
 from moorline.dispatch.submit import Submitter, new_run_for_plan
 from moorline.engine.registry import WorkflowDefinition
-from moorline.errors import ConversationBusy, IdempotencyConflict, QuotaExceeded
+from moorline.errors import ConversationBusy, IdempotencyConflict, QuotaExceeded, RateLimited
+from moorline.observability.metrics import Metrics
 from moorline.plans import Plan
 from moorline.types import TenantId
 
@@ -121,6 +122,7 @@ class Admission:
         quotas: QuotaStore,
         rate_limiter: RateLimiter,
         clock: Callable[[], datetime] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """Wire the decision to its stores.
 
@@ -131,6 +133,7 @@ class Admission:
             quotas: The daily quota counters.
             rate_limiter: The API rate limits.
             clock: Aware UTC "now" (the quota's day), replaceable in tests.
+            metrics: Where refusals are counted; default a private set nobody scrapes.
         """
         self._runs = runs
         self._listing = listing
@@ -138,6 +141,7 @@ class Admission:
         self._quotas = quotas
         self._rate_limiter = rate_limiter
         self._clock = clock or (lambda: datetime.now(UTC))
+        self._rejections = (metrics or Metrics()).rejections
         self._locks: KeyedLock[str] = KeyedLock()
         self._decisions: set[asyncio.Task[Any]] = set()
 
@@ -155,7 +159,11 @@ class Admission:
             QuotaExceeded: the daily quota is used up; the run was stored ``rate_limited``.
             BackendUnavailable: the quota store did not answer; nothing was stored.
         """
-        rate = await self._rate_limiter.hit(trigger.rate_identity, trigger.plan.rate_limit)
+        try:
+            rate = await self._rate_limiter.hit(trigger.rate_identity, trigger.plan.rate_limit)
+        except RateLimited:
+            self._rejections.labels(reason=RateLimited.code).inc()
+            raise
         checked = replace(trigger, input=trigger.workflow.validate_input(trigger.input))
         async with _holding(self._locks, _lock_keys(checked)):
             earlier = await self._earlier_run(checked)
@@ -232,6 +240,7 @@ class Admission:
                 replace(new, idempotency_key=None),
                 {"code": QuotaExceeded.code, "message": message},
             )
+            self._rejections.labels(reason=QuotaExceeded.code).inc()
             raise QuotaExceeded(message, run_id=refused.run_id, retry_after_s=retry_after_s)
         try:
             return await self._submitter.submit(new), True

@@ -28,7 +28,7 @@ from moorline.admission.ratelimit import RateLimiter
 from moorline.api.deps import Services, StreamSlots
 from moorline.api.errors import install_error_handlers
 from moorline.api.guards import RequestGuard
-from moorline.api.routes import admin, health, runs, usage, webhooks
+from moorline.api.routes import admin, health, metrics, runs, usage, webhooks
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.listing import RunListing
@@ -42,6 +42,7 @@ from moorline.engine.inbox import Inbox
 from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
 from moorline.engine.streams import EventStreams
+from moorline.observability.metrics import Metrics
 from moorline.plans import PlansProvider
 from moorline.runtime.factory import make_runtime_store
 from moorline.settings import Settings
@@ -90,7 +91,7 @@ def create_app(
     app.state.services = services
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
-    for module in (health, admin, runs, webhooks, usage):
+    for module in (health, admin, runs, webhooks, usage, metrics):
         app.include_router(module.build_router())
     return app
 
@@ -118,12 +119,14 @@ def _build_services(
     rate_limiter = RateLimiter(settings)
     closing.push_async_callback(rate_limiter.close)
     listing = RunListing(db)
+    counted = Metrics()
     admission = Admission(
         runs=runs_repo,
         listing=listing,
         submitter=submitter,
         quotas=quotas,
         rate_limiter=rate_limiter,
+        metrics=counted,
     )
     closing.push_async_callback(admission.close)
     services = Services(
@@ -144,5 +147,6 @@ def _build_services(
         inbox=Inbox(db, store),
         streams=EventStreams(db, store),
         stream_slots=StreamSlots(settings.max_streams_per_tenant),
+        metrics=counted,
     )
     return services, closing

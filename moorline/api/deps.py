@@ -40,6 +40,7 @@ from moorline.engine.inbox import Inbox
 from moorline.engine.registry import Moorline
 from moorline.engine.streams import EventStreams
 from moorline.errors import Forbidden, RateLimited, RunNotFound, Unauthorized
+from moorline.observability.metrics import Metrics
 from moorline.plans import Plan, PlansProvider
 from moorline.runtime.base import RuntimeStore
 from moorline.settings import Settings
@@ -91,6 +92,10 @@ class StreamSlots:
         """Streams the tenant holds open now."""
         return self._open.get(tenant_id, 0)
 
+    def total(self) -> int:
+        """Streams open now, every tenant's."""
+        return sum(self._open.values())
+
     def give_back(self, tenant_id: str) -> None:
         """Count one open stream of the tenant less."""
         held = self._open.get(tenant_id, 0) - 1
@@ -123,6 +128,9 @@ class Services:
     inbox: Inbox
     streams: EventStreams
     stream_slots: StreamSlots
+    metrics: Metrics
+    """This process's event metrics (admission counts its refusals; ``serve``'s worker loops
+    count theirs)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

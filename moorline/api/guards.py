@@ -11,12 +11,12 @@
   :func:`parse_json` before FastAPI validates it: malformed JSON is 400 ``invalid_json``
   (FastAPI would say 422), nesting deeper than :data:`MAX_JSON_DEPTH` is 400 too, and text no
   database can store (NUL, lone surrogates) is 422 ``invalid_request``.
-- :class:`RedactKeys` (a logging filter) blanks anything that looks like an API key in log
-  records, such as an access-log line of a refused ``?api_key=`` request.
+- :func:`redact` blanks anything that looks like an API key or a credential parameter; the
+  log formatter (:mod:`moorline.observability.logs`) applies it to every line, such as the
+  access-log line of a refused ``?api_key=`` request.
 """
 
 import json
-import logging
 import re
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -64,17 +64,6 @@ def redact(text: str) -> str:
     """``text`` with API keys and credential query parameters blanked."""
     text = _KEY.sub(KEY_PREFIX + REDACTED, text)
     return _CREDENTIAL_ASSIGNMENT.sub(lambda match: f"{match.group(1)}={REDACTED}", text)
-
-
-class RedactKeys(logging.Filter):
-    """Blank API keys in a record's message and arguments (install it on a logger)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = redact(record.msg)
-        if isinstance(record.args, tuple):
-            record.args = tuple(redact(arg) if isinstance(arg, str) else arg for arg in record.args)
-        return True
 
 
 class RequestGuard:

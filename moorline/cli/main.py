@@ -9,7 +9,6 @@ The command tree is built by :func:`build_cli` on each call rather than held in 
 """
 
 import asyncio
-import logging
 import signal
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -23,7 +22,7 @@ from rich.text import Text
 
 from moorline.api.app import create_app
 from moorline.api.deps import Services
-from moorline.api.guards import RedactKeys
+from moorline.api.guards import redact
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.dispatch.lanes import resolve_lanes
@@ -31,6 +30,7 @@ from moorline.dispatch.wakeups import make_wakeups
 from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
 from moorline.errors import MoorlineError
+from moorline.observability import logs as observability_logs
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import Settings, load_settings
 from moorline.worker.process import install_stop_signals, run_worker_process
@@ -72,12 +72,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(EXIT_INTERRUPTED) from None
 
 
-def configure_logging() -> None:
-    """Log INFO and above to stderr, one line per record."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def configure_logging(settings: Settings) -> None:
+    """Log INFO and above to stderr in ``MOORLINE_LOG_FORMAT``, secrets and API keys blanked."""
+    # redact knows the tenant key format and credential query parameters (an access-log line
+    # of a refused ``?api_key=`` request).
+    observability_logs.configure_logging(settings, scrub=redact)
 
 
 def print_error(message: str) -> None:
@@ -157,6 +156,7 @@ def serve(
     `moorline db upgrade` first (SQLite databases are created on the spot).
     """
     settings = load_settings()
+    configure_logging(settings)
     application = load_app(app or settings.app)
     started = asyncio.run(_serve(settings, application, host=host, port=port, loops=workers))
     if not started:
@@ -179,11 +179,12 @@ async def _serve(
     # From here the app's lifespan disposes the database when the server stops.
     api = create_app(settings, db, workflows=app)
     _run_workers_with_the_api(api, settings, app, loops)
-    server = uvicorn.Server(uvicorn.Config(api, host=host, port=port, lifespan="on"))
-    # uvicorn's access log prints request lines, query string included: a key someone put
-    # in a URL (refused with 400) must not land in the log as well.
-    for name in ("uvicorn.access", "uvicorn.error"):
-        logging.getLogger(name).addFilter(RedactKeys())
+    # log_config=None: uvicorn's loggers (its access log too) go through our root handler, so
+    # they share MOORLINE_LOG_FORMAT and its redaction (a key someone put in a URL, refused
+    # with 400, must not land in the access log).
+    server = uvicorn.Server(
+        uvicorn.Config(api, host=host, port=port, lifespan="on", log_config=None)
+    )
     shown_host = f"[{host}]" if ":" in host else host
     Console(soft_wrap=True, highlight=False).print(
         f"Starting the Moorline API on http://{shown_host}:{port} (database {db.display_url})"
@@ -221,6 +222,7 @@ def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, l
                     waiter=services.waiter,
                     store=services.store,
                     loops=loops,
+                    metrics=services.metrics,
                 ),
                 name="workers",
             )
@@ -289,7 +291,7 @@ def worker(
     Every worker also runs the reaper loop; only the elected leader acts.
     """
     settings = load_settings()
-    configure_logging()
+    configure_logging(settings)
     application = load_app(app or settings.app)
     served = resolve_lanes(lanes, default_lane_slots(resolve_plans(settings)))
     asyncio.run(_work(settings, application, served, grace))

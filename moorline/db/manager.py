@@ -14,6 +14,7 @@
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -27,7 +28,7 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import QueuePool, StaticPool
 
 from moorline.db.dialects import (
     DialectName,
@@ -237,6 +238,26 @@ class DatabaseManager:
                 await asyncio.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def pool_usage(self) -> tuple[int, int]:
+        """(connections checked out now, connections the pool keeps) in this process."""
+        pool = self.engine.sync_engine.pool
+        # QueuePool reports both; SQLite's StaticPool (in-memory) and NullPool report neither.
+        checked_out = pool.checkedout() if isinstance(pool, QueuePool) else 0
+        size = pool.size() if isinstance(pool, QueuePool) else 1
+        return checked_out, size
+
+    def sqlite_wal_bytes(self) -> int | None:
+        """Size of the SQLite write-ahead log file; None for other databases and in-memory."""
+        if self.dialect != "sqlite":
+            return None
+        database = self.engine.url.database
+        if database in (None, "", ":memory:"):
+            return None
+        try:
+            return os.path.getsize(f"{database}-wal")
+        except FileNotFoundError:
+            return 0  # checkpointed away, or not written yet
 
     async def dispose(self) -> None:
         """Close every pooled connection."""

@@ -28,6 +28,7 @@ from moorline.db.repos.queue import DEFAULT_REAP_LIMIT, QueueRepo, Reaped
 from moorline.dispatch.leader import VERIFY_EVERY_TICKS, LeaderElector, new_holder_id
 from moorline.dispatch.wakeups import Notifier
 from moorline.errors import BackendUnavailable
+from moorline.observability.metrics import Metrics
 from moorline.settings import Settings
 from moorline.types import Attempt, RunStatus
 
@@ -75,6 +76,7 @@ class Reaper:
         batch_limit: int = DEFAULT_REAP_LIMIT,
         backoff: Callable[[Attempt], float] | None = None,
         notifier: Notifier | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """Create a reaper; see :func:`make_reaper` for one built from the settings.
 
@@ -88,6 +90,7 @@ class Reaper:
                 None for at once.
             notifier: Told once per pass about the lanes that got runs back, so idle workers
                 claim them at once instead of on their slow poll.
+            metrics: Where reclaims are counted; default a private set nobody scrapes.
         """
         if interval_s <= 0 or batch_limit < 1:
             raise ValueError("interval_s must be positive and batch_limit at least 1")
@@ -97,6 +100,7 @@ class Reaper:
         self._batch_limit = batch_limit
         self._backoff = backoff
         self._notifier = notifier
+        self._reclaims = (metrics or Metrics()).reclaims
 
     async def tick(self) -> list[Reaped]:
         """One pass: nothing unless this process leads, else take back the expired runs.
@@ -130,6 +134,8 @@ class Reaper:
         finally:
             # Also after an error mid-pass: the runs moved so far are claimable now.
             await self._notify(reaped)
+        for run in reaped:
+            self._reclaims.labels(lane=run.lane, status=run.status.value).inc()
         if reaped:
             outcomes = Counter(r.status.value for r in reaped)
             logger.info(
@@ -193,6 +199,7 @@ def make_reaper(
     holder: str | None = None,
     notifier: Notifier | None = None,
     backoff: Callable[[Attempt], float] | None = None,
+    metrics: Metrics | None = None,
 ) -> Reaper:
     """A reaper for this process, with the intervals and leader lease of ``settings``.
 
@@ -202,6 +209,7 @@ def make_reaper(
         holder: This process's leader id; a new unique one when None.
         notifier: Told about lanes that got runs back.
         backoff: Seconds before a reclaimed run is claimable again; None for at once.
+        metrics: Where reclaims are counted.
     """
     interval_s = settings.reaper_interval
     queue = QueueRepo(db)
@@ -211,4 +219,11 @@ def make_reaper(
         holder=holder if holder is not None else new_holder_id(),
         ttl_s=leader_ttl_s(interval_s, settings.lease_ttl),
     )
-    return Reaper(queue, elector, interval_s=interval_s, backoff=backoff, notifier=notifier)
+    return Reaper(
+        queue,
+        elector,
+        interval_s=interval_s,
+        backoff=backoff,
+        notifier=notifier,
+        metrics=metrics,
+    )

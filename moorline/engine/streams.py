@@ -98,8 +98,12 @@ class EventStream:
         poll_interval_s: float,
         page_size: int,
         decoded: DecodedEvents,
+        log_fields: dict[str, object] | None = None,
     ) -> None:
         self.run_id = run_id
+        # The run's fields for this stream's log lines: it is served from a request's task,
+        # outside any attempt, so no bound run context supplies them.
+        self._log_fields = log_fields if log_fields is not None else {"run_id": run_id}
         self.last_seq = after_seq
         """``seq`` of the last event handed out: the ``Last-Event-ID`` to resume after."""
         self.cut_offs = 0
@@ -187,6 +191,7 @@ class EventStream:
                     "event stream of run %s fell behind; resuming after seq %d",
                     self.run_id,
                     self._cursor,
+                    extra=self._log_fields,
                 )
             await self._subscribe()
             return
@@ -207,7 +212,9 @@ class EventStream:
             try:
                 self._accept(self._decoded.decode(self.run_id, seq, payload))
             except ValueError as exc:
-                logger.warning("event stream of run %s: %s", self.run_id, exc)
+                logger.warning(
+                    "event stream of run %s: %s", self.run_id, exc, extra=self._log_fields
+                )
                 self._stored_after_cursor = True
                 return
 
@@ -278,6 +285,7 @@ class EventStreams:
             poll_interval_s=self._poll_interval_s,
             page_size=self._page_size,
             decoded=self._decoded,
+            log_fields={"run_id": run_id, "attempt": run.attempt, "tenant_id": tenant_id},
         )
         await stream._subscribe()
         return stream

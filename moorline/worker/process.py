@@ -15,6 +15,7 @@ from moorline.dispatch.reaper import make_reaper
 from moorline.dispatch.wakeups import Notifier, Waiter
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
+from moorline.observability.metrics import Metrics
 from moorline.plans import PlansProvider
 from moorline.runtime.base import RuntimeStore
 from moorline.runtime.factory import make_runtime_store
@@ -38,6 +39,7 @@ async def run_worker_process(
     grace_s: float = 30.0,
     store: RuntimeStore | None = None,
     loops: int = 1,
+    metrics: Metrics | None = None,
 ) -> None:
     """Run the reaper loop and ``loops`` workers over ``lanes`` until ``stop`` is set.
 
@@ -54,13 +56,16 @@ async def run_worker_process(
             message reaches in-process workers without Redis); None makes one, closed here.
         loops: Workers in this process, each with its own lease owner id; 0 runs the reaper
             alone.
+        metrics: Where the reaper and the workers count their events (``moorline serve``
+            passes its API's, so ``/metrics`` shows them); None makes a set for this process.
 
     Raises:
         WorkerCrashed: a long-lived loop died (the process should exit non-zero).
     """
     plans = PlansProvider(settings)
     owners = [make_owner_id() for _ in range(max(loops, 1))]
-    reaper = make_reaper(settings, db, holder=owners[0], notifier=notifier)
+    counted = metrics if metrics is not None else Metrics()
+    reaper = make_reaper(settings, db, holder=owners[0], notifier=notifier, metrics=counted)
     own_store = store is None
     runtime = make_runtime_store(settings) if store is None else store
     try:
@@ -74,6 +79,7 @@ async def run_worker_process(
                 waiter=waiter,
                 owner=owner,
                 grace_s=grace_s,
+                metrics=counted,
             )
             for owner in owners[:loops]
         ]

@@ -49,6 +49,8 @@ from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Cancelled
 from moorline.engine.runner import Runner
 from moorline.errors import MoorlineError, TimeLimitExceeded
+from moorline.observability.logs import bind_run
+from moorline.observability.metrics import Metrics
 from moorline.types import JSONObject, RunStatus
 from moorline.worker.completions import Completer
 
@@ -116,6 +118,7 @@ class Worker:
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         grace_s: float = DEFAULT_GRACE_S,
         rng: random.Random | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """Create a worker; nothing runs before :meth:`run`.
 
@@ -132,6 +135,8 @@ class Worker:
             poll_interval_s: Slowest a lane notices work when no wake-up arrives.
             grace_s: How long in-flight runs may finish after ``stop`` before release.
             rng: Jitter source for retry backoff.
+            metrics: Where attempts, retries and lease losses are counted; default a private
+                set nobody scrapes.
         """
         if not lanes:
             raise ValueError("a worker needs at least one lane")
@@ -148,6 +153,7 @@ class Worker:
         self._poll_interval_s = poll_interval_s
         self._grace_s = grace_s
         self._rng = rng or random.Random()
+        self._metrics = metrics or Metrics()
         self._completer = Completer(self._runs)
         self._executions: set[_Execution] = set()
         self._in_lane = dict.fromkeys(self._lanes, 0)
@@ -271,6 +277,10 @@ class Worker:
         self._in_lane[lane] += 1
         self.claimed += 1
         self._arm_self_fence(execution)
+        run = claim.run
+        # Both instants are database time: the claim set updated_at, the enqueue not_before.
+        waited_s = (run.updated_at - run.not_before).total_seconds()
+        self._metrics.dispatch_latency_s.labels(lane=lane).observe(max(0.0, waited_s))
         execution.task = asyncio.create_task(
             self._execute(execution), name=f"run:{claim.fence.run_id}:{claim.fence.attempt}"
         )
@@ -279,11 +289,20 @@ class Worker:
 
     async def _execute(self, execution: _Execution) -> None:
         claim = execution.claim
+        # Every line logged by this attempt's task, and the tasks it starts, names the attempt.
+        with bind_run(claim.fence.run_id, claim.fence.attempt, claim.run.tenant_id):
+            await self._execute_bound(execution)
+
+    async def _execute_bound(self, execution: _Execution) -> None:
+        claim = execution.claim
         try:
             outcome = await self._attempt(execution)
             if outcome is not None and not execution.lost:
                 applied = await self._completer.complete(outcome)
-                if not applied:
+                if applied:
+                    self._count_outcome(execution, outcome)
+                else:
+                    self._count_lease_loss(execution)
                     logger.warning(
                         "run %s attempt %d: lease lost before its outcome was written",
                         claim.fence.run_id,
@@ -300,6 +319,22 @@ class Worker:
             self._finish(execution)
             # After the outcome: the attempt's conversation lease and window go last.
             await self._release_runtime(claim)
+
+    def _count_outcome(self, execution: _Execution, outcome: Outcome) -> None:
+        name: str
+        if isinstance(outcome, Succeeded):
+            name = RunStatus.SUCCEEDED.value
+        elif isinstance(outcome, Failed):
+            name = RunStatus.FAILED.value if outcome.retry_delay_s is None else "retried"
+            if outcome.retry_delay_s is not None:
+                self._metrics.retries.labels(lane=execution.lane).inc()
+        else:
+            name = outcome.status.value
+        elapsed_s = time.monotonic() - execution.started
+        self._metrics.run_duration_s.labels(lane=execution.lane, outcome=name).observe(elapsed_s)
+
+    def _count_lease_loss(self, execution: _Execution) -> None:
+        self._metrics.lease_losses.labels(lane=execution.lane).inc()
 
     async def _release_runtime(self, claim: Claim) -> None:
         try:
@@ -318,6 +353,8 @@ class Worker:
             raise
         except LeaseLost as lost:
             # A fenced write found the run taken over: this attempt writes nothing more.
+            if not execution.lost:
+                self._count_lease_loss(execution)
             execution.lost = True
             logger.info("run %s attempt %d stopped: %s", *_ids(claim), lost)
             return None
@@ -379,11 +416,19 @@ class Worker:
         if execution.lost:
             return
         execution.lost = True
+        self._count_lease_loss(execution)
+        fence = execution.claim.fence
         logger.warning(
             "run %s attempt %d: stopping, lease lost: %s",
-            execution.claim.fence.run_id,
-            execution.claim.fence.attempt,
+            fence.run_id,
+            fence.attempt,
             why,
+            # Called from the heartbeat or a timer, outside the attempt's own task.
+            extra={
+                "run_id": fence.run_id,
+                "attempt": fence.attempt,
+                "tenant_id": execution.claim.run.tenant_id,
+            },
         )
         if execution.task is not None and not execution.task.done():
             execution.task.cancel()

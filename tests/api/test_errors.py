@@ -245,6 +245,9 @@ async def test_over_the_rate_limit_is_429_with_headers_and_stores_nothing(api: A
     assert error["retry_after_s"] == int(refused.headers["Retry-After"])
     assert await api.count_runs(caller) == 1
     assert (await api.client.get("/v1/usage", headers=caller.headers)).json()["used_today"] == 1
+    # The refusal is counted once (this app's own metrics).
+    exposition = (await api.client.get("/metrics")).text
+    assert 'moorline_rejections_total{reason="rate_limited"} 1.0' in exposition.splitlines()
 
 
 async def test_a_body_over_the_limit_is_413_before_it_is_read(make_api: MakeApi) -> None:

@@ -39,10 +39,11 @@ from moorline.dispatch.reaper import (
     make_reaper,
 )
 from moorline.dispatch.wakeups import LocalWakeups
+from moorline.observability.metrics import Metrics
 from moorline.settings import Settings
 from moorline.types import Attempt, JSONValue, RunId, RunStatus, TenantId
 from tests.contract.queue_helpers import Tenants, event_counts, event_types, statuses, unique
-from tests.helpers import wait_for
+from tests.helpers import sampled, wait_for
 from tests.servers import run_sql
 
 INSERT_CHUNK = 500
@@ -150,6 +151,7 @@ def new_reaper(
     verify_every: int = 5,
     backoff: Callable[[Attempt], float] | None = None,
     notifier: LocalWakeups | None = None,
+    metrics: Metrics | None = None,
 ) -> Reaper:
     """A reaper; reapers given the same ``lease`` name compete for one leadership."""
     queue = QueueRepo(db)
@@ -168,6 +170,7 @@ def new_reaper(
         batch_limit=batch_limit,
         backoff=backoff,
         notifier=notifier,
+        metrics=metrics,
     )
 
 
@@ -179,10 +182,14 @@ async def test_expired_runs_are_requeued_and_exhausted_ones_failed(
     expired = await add_running(db, tenant, lane, 3, lease_s=-5.0)
     exhausted = await add_running(db, tenant, lane, 2, lease_s=-5.0, attempt=3, max_attempts=3)
     live = await add_running(db, tenant, lane, 2, lease_s=60.0, owner="live-worker")
-    reaper = new_reaper(db, unique("lease"), "reaper")
+    metrics = Metrics()
+    reaper = new_reaper(db, unique("lease"), "reaper", metrics=metrics)
 
     reaped = await reaper.tick()
 
+    reclaims = "moorline_reclaims_total"
+    assert sampled(metrics.reclaims, reclaims, lane=lane, status="queued") == 3
+    assert sampled(metrics.reclaims, reclaims, lane=lane, status="failed") == 2
     assert sorted((r.run_id, r.status, r.attempt, r.lane) for r in reaped) == sorted(
         [(f.run_id, RunStatus.QUEUED, f.attempt, lane) for f in expired]
         + [(f.run_id, RunStatus.FAILED, f.attempt, lane) for f in exhausted]

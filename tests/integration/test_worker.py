@@ -14,6 +14,7 @@ from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Context
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
+from moorline.observability.metrics import Metrics
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
 from moorline.worker.worker import Worker, WorkerCrashed
@@ -27,7 +28,7 @@ from tests.contract.queue_helpers import (
     statuses,
     unique,
 )
-from tests.helpers import wait_for
+from tests.helpers import sampled, wait_for
 
 NO_BACKOFF = RetryPolicy(base_s=0.0, cap_s=0.0)
 
@@ -116,6 +117,7 @@ def make_worker(
     *,
     lease_ttl_s: float = 30.0,
     grace_s: float = 5.0,
+    metrics: Metrics | None = None,
 ) -> Worker:
     return Worker(
         db,
@@ -126,6 +128,7 @@ def make_worker(
         retry_policy=NO_BACKOFF,
         poll_interval_s=0.05,
         grace_s=grace_s,
+        metrics=metrics,
     )
 
 
@@ -153,9 +156,16 @@ async def test_a_failing_run_is_retried_then_fails_with_its_last_error(
     lane = unique("lane")
     [run_id] = await add_runs(db, await tenants.new(), lane, 1, max_attempts=3)
     await set_workflow(db, [run_id], "boom")
-    async with Running(make_worker(db, Probe(), {lane: 2})):
+    metrics = Metrics()
+    async with Running(make_worker(db, Probe(), {lane: 2}, metrics=metrics)):
         await wait_for(lambda: all_in(db, [run_id], "failed"), message="run failed")
     assert (await statuses(db, [run_id]))[run_id] == ("failed", 3)
+    assert sampled(metrics.retries, "moorline_retries_total", lane=lane) == 2
+    durations = "moorline_run_duration_seconds_count"
+    assert sampled(metrics.run_duration_s, durations, lane=lane, outcome="retried") == 2
+    assert sampled(metrics.run_duration_s, durations, lane=lane, outcome="failed") == 1
+    latencies = "moorline_dispatch_latency_seconds_count"
+    assert sampled(metrics.dispatch_latency_s, latencies, lane=lane) == 3
     assert await event_types(db, run_id) == [
         "started",
         "retrying",
@@ -209,7 +219,8 @@ async def test_a_reclaimed_run_is_stopped_within_a_heartbeat_and_writes_nothing(
     lane = unique("lane")
     [run_id] = await add_runs(db, await tenants.new(), lane, 1)
     await set_workflow(db, [run_id], "gated")
-    worker = make_worker(db, probe, {lane: 1}, lease_ttl_s=0.9)
+    metrics = Metrics()
+    worker = make_worker(db, probe, {lane: 1}, lease_ttl_s=0.9, metrics=metrics)
     async with Running(worker):
         await wait_for(lambda: _entered(probe, 1), message="run started")
         # The reaper takes the run back (as if this worker had been paused past its lease);
@@ -222,6 +233,7 @@ async def test_a_reclaimed_run_is_stopped_within_a_heartbeat_and_writes_nothing(
             lambda: _cancelled(probe), timeout_s=worker.heartbeat_interval_s + 1.0, message="stop"
         )
     assert "succeeded" not in await event_types(db, run_id)
+    assert sampled(metrics.lease_losses, "moorline_lease_losses_total", lane=lane) == 1
 
 
 async def _cancelled(probe: Probe) -> bool:
