@@ -102,6 +102,9 @@ runs = Table(
     Index("ix_runs_tenant_status", "tenant_id", "status"),
     Index("ix_runs_tenant_created", "tenant_id", "created_at"),
     Index("ix_runs_conversation", "tenant_id", "conversation_id", "status"),
+    # The admin's listing across tenants, newest first: all runs, and those of one status.
+    Index("ix_runs_created", "created_at", "id"),
+    Index("ix_runs_status_created", "status", "created_at", "id"),
 )
 # Claim: the tenants with queued runs in a lane (an index skip-scan), then each one's next runs
 # in claim order (priority first, oldest eligible first), without reading a backlog past them.
