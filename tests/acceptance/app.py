@@ -21,7 +21,7 @@ def publish(topic: str) -> str:
 async def publish_notes(ctx: Context, topic: str = "v1.0") -> JSONObject:
     """Draft (streamed as deltas), ask permission to publish, then publish."""
     draft = await ctx.step("draft", write_draft, topic)
-    for word in draft.split(" "):
+    for word in str(draft).split(" "):
         await ctx.emit("delta", {"text": word + " "})
     decision = await ctx.request_permission("publish", {"topic": topic}, timeout=120)
     if not decision.approved:
