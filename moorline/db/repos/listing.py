@@ -4,10 +4,11 @@ Listings page with a keyset cursor rather than an offset: a page is the runs str
 the last one of the previous page in ``(created_at, id)`` order, newest first, so a page costs
 the same however deep it is and runs inserted meanwhile neither repeat nor shift the pages.
 ``id`` breaks ties, which are common: a group-committed batch shares one ``created_at``. A
-tenant's listing walks ``ix_runs_tenant_created`` (``tenant_id, created_at``) backwards; the
-admin's listing across tenants walks ``ix_runs_created`` (``created_at, id``), or
-``ix_runs_status_created`` when it filters on a status, so a rare status is found without
-reading past the common ones.
+tenant's listing walks ``ix_runs_tenant_created`` (``tenant_id, created_at``) backwards, or
+``ix_runs_tenant_status`` (``tenant_id, status, created_at, id``) when it filters on a status;
+the admin's listing across tenants walks ``ix_runs_created`` (``created_at, id``), or
+``ix_runs_status_created`` / ``ix_runs_workflow_created`` when it filters on a status or a
+workflow, so a rare one is found without reading past the common ones.
 """
 
 import builtins

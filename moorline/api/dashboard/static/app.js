@@ -460,8 +460,11 @@ function viewRun(runId) {
             h("span", { class: "note" }, `#${event.id} `), h("span", { class: "type" }, event.type),
             " ", JSON.stringify(event.data)));
           events.scrollTop = events.scrollHeight;
-          if (event.type === "delta" && event.data && typeof event.data.text === "string") {
-            streamed.textContent += event.data.text;
+          if (event.type === "delta") {
+            if (event.data && typeof event.data.text === "string") {
+              streamed.textContent += event.data.text;
+            }
+            return;  // a model streams many: the poll keeps the facts fresh meanwhile
           }
           refresh().catch(() => {});
         }, stop.signal);
