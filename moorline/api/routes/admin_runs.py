@@ -147,24 +147,26 @@ async def list_tenants(
     offset = _decode_offset(cursor)
     found = await services.tenants.list(limit=limit + 1, offset=offset)
     page = found[:limit]
+    plans = [await services.plans.get(tenant.plan) for tenant in page]
+    # One read of the counters and one count of running runs for the whole page.
+    usages = await services.admission.usages(
+        [(tenant.tenant_id, plan) for tenant, plan in zip(page, plans, strict=True)]
+    )
     running = await services.listing.running_by_tenant(t.tenant_id for t in page)
-    loads = []
-    for tenant in page:
-        plan = await services.plans.get(tenant.plan)
-        usage = await services.admission.usage(tenant.tenant_id, plan)
-        loads.append(
-            TenantLoad(
-                tenant_id=tenant.tenant_id,
-                name=tenant.name,
-                plan=tenant.plan,
-                lane=plan.lane,
-                daily_quota=usage.daily_quota,
-                used_today=usage.used_today,
-                tenant_concurrency=plan.tenant_concurrency,
-                running=running.get(tenant.tenant_id, 0),
-                created_at=tenant.created_at,
-            )
+    loads = [
+        TenantLoad(
+            tenant_id=tenant.tenant_id,
+            name=tenant.name,
+            plan=tenant.plan,
+            lane=plan.lane,
+            daily_quota=usage.daily_quota,
+            used_today=usage.used_today,
+            tenant_concurrency=plan.tenant_concurrency,
+            running=running.get(tenant.tenant_id, 0),
+            created_at=tenant.created_at,
         )
+        for tenant, plan, usage in zip(page, plans, usages, strict=True)
+    ]
     more = len(found) > limit
     return TenantList(tenants=loads, next_cursor=str(offset + limit) if more else None)
 
