@@ -117,7 +117,8 @@ async def test_sign_in_watch_approve_and_isolate(
     await page.goto(server.url + "/")
     await page.fill("#token", "not-a-token")
     await page.click("button[type=submit]")
-    await expect(page.locator(".signin .error")).to_contain_text("not valid")
+    await expect(page.locator(".signin .error")).to_contain_text("neither the admin token")
+    await expect(page.locator("#nav")).to_be_hidden()
     await page.screenshot(path=shots / "0-sign-in.png")
 
     # The admin signs in and creates tenant A in the Tenants page; its key is shown once.

@@ -209,6 +209,10 @@ async function signIn(token) {
     session.save(token, "admin", "admin");
     return;
   } catch (error) {
+    if (error.status === 401) {
+      // require_admin answers 403 to any tenant's key: this is neither.
+      throw new Error("this is neither the admin token nor a valid API key");
+    }
     if (error.status !== 403) throw error;
   }
   const usage = await api("/v1/usage", { token });
