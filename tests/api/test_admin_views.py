@@ -4,7 +4,9 @@ Tenant isolation of these routes (a tenant key is 403) is in ``test_isolation.py
 they answer to the admin, and that the dashboard's page and files are served.
 """
 
+import tomllib
 import uuid
+from pathlib import Path
 
 from moorline.api.deps import Services
 from moorline.db.repos.interrupts import InterruptsRepo
@@ -121,3 +123,14 @@ async def test_the_dashboard_page_and_its_files_are_served(api: Api) -> None:
     assert "http://" not in script.replace('"http://www.w3.org/2000/svg"', "")
     assert "https://" not in script
     assert (await api.client.get("/dashboard/missing.js")).status_code == 404
+
+
+def test_the_dashboard_files_ship_in_the_package() -> None:
+    """Every file the page loads is matched by pyproject's package-data (no build step)."""
+    root = Path(__file__).resolve().parents[2]
+    config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    patterns = config["tool"]["setuptools"]["package-data"]["moorline"]
+    package = root / "moorline"
+    shipped = {path for pattern in patterns for path in package.glob(pattern)}
+    static = package / "api" / "dashboard" / "static"
+    assert {static / name for name in ("index.html", "app.js", "app.css")} <= shipped
