@@ -43,7 +43,12 @@ async function api(path, { method = "GET", body, token = session.token, signal }
     method, headers, signal, body: body === undefined ? undefined : JSON.stringify(body),
   });
   const text = await response.text();
-  const data = text ? JSON.parse(text) : null;
+  let data = null;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    // Not JSON: a proxy's error page, say. The status line says what happened.
+  }
   if (!response.ok) {
     const error = (data && data.error) || {};
     if (response.status === 401 && token === session.token) signOut();
