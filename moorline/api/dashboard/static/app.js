@@ -10,6 +10,7 @@
 const TOKEN_KEY = "moorline.token";
 const ROLE_KEY = "moorline.role";
 const POLL_MS = 2000;
+const MAX_EVENT_LINES = 500;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled", "timed_out", "rate_limited"]);
 const STATUSES = ["pending", "queued", "running", "succeeded", "failed", "cancelled",
   "timed_out", "rate_limited"];
@@ -468,6 +469,8 @@ function viewRun(runId) {
           events.append(h("div", { "data-type": event.type },
             h("span", { class: "note" }, `#${event.id} `), h("span", { class: "type" }, event.type),
             " ", JSON.stringify(event.data)));
+          // A model's answer is thousands of deltas: keep the newest lines on the page.
+          while (events.childElementCount > MAX_EVENT_LINES) events.firstElementChild.remove();
           events.scrollTop = events.scrollHeight;
           if (event.type === "delta") {
             if (event.data && typeof event.data.text === "string") {
