@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run test lint format bench clean chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,11 @@ install: $(STAMP)
 run: install
 	$(BIN)/moorline serve
 
-test: install
+# The dashboard's browser test drives Debian's chromium, never a browser Playwright downloads.
+chromium:
+	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
+
+test: install chromium
 	$(BIN)/python -m pytest --cov --cov-report=term $(PYTEST_ARGS)
 
 lint: install
@@ -37,6 +41,7 @@ bench: install
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/metrics_scrape.py
+	$(BIN)/python bench/dashboard.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

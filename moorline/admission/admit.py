@@ -35,7 +35,7 @@ trigger, so the client may retry with it once the quota resets.
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -188,6 +188,20 @@ class Admission:
             remaining=max(0, plan.daily_quota - used),
             resets_at=next_reset(now),
         )
+
+    async def usages(self, tenants: Sequence[tuple[TenantId, Plan]]) -> list[Usage]:
+        """The quota today of each tenant (with its plan), in one read of the counters."""
+        now = self._clock()
+        used = await self._quotas.used_by((tenant_id for tenant_id, _ in tenants), quota_day(now))
+        return [
+            Usage(
+                daily_quota=plan.daily_quota,
+                used_today=used.get(tenant_id, 0),
+                remaining=max(0, plan.daily_quota - used.get(tenant_id, 0)),
+                resets_at=next_reset(now),
+            )
+            for tenant_id, plan in tenants
+        ]
 
     async def close(self) -> None:
         """Let decisions whose clients went away finish (they hold quota units)."""

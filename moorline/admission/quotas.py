@@ -17,7 +17,7 @@ clock; the quota resets at 00:00 UTC.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Protocol
 
@@ -74,6 +74,10 @@ class QuotaStore(Protocol):
         """Units taken on ``day``."""
         ...
 
+    async def used_by(self, tenant_ids: Iterable[TenantId], day: str) -> dict[TenantId, int]:
+        """Units each tenant took on ``day``, in one round trip (the admin's tenants view)."""
+        ...
+
     async def close(self) -> None:
         """Release connections; idempotent."""
         ...
@@ -93,6 +97,9 @@ class DatabaseQuotaStore(QuotaStore):
 
     async def used(self, tenant_id: TenantId, day: str) -> int:
         return await self._repo.used(tenant_id, day)
+
+    async def used_by(self, tenant_ids: Iterable[TenantId], day: str) -> dict[TenantId, int]:
+        return await self._repo.used_by(tenant_ids, day)
 
     async def close(self) -> None:
         return None
@@ -165,6 +172,21 @@ class RedisQuotaStore(QuotaStore):
         except self._redis_error as exc:
             raise BackendUnavailable(f"Redis quota store: {exc}") from exc
         return 0 if value is None else int(value)
+
+    async def used_by(self, tenant_ids: Iterable[TenantId], day: str) -> dict[TenantId, int]:
+        wanted = sorted(set(tenant_ids))
+        # One GET per key in one pipeline, not MGET: the keys hash to different cluster slots.
+        pipeline = self._client.pipeline(transaction=False)
+        for tenant_id in wanted:
+            pipeline.get(self.keys.quota(tenant_id, day))
+        try:
+            values = await pipeline.execute() if wanted else []
+        except self._redis_error as exc:
+            raise BackendUnavailable(f"Redis quota store: {exc}") from exc
+        return {
+            tenant_id: 0 if value is None else int(value)
+            for tenant_id, value in zip(wanted, values, strict=True)
+        }
 
     async def close(self) -> None:
         await self._client.aclose()

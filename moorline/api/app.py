@@ -28,7 +28,16 @@ from moorline.admission.ratelimit import RateLimiter
 from moorline.api.deps import Services, StreamSlots
 from moorline.api.errors import install_error_handlers
 from moorline.api.guards import RequestGuard
-from moorline.api.routes import admin, health, metrics, runs, usage, webhooks
+from moorline.api.routes import (
+    admin,
+    admin_runs,
+    dashboard,
+    health,
+    metrics,
+    runs,
+    usage,
+    webhooks,
+)
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.listing import RunListing
@@ -91,8 +100,9 @@ def create_app(
     app.state.services = services
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
-    for module in (health, admin, runs, webhooks, usage, metrics):
+    for module in (health, admin, admin_runs, runs, webhooks, usage, metrics):
         app.include_router(module.build_router())
+    dashboard.install(app)
     return app
 
 

@@ -207,6 +207,18 @@ async def require_admin(
 CallerDep = Annotated[Caller, Depends(tenant_caller)]
 
 
+async def any_run(services: Services, run_id: str) -> Run:
+    """The run ``run_id`` of any tenant: for admin routes only.
+
+    Raises:
+        RunNotFound: no such run.
+    """
+    run = await services.runs.get(RunId(run_id)) if RUN_ID_PATTERN.match(run_id) else None
+    if run is None:
+        raise RunNotFound(f"no run {run_id}")
+    return run
+
+
 async def owned_run(services: Services, caller: Caller, run_id: str) -> Run:
     """The run ``run_id`` if it belongs to the caller's tenant.
 

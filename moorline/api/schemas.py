@@ -84,6 +84,27 @@ class TenantOut(BaseModel):
     plan: str
 
 
+class TenantLoad(BaseModel):
+    """A tenant with its plan's limits and how much of them it uses now."""
+
+    tenant_id: str
+    name: str
+    plan: str
+    lane: str
+    daily_quota: int
+    used_today: int = Field(description="Quota units taken today (UTC).")
+    tenant_concurrency: int = Field(description="The plan's cap on the tenant's running runs.")
+    running: int
+    created_at: datetime
+
+
+class TenantList(BaseModel):
+    """A page of tenants, oldest first."""
+
+    tenants: list[TenantLoad]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page.")
+
+
 class LaneOut(BaseModel):
     """One lane's load."""
 

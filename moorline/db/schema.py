@@ -98,10 +98,16 @@ runs = Table(
     UniqueConstraint("tenant_id", "idempotency_key"),
     # Reaper: running runs whose lease expired.
     Index("ix_runs_lease", "status", "lease_expires_at"),
-    # Tenant concurrency cap and per-tenant listings.
-    Index("ix_runs_tenant_status", "tenant_id", "status"),
+    # Tenant concurrency cap, and a tenant's listing filtered on a status (newest first).
+    Index("ix_runs_tenant_status", "tenant_id", "status", "created_at", "id"),
+    # A tenant's listing.
     Index("ix_runs_tenant_created", "tenant_id", "created_at"),
     Index("ix_runs_conversation", "tenant_id", "conversation_id", "status"),
+    # The admin's listing across tenants, newest first: all runs, those of one status, those
+    # of one workflow (a filter on a lane walks ix_runs_created: lanes are few and large).
+    Index("ix_runs_created", "created_at", "id"),
+    Index("ix_runs_status_created", "status", "created_at", "id"),
+    Index("ix_runs_workflow_created", "workflow", "created_at", "id"),
 )
 # Claim: the tenants with queued runs in a lane (an index skip-scan), then each one's next runs
 # in claim order (priority first, oldest eligible first), without reading a backlog past them.

@@ -272,3 +272,20 @@ async def test_usage_and_queues_tell_the_truth(api: Api) -> None:
         now = (await api.client.get("/v1/usage", headers=caller.headers)).json()
         assert (now["used_today"], now["remaining"]) == (expected, QUOTA - expected)
     assert await sandbox_queued() == queued_before + 3
+
+
+async def test_the_admins_tenants_view_counts_as_usage_does(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    """One read of every tenant's counter (SQL ``IN`` or a Redis pipeline) per page."""
+    async with make_api(**deployment.settings) as api:
+        callers = [await api.tenant("sandbox") for _ in range(3)]
+        for n, caller in enumerate(callers):
+            for i in range(n * 2):
+                assert (await api.trigger(caller, input={"message": str(i)})).status_code == 202
+        page = await api.client.get("/v1/admin/tenants", params={"limit": 200}, headers=ADMIN)
+        listed = {t["tenant_id"]: t for t in page.json()["tenants"]}
+        for n, caller in enumerate(callers):
+            usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+            assert listed[caller.tenant_id]["used_today"] == usage["used_today"] == n * 2
+            assert listed[caller.tenant_id]["daily_quota"] == usage["daily_quota"] == QUOTA

@@ -140,7 +140,53 @@ async def probe_trigger(api: Api, world: World) -> None:
     assert run.json()["tenant_id"] == world.b.tenant_id
 
 
+ADMIN_RUN_BODIES: dict[str, dict[str, object] | None] = {
+    "": None,
+    "/events": None,
+    "/resume": {"approved": True},
+    "/cancel": None,
+    "/messages": {"content": "from a tenant"},
+}
+
+
+def probe_admin_run_route(method: str, suffix: str) -> Probe:
+    """An admin route on any tenant's run: every tenant key is 403, the run's owner's too."""
+
+    async def probe(api: Api, world: World) -> None:
+        for caller in (world.b, world.a):
+            response = await api.client.request(
+                method,
+                f"/v1/admin/runs/{world.run_id}{suffix}",
+                json=ADMIN_RUN_BODIES[suffix],
+                headers=caller.headers,
+            )
+            assert response.status_code == 403, response.text
+            assert response.json()["error"]["code"] == "forbidden"
+        run = await RunsRepo(api.db).get(RunId(world.run_id))
+        assert run is not None and run.cancel_requested_at is None
+        interrupt = await InterruptsRepo(api.db).get(world.interrupt_id)
+        assert interrupt is not None and interrupt.is_pending
+        assert await MessagesRepo(api.db).list(RunId(world.run_id)) == []
+        # The admin reaches it; a run id that names nothing is 404 for the admin too.
+        seen = await api.client.get(f"/v1/admin/runs/{world.run_id}", headers=ADMIN)
+        assert seen.status_code == 200 and seen.json()["tenant_id"] == world.a.tenant_id
+        missing = await api.client.get(f"/v1/admin/runs/{uuid.uuid4()}", headers=ADMIN)
+        assert missing.json()["error"]["code"] == "run_not_found"
+
+    return probe
+
+
 PROBES: dict[tuple[str, str], Probe] = {
+    **{
+        (method, f"/v1/admin/runs/{{run_id}}{suffix}"): probe_admin_run_route(method, suffix)
+        for method, suffix in (
+            ("GET", ""),
+            ("GET", "/events"),
+            ("POST", "/resume"),
+            ("POST", "/cancel"),
+            ("POST", "/messages"),
+        )
+    },
     ("GET", "/v1/runs/{run_id}"): probe_get_run,
     ("POST", "/v1/runs/{run_id}/resume"): probe_resume_run,
     ("POST", "/v1/runs/{run_id}/cancel"): probe_cancel_run,
@@ -214,6 +260,11 @@ async def test_listings_and_usage_show_only_the_callers_own(api: Api) -> None:
     assert [run["run_id"] for run in running.json()["runs"]] == [world.run_id]
     usage = (await api.client.get("/v1/usage", headers=world.b.headers)).json()
     assert (usage["tenant_id"], usage["used_today"]) == (world.b.tenant_id, 0)
-    # The admin's view of the lanes is the admin's only.
-    assert (await api.client.get("/v1/admin/queues", headers=world.b.headers)).status_code == 403
-    assert (await api.client.get("/v1/admin/queues", headers=ADMIN)).status_code == 200
+    # The admin's views of the lanes, every tenant's runs and the tenants are the admin's only.
+    for path in ("/v1/admin/queues", "/v1/admin/runs", "/v1/admin/tenants"):
+        assert (await api.client.get(path, headers=world.b.headers)).status_code == 403
+        assert (await api.client.get(path, headers=ADMIN)).status_code == 200
+    every_tenant = await api.client.get(
+        "/v1/admin/runs", params={"tenant_id": world.a.tenant_id}, headers=ADMIN
+    )
+    assert [run["run_id"] for run in every_tenant.json()["runs"]] == [world.run_id]

@@ -133,6 +133,56 @@ async def test_listing_pages_through_ties_newest_first(
         await listing.page(tenant, where=RunFilter(), limit=0)
 
 
+async def test_the_admins_listing_pages_every_tenant_by_lane_and_tenant(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    runs, listing = RunsRepo(db), RunListing(db)
+    a, b = await tenants.new(), await tenants.new()
+    lane = unique("lane")
+    made = await runs.submit_many(
+        [
+            NewRun(tenant_id=t, workflow="w", input={"i": i}, lane=lane)
+            for i, t in enumerate([a, b] * 3)
+        ]
+    )
+    made += await runs.submit_many([NewRun(tenant_id=b, workflow="w", input={}, lane=lane)])
+    expected = sorted(made, key=lambda run: (run.created_at, run.run_id), reverse=True)
+
+    seen = []
+    where = RunFilter(lane=lane)
+    page = await listing.page_all_tenants(where=where, limit=3)
+    seen += page.runs
+    while page.next_cursor is not None:
+        page = await listing.page_all_tenants(where=where, limit=3, after=page.next_cursor)
+        seen += page.runs
+    assert [run.run_id for run in seen] == [run.run_id for run in expected]
+    only_a = await listing.page_all_tenants(where=where, limit=50, tenant_id=a)
+    assert {run.tenant_id for run in only_a.runs} == {a} and len(only_a.runs) == 3
+    queued = await listing.page_all_tenants(
+        where=RunFilter(lane=lane, status=RunStatus.QUEUED, workflow="w"), limit=50
+    )
+    assert len(queued.runs) == 7
+    # A tenant's own listing filtered on the lane shows its runs only.
+    own = await listing.page(b, where=where, limit=50)
+    assert {run.tenant_id for run in own.runs} == {b} and len(own.runs) == 4
+
+    await QueueRepo(db).claim_batch(lane, "worker", limit=2, lease_ttl_s=30.0, tenant_caps=NO_CAP)
+    counts = await listing.running_by_tenant([a, b])
+    assert sum(counts.values()) == 2 and set(counts) == {a, b}
+    assert await listing.running_by_tenant([]) == {}
+
+
+async def test_quota_use_of_many_tenants_is_one_read(db: DatabaseManager, tenants: Tenants) -> None:
+    repo = QuotasRepo(db)
+    a, b, idle = await tenants.new(), await tenants.new(), await tenants.new()
+    for tenant, units in ((a, 2), (b, 5)):
+        for _ in range(units):
+            await repo.consume(tenant, "2030-03-01", LIMIT)
+    await repo.consume(a, "2030-03-02", LIMIT)  # another day's counter is not counted
+    assert await repo.used_by([a, b, idle], "2030-03-01") == {a: 2, b: 5, idle: 0}
+    assert await repo.used_by([], "2030-03-01") == {}
+
+
 async def test_a_conversation_is_active_until_its_runs_end(
     db: DatabaseManager, tenants: Tenants
 ) -> None:

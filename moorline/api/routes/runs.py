@@ -3,7 +3,9 @@
 A trigger goes through :class:`~moorline.admission.admit.Admission` (rate limit, input,
 idempotency, conversation, quota, enqueue); the route only finds the workflow in the app's
 registry, which it knows for validation and never runs. Every route with a run id loads the
-run through :func:`~moorline.api.deps.owned_run` (another tenant's run is 404).
+run through :func:`~moorline.api.deps.owned_run` (another tenant's run is 404), then hands it
+to the function that does the work (:func:`describe_run`, :func:`resume`, …); the admin's run
+routes (:mod:`moorline.api.routes.admin_runs`) call the same functions on any tenant's run.
 
 The event stream is Server-Sent Events over :class:`~moorline.engine.streams.EventStreams`:
 each event carries its ``seq`` as its ``id``, so a client that reconnects with
@@ -27,7 +29,7 @@ from fastapi import APIRouter, Header, Path, Query, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from moorline.admission.admit import Admitted, Trigger
-from moorline.api.deps import CallerDep, ServicesDep, StreamSlots, owned_run
+from moorline.api.deps import CallerDep, Services, ServicesDep, StreamSlots, owned_run
 from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
 from moorline.api.guards import JSONBodyRoute
 from moorline.api.schemas import (
@@ -47,7 +49,7 @@ from moorline.api.schemas import (
     StepOut,
 )
 from moorline.db.repos.interrupts import InterruptResolved
-from moorline.db.repos.listing import RunCursor, RunFilter
+from moorline.db.repos.listing import RunCursor, RunFilter, RunPage
 from moorline.db.repos.records import DecisionReason, Event, Run
 from moorline.dispatch.cancel import cancel_run
 from moorline.engine.streams import EventStream
@@ -167,7 +169,11 @@ def answer_trigger(admitted: Admitted, response: Response) -> RunAccepted:
 
 async def get_run(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) -> RunOut:
     """A run with its steps and the decision it waits for, if any."""
-    run = await owned_run(services, caller, run_id)
+    return await describe_run(services, await owned_run(services, caller, run_id))
+
+
+async def describe_run(services: Services, run: Run) -> RunOut:
+    """``run`` with its steps and the decision it waits for, if any."""
     steps = await services.steps.list(run.run_id)
     pending = await services.interrupts.pending_for_run(run.run_id)
     waiting = pending[0] if pending and not run.status.is_terminal else None
@@ -216,6 +222,11 @@ async def list_runs(
         limit=min(limit, MAX_PAGE_SIZE),
         after=None if cursor is None else decode_cursor(cursor),
     )
+    return listed(page)
+
+
+def listed(page: RunPage) -> RunList:
+    """A page of runs as answered."""
     return RunList(
         runs=[summary(run) for run in page.runs],
         next_cursor=None if page.next_cursor is None else encode_cursor(page.next_cursor),
@@ -226,7 +237,11 @@ async def resume_run(
     run_id: RunIdPath, body: Resume, caller: CallerDep, services: ServicesDep
 ) -> Resumed:
     """Approve or deny the decision a run waits for; the first decision wins."""
-    run = await owned_run(services, caller, run_id)
+    return await resume(services, await owned_run(services, caller, run_id), body)
+
+
+async def resume(services: Services, run: Run, body: Resume) -> Resumed:
+    """Record the decision ``run`` waits for and wake its worker; the first decision wins."""
     interrupt_id = body.interrupt_id
     if interrupt_id is None:
         pending = (
@@ -268,8 +283,12 @@ async def _wake(
 
 async def cancel(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) -> Cancelled:
     """Cancel a run: a queued one ends at once, a running one at its next check."""
-    run = await owned_run(services, caller, run_id)
-    cancelled = await cancel_run(services.runs, services.store, caller.tenant.tenant_id, run.run_id)
+    return await cancel_owned(services, await owned_run(services, caller, run_id))
+
+
+async def cancel_owned(services: Services, run: Run) -> Cancelled:
+    """Cancel ``run``: a queued one ends at once, a running one at its next check."""
+    cancelled = await cancel_run(services.runs, services.store, run.tenant_id, run.run_id)
     return Cancelled(run_id=cancelled.run_id, status=cancelled.status)
 
 
@@ -277,8 +296,12 @@ async def post_message(
     run_id: RunIdPath, body: MessageIn, caller: CallerDep, services: ServicesDep
 ) -> MessageAccepted:
     """Hand a message to a running run's workflow (it drains messages at its checkpoints)."""
-    run = await owned_run(services, caller, run_id)
-    message = await services.inbox.post_message(caller.tenant.tenant_id, run.run_id, body.content)
+    return await send_message(services, await owned_run(services, caller, run_id), body)
+
+
+async def send_message(services: Services, run: Run, body: MessageIn) -> MessageAccepted:
+    """Hand a message to ``run``'s workflow (it drains messages at its checkpoints)."""
+    message = await services.inbox.post_message(run.tenant_id, run.run_id, body.content)
     return MessageAccepted(run_id=run.run_id, seq=message.seq)
 
 
@@ -317,24 +340,35 @@ async def stream_events(
 ) -> EventSourceResponse:
     """The run's events as Server-Sent Events: stored ones after the cursor, then live ones."""
     run = await owned_run(services, caller, run_id)
-    after_seq = resume_point(last_event_id, after)
-    tenant_id = caller.tenant.tenant_id
-    services.stream_slots.take(tenant_id)
+    return await event_stream(
+        services, run, resume_point(last_event_id, after), slot=caller.tenant.tenant_id
+    )
+
+
+async def event_stream(
+    services: Services, run: Run, after_seq: int, *, slot: str
+) -> EventSourceResponse:
+    """``run``'s events after ``after_seq`` as Server-Sent Events, counted in ``slot``'s streams.
+
+    Raises:
+        RateLimited: ``slot`` already holds as many open streams as allowed.
+    """
+    services.stream_slots.take(slot)
     try:
-        stream = await services.streams.open(tenant_id, run.run_id, after_seq=after_seq)
+        stream = await services.streams.open(run.tenant_id, run.run_id, after_seq=after_seq)
     except BaseException:
-        services.stream_slots.give_back(tenant_id)
+        services.stream_slots.give_back(slot)
         raise
     settings = services.settings
     return EventSourceResponse(
-        _send(stream, services.stream_slots, tenant_id, settings.execution_timeout),
+        _send(stream, services.stream_slots, slot, settings.execution_timeout),
         ping=settings.sse_ping_interval,
         headers={"Cache-Control": "no-store"},
     )
 
 
 async def _send(
-    stream: EventStream, slots: StreamSlots, tenant_id: str, lifetime_s: float
+    stream: EventStream, slots: StreamSlots, slot: str, lifetime_s: float
 ) -> AsyncIterator[ServerSentEvent]:
     """The stream's events until it ends or its lifetime is over; releases its slot."""
     try:
@@ -344,7 +378,7 @@ async def _send(
     except TimeoutError:
         return  # the client reconnects with Last-Event-ID and resumes
     finally:
-        slots.give_back(tenant_id)
+        slots.give_back(slot)
 
 
 def build_router() -> APIRouter:

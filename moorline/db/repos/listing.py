@@ -1,10 +1,14 @@
-"""Reads over many runs: a tenant's run listing, a conversation's active run, lane loads.
+"""Reads over many runs: run listings, a conversation's active run, lane and tenant loads.
 
 Listings page with a keyset cursor rather than an offset: a page is the runs strictly *after*
 the last one of the previous page in ``(created_at, id)`` order, newest first, so a page costs
 the same however deep it is and runs inserted meanwhile neither repeat nor shift the pages.
-``id`` breaks ties, which are common: a group-committed batch shares one ``created_at``. The
-query walks ``ix_runs_tenant_created`` (``tenant_id, created_at``) backwards.
+``id`` breaks ties, which are common: a group-committed batch shares one ``created_at``. A
+tenant's listing walks ``ix_runs_tenant_created`` (``tenant_id, created_at``) backwards, or
+``ix_runs_tenant_status`` (``tenant_id, status, created_at, id``) when it filters on a status;
+the admin's listing across tenants walks ``ix_runs_created`` (``created_at, id``), or
+``ix_runs_status_created`` / ``ix_runs_workflow_created`` when it filters on a status or a
+workflow, so a rare one is found without reading past the common ones.
 """
 
 import builtins
@@ -40,6 +44,7 @@ class RunFilter:
     status: RunStatus | None = None
     workflow: str | None = None
     conversation_id: str | None = None
+    lane: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,17 +74,51 @@ class RunListing:
 
         Args:
             tenant_id: Only this tenant's runs are ever returned.
-            where: Conditions on status, workflow and conversation.
+            where: Conditions on status, workflow, conversation and lane.
             limit: Most runs on the page (at least 1).
             after: The cursor of the previous page; None for the first page.
 
         Raises:
             ValueError: ``limit`` is below 1.
         """
+        return await self._page([runs.c.tenant_id == tenant_id], where, limit, after)
+
+    async def page_all_tenants(
+        self,
+        *,
+        where: RunFilter,
+        limit: int,
+        after: RunCursor | None = None,
+        tenant_id: TenantId | None = None,
+    ) -> RunPage:
+        """Every tenant's runs matching ``where`` (the admin's view), newest first.
+
+        Args:
+            where: Conditions on status, workflow, conversation and lane.
+            limit: Most runs on the page (at least 1).
+            after: The cursor of the previous page; None for the first page.
+            tenant_id: Only this tenant's runs, when given.
+
+        Raises:
+            ValueError: ``limit`` is below 1.
+        """
+        scope = [] if tenant_id is None else [runs.c.tenant_id == tenant_id]
+        return await self._page(scope, where, limit, after)
+
+    async def _page(
+        self,
+        scope: builtins.list[ColumnElement[bool]],
+        where: RunFilter,
+        limit: int,
+        after: RunCursor | None,
+    ) -> RunPage:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
-        conditions = [runs.c.tenant_id == tenant_id, *_matching(where)]
+        conditions = [*scope, *_matching(where)]
         if after is not None:
+            # ``created_at <= …`` is a range every planner can start the index walk from;
+            # the OR alone would make some of them read the skipped pages again.
+            conditions.append(runs.c.created_at <= after.created_at)
             conditions.append(
                 or_(
                     runs.c.created_at < after.created_at,
@@ -103,6 +142,24 @@ class RunListing:
             return RunPage(
                 runs=page, next_cursor=RunCursor(created_at=last.created_at, run_id=last.run_id)
             )
+
+        return await self._db.with_retry(read)
+
+    async def running_by_tenant(self, tenant_ids: Iterable[TenantId]) -> dict[TenantId, int]:
+        """How many runs of each tenant are ``running`` now (``ix_runs_tenant_status``)."""
+        wanted = sorted(set(tenant_ids))
+        if not wanted:
+            return {}
+        stmt = (
+            select(runs.c.tenant_id, func.count().label("n"))
+            .where(runs.c.tenant_id.in_(wanted), runs.c.status == RunStatus.RUNNING.value)
+            .group_by(runs.c.tenant_id)
+        )
+
+        async def read() -> dict[TenantId, int]:
+            async with self._db.connect() as conn:
+                counted = {TenantId(row.tenant_id): int(row.n) for row in await conn.execute(stmt)}
+            return {tenant_id: counted.get(tenant_id, 0) for tenant_id in wanted}
 
         return await self._db.with_retry(read)
 
@@ -185,4 +242,6 @@ def _matching(where: RunFilter) -> builtins.list[ColumnElement[bool]]:
         conditions.append(runs.c.workflow == where.workflow)
     if where.conversation_id is not None:
         conditions.append(runs.c.conversation_id == where.conversation_id)
+    if where.lane is not None:
+        conditions.append(runs.c.lane == where.lane)
     return conditions

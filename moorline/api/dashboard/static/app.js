@@ -1,0 +1,576 @@
+// Moorline dashboard: a single page over the public JSON API and its event streams.
+//
+// No framework and no build step: the page is a handful of views, each a function that draws
+// into <main> and registers what to stop (timers, streams) when the view changes. Everything
+// shown comes from the same routes every client uses, with `Authorization: Bearer`; the token
+// lives in this tab's sessionStorage only. Data is always put in the page as text
+// (textContent), never as markup, so a run's input or output cannot inject anything.
+"use strict";
+
+const TOKEN_KEY = "moorline.token";
+const ROLE_KEY = "moorline.role";
+const POLL_MS = 2000;
+const MAX_EVENT_LINES = 500;
+const TERMINAL = new Set(["succeeded", "failed", "cancelled", "timed_out", "rate_limited"]);
+const STATUSES = ["pending", "queued", "running", "succeeded", "failed", "cancelled",
+  "timed_out", "rate_limited"];
+
+// ---- session and API --------------------------------------------------------------------
+
+const session = {
+  get token() { return sessionStorage.getItem(TOKEN_KEY); },
+  get role() { return sessionStorage.getItem(ROLE_KEY); },
+  get isAdmin() { return this.role === "admin"; },
+  save(token, role, label) {
+    sessionStorage.setItem(TOKEN_KEY, token);
+    sessionStorage.setItem(ROLE_KEY, role);
+    sessionStorage.setItem("moorline.label", label);
+  },
+  clear() { sessionStorage.clear(); },
+};
+
+class ApiError extends Error {
+  constructor(status, code, message) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+async function api(path, { method = "GET", body, token = session.token, signal } = {}) {
+  const headers = { Authorization: `Bearer ${token}`, Accept: "application/json" };
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const response = await fetch(path, {
+    method, headers, signal, body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await response.text();
+  let data = null;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    // Not JSON: a proxy's error page, say. The status line says what happened.
+  }
+  if (!response.ok) {
+    const error = (data && data.error) || {};
+    if (response.status === 401 && token === session.token) signOut();
+    throw new ApiError(response.status, error.code || "http_error",
+      error.message || `HTTP ${response.status}`);
+  }
+  return data;
+}
+
+// Where the signed-in caller reads runs: the admin sees every tenant's under /v1/admin.
+function runsBase() { return session.isAdmin ? "/v1/admin/runs" : "/v1/runs"; }
+
+// EventSource cannot send an Authorization header, so the stream is read with fetch() and
+// parsed here: blocks separated by a blank line, fields `id:`, `event:`, `data:`; comment
+// lines (pings) start with ':'.
+async function readEvents(path, lastId, onEvent, signal) {
+  const headers = { Authorization: `Bearer ${session.token}`, Accept: "text/event-stream" };
+  if (lastId) headers["Last-Event-ID"] = String(lastId);
+  const response = await fetch(path, { headers, signal });
+  if (!response.ok) {
+    const data = await response.json().catch(() => ({}));
+    const error = data.error || {};
+    throw new ApiError(response.status, error.code, error.message || `HTTP ${response.status}`);
+  }
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer = (buffer + value).replace(/\r\n/g, "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const event = { id: null, type: "message", data: [] };
+      for (const line of block.split("\n")) {
+        if (!line || line.startsWith(":")) continue;
+        const colon = line.indexOf(":");
+        const field = colon < 0 ? line : line.slice(0, colon);
+        const text = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+        if (field === "id") event.id = text;
+        else if (field === "event") event.type = text;
+        else if (field === "data") event.data.push(text);
+      }
+      if (event.data.length) onEvent({ ...event, data: JSON.parse(event.data.join("\n")) });
+    }
+  }
+}
+
+// ---- DOM helpers ------------------------------------------------------------------------
+
+function h(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs)) {
+    if (value === undefined || value === null || value === false) continue;
+    if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else if (name === "text") node.textContent = value;
+    else node.setAttribute(name, value === true ? "" : value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : String(child));
+  }
+  return node;
+}
+
+function svg(tag, attrs = {}) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, value);
+  return node;
+}
+
+const badge = (status) => h("span", { class: `badge ${status}`, "data-status": status }, status);
+const json = (value) => h("pre", {}, value === null || value === undefined ? "—"
+  : JSON.stringify(value, null, 2));
+
+function age(iso) {
+  if (!iso) return "—";
+  return duration((Date.now() - Date.parse(iso)) / 1000);
+}
+
+function duration(seconds) {
+  if (seconds === null || seconds === undefined) return "—";
+  if (seconds < 1) return `${Math.max(0, Math.round(seconds * 1000))} ms`;
+  if (seconds < 90) return `${seconds.toFixed(1)} s`;
+  if (seconds < 5400) return `${Math.round(seconds / 60)} min`;
+  if (seconds < 172800) return `${Math.round(seconds / 3600)} h`;
+  return `${Math.round(seconds / 86400)} d`;
+}
+
+function meter(used, limit) {
+  const share = limit > 0 ? Math.min(1, used / limit) : 1;
+  const fill = h("div");
+  fill.style.width = `${Math.round(share * 100)}%`;  // CSSOM, allowed by the page's CSP
+  return h("div", { class: share >= 1 ? "meter full" : "meter", title: `${used} / ${limit}` }, fill);
+}
+
+// ---- views ------------------------------------------------------------------------------
+
+const main = document.getElementById("main");
+let cleanups = [];
+
+function onLeave(stop) { cleanups.push(stop); }
+
+function every(ms, fn) {
+  let stopped = false;
+  let timer = null;
+  const tick = async () => {
+    try { await fn(); } catch (error) { if (!stopped) showError(error); }
+    if (!stopped) timer = setTimeout(tick, ms);
+  };
+  tick();
+  onLeave(() => { stopped = true; clearTimeout(timer); });
+}
+
+function showError(error) {
+  let box = main.querySelector(".error.live");
+  if (!box) { box = h("div", { class: "error live", role: "alert" }); main.prepend(box); }
+  box.textContent = error.message;
+}
+
+function signOut() {
+  session.clear();
+  location.hash = "#/signin";
+  route();
+}
+
+function viewSignIn() {
+  const input = h("input", {
+    id: "token", type: "password", autocomplete: "off",
+    placeholder: "MOORLINE_ADMIN_TOKEN or a tenant's API key",
+  });
+  const error = h("div", { class: "error", role: "alert" });
+  const form = h("form", {
+    class: "panel signin",
+    onsubmit: async (event) => {
+      event.preventDefault();
+      error.textContent = "";
+      try {
+        await signIn(input.value.trim());
+        const target = session.isAdmin ? "#/lanes" : "#/runs";
+        if (location.hash === target) route(); else location.hash = target;
+      } catch (failure) {
+        error.textContent = failure.message;
+      }
+    },
+  },
+  h("h1", {}, "Sign in"),
+  h("p", { class: "note" }, "The token stays in this browser tab only and is sent as "
+    + "Authorization: Bearer to the API."),
+  input, h("div", { class: "row" }, h("button", { class: "primary", type: "submit" }, "Sign in")),
+  error);
+  main.replaceChildren(form);
+  input.focus();
+}
+
+// The admin token opens the admin routes; a tenant's key is refused there (403) and names a
+// tenant on /v1/usage.
+async function signIn(token) {
+  if (!token) throw new Error("paste a token or an API key");
+  try {
+    await api("/v1/admin/queues", { token });
+    session.save(token, "admin", "admin");
+    return;
+  } catch (error) {
+    if (error.status === 401) {
+      // require_admin answers 403 to any tenant's key: this is neither.
+      throw new Error("this is neither the admin token nor a valid API key");
+    }
+    if (error.status !== 403) throw error;
+  }
+  const usage = await api("/v1/usage", { token });
+  session.save(token, "tenant", `tenant ${usage.tenant_id.slice(0, 8)} (${usage.plan})`);
+}
+
+// Lanes: the load of each lane, polled; throughput is counted here from the newest runs
+// polled (runs that finished in each 20 s slice of the last five minutes, per lane).
+const SLICE_S = 20;
+const SLICES = 15;
+const finishedSeen = new Map();  // run_id -> {lane, finishedAt (ms)}
+
+function viewLanes() {
+  const cards = h("div", { class: "cards" });
+  main.replaceChildren(h("h1", {}, "Lanes"), cards,
+    h("p", { class: "note" }, `Throughput: runs finished per ${SLICE_S} s over the last `
+      + `${SLICE_S * SLICES / 60} minutes, counted from the ${200} newest runs at each poll.`));
+  every(POLL_MS, async () => {
+    const [queues, recent] = await Promise.all([
+      api("/v1/admin/queues"), api("/v1/admin/runs?limit=200"),
+    ]);
+    for (const run of recent.runs) {
+      if (run.finished_at) {
+        finishedSeen.set(run.run_id, { lane: run.queue, finishedAt: Date.parse(run.finished_at) });
+      }
+    }
+    const horizon = Date.now() - SLICE_S * SLICES * 1000;
+    for (const [id, seen] of finishedSeen) if (seen.finishedAt < horizon) finishedSeen.delete(id);
+    cards.replaceChildren(...queues.lanes.map((lane) => h("div", {
+      class: "panel card", "data-lane": lane.lane,
+    },
+    h("h3", {}, lane.lane),
+    h("div", { class: "figures" },
+      h("div", { class: "figure" }, h("b", { class: "queued" }, lane.queued), h("span", {}, "queued")),
+      h("div", { class: "figure" }, h("b", { class: "running" }, lane.running), h("span", {}, "running")),
+      h("div", { class: "figure" }, h("b", {}, lane.oldest_queued_age_s === null ? "—"
+        : duration(lane.oldest_queued_age_s)), h("span", {}, "oldest queued"))),
+    throughputChart(lane.lane))));
+  });
+}
+
+function throughputChart(lane) {
+  const now = Date.now();
+  const counts = new Array(SLICES).fill(0);
+  for (const seen of finishedSeen.values()) {
+    if (seen.lane !== lane) continue;
+    const slice = SLICES - 1 - Math.floor((now - seen.finishedAt) / (SLICE_S * 1000));
+    if (slice >= 0 && slice < SLICES) counts[slice] += 1;
+  }
+  const top = Math.max(1, ...counts);
+  const width = 240;
+  const height = 48;
+  const chart = svg("svg", {
+    class: "chart", width, height: height + 14, viewBox: `0 0 ${width} ${height + 14}`,
+    role: "img", "aria-label": `runs finished per ${SLICE_S} s`,
+  });
+  chart.append(svg("line", { x1: 0, x2: width, y1: height, y2: height }));
+  const step = width / SLICES;
+  counts.forEach((count, index) => {
+    const barHeight = (count / top) * (height - 4);
+    const bar = svg("rect", {
+      x: index * step + 1, width: step - 2, y: height - barHeight, height: barHeight,
+    });
+    bar.append(svg("title"));
+    bar.firstChild.textContent = `${count} finished`;
+    chart.append(bar);
+  });
+  const label = svg("text", { x: 0, y: height + 12, "font-size": 10, fill: "#66707c" });
+  label.textContent = `${counts.reduce((a, b) => a + b, 0)} finished, peak ${top}/${SLICE_S} s`;
+  chart.append(label);
+  return chart;
+}
+
+// Runs: a filtered page, refreshed in place; older pages by the API's cursor.
+function viewRuns(params) {
+  const filters = {
+    status: params.get("status") || "",
+    workflow: params.get("workflow") || "",
+    lane: params.get("lane") || "",
+    tenant_id: params.get("tenant_id") || "",
+  };
+  const cursors = [];  // cursors of the pages before the one shown
+  let cursor = params.get("cursor") || null;
+  let next = null;
+  const status = h("select", { id: "filter-status" }, h("option", { value: "" }, "any status"),
+    STATUSES.map((s) => h("option", { value: s, selected: s === filters.status }, s)));
+  const fields = [h("input", { id: "filter-workflow", placeholder: "workflow", value: filters.workflow })];
+  if (session.isAdmin) {
+    fields.push(h("input", { id: "filter-lane", placeholder: "lane", value: filters.lane }),
+      h("input", { id: "filter-tenant", placeholder: "tenant id", value: filters.tenant_id }));
+  }
+  const apply = () => {
+    const query = new URLSearchParams();
+    query.set("status", status.value);
+    query.set("workflow", fields[0].value.trim());
+    if (session.isAdmin) {
+      query.set("lane", fields[1].value.trim());
+      query.set("tenant_id", fields[2].value.trim());
+    }
+    for (const [name, value] of [...query]) if (!value) query.delete(name);
+    location.hash = `#/runs?${query}`;
+  };
+  const body = h("tbody", { id: "runs-body" });
+  const newer = h("button", { type: "button", disabled: true, onclick: () => {
+    cursor = cursors.pop() || null; refresh();
+  } }, "← Newer");
+  const older = h("button", { type: "button", disabled: true, onclick: () => {
+    cursors.push(cursor); cursor = next; refresh();
+  } }, "Older →");
+  const columns = ["run", "workflow", session.isAdmin && "tenant", "status", "lane", "attempt",
+    "age", "duration"].filter(Boolean);
+  main.replaceChildren(h("h1", {}, "Runs"),
+    h("form", { class: "row", onsubmit: (e) => { e.preventDefault(); apply(); } },
+      status, fields, h("button", { type: "submit" }, "Filter")),
+    h("table", { id: "runs" }, h("thead", {}, h("tr", {}, columns.map((c) => h("th", {}, c)))), body),
+    h("div", { class: "row" }, newer, older, h("span", { class: "note", id: "runs-note" })));
+  status.addEventListener("change", apply);
+
+  async function refresh() {
+    const query = new URLSearchParams({ limit: "25" });
+    for (const [name, value] of Object.entries(filters)) if (value) query.set(name, value);
+    if (cursor) query.set("cursor", cursor);
+    const page = await api(`${runsBase()}?${query}`);
+    next = page.next_cursor;
+    newer.disabled = cursors.length === 0 && !cursor;
+    older.disabled = !next;
+    body.replaceChildren(...page.runs.map((run) => h("tr", {
+      class: "clickable", "data-run-id": run.run_id,
+      onclick: () => { location.hash = `#/runs/${run.run_id}`; },
+    },
+    h("td", {}, h("a", { href: `#/runs/${run.run_id}` }, h("code", {}, run.run_id.slice(0, 8)))),
+    h("td", {}, run.workflow),
+    session.isAdmin && h("td", {}, h("code", {}, run.tenant_id.slice(0, 8))),
+    h("td", {}, badge(run.status)),
+    h("td", {}, run.queue),
+    h("td", { class: "num" }, run.attempt),
+    h("td", { class: "num" }, age(run.created_at)),
+    h("td", { class: "num" }, duration(run.elapsed_time)))));
+    if (!page.runs.length) {
+      body.append(h("tr", {}, h("td", { colspan: columns.length, class: "note" }, "No runs.")));
+    }
+    document.getElementById("runs-note").textContent =
+      `${page.runs.length} runs on this page · refreshed ${new Date().toLocaleTimeString()}`;
+  }
+  every(POLL_MS, refresh);
+}
+
+// One run: its facts, polled; its events, streamed live.
+function viewRun(runId) {
+  const base = `${runsBase()}/${encodeURIComponent(runId)}`;
+  const facts = h("dl", { class: "facts" });
+  const title = h("h1", {}, "Run ", h("code", {}, runId));
+  const controls = h("div", { class: "row", id: "controls" });
+  const interrupt = h("div");
+  const io = h("div", { class: "grid2" });
+  const timeline = h("div", { class: "panel timeline", id: "steps" });
+  const streamed = h("pre", { class: "stream-text", id: "streamed" });
+  const events = h("div", { class: "panel events", id: "events" });
+  main.replaceChildren(title, h("div", { class: "panel" }, facts), interrupt, controls, io,
+    h("h2", {}, "Steps"), timeline, h("h2", {}, "Streamed text"), streamed,
+    h("h2", {}, "Events"), events);
+  let run = null;
+
+  async function act(path, body, done) {
+    try {
+      await api(`${base}/${path}`, { method: "POST", body });
+      if (done) done();
+      await refresh();
+    } catch (error) {
+      showError(error);
+    }
+  }
+
+  function drawControls() {
+    const message = h("input", { id: "message", placeholder: "message to the run" });
+    controls.replaceChildren(
+      h("button", { id: "cancel", class: "danger", type: "button",
+        disabled: TERMINAL.has(run.status), onclick: () => act("cancel") }, "Cancel"),
+      h("form", { class: "row", onsubmit: (e) => {
+        e.preventDefault();
+        if (message.value) act("messages", { content: message.value }, () => { message.value = ""; });
+      } }, message, h("button", { type: "submit", disabled: run.status !== "running" }, "Send")));
+  }
+
+  function drawInterrupt() {
+    const pending = run.pending_interrupt;
+    if (!pending) { interrupt.replaceChildren(); return; }
+    if (interrupt.dataset.id === pending.interrupt_id) return;
+    interrupt.dataset.id = pending.interrupt_id;
+    interrupt.replaceChildren(h("div", { class: "panel interrupt", id: "interrupt" },
+      h("h2", {}, "Waiting for a decision: ", h("code", {}, pending.action)),
+      json(pending.data),
+      h("p", { class: "note" }, `Expires ${new Date(pending.expires_at).toLocaleString()}`),
+      h("div", { class: "row" },
+        h("button", { id: "approve", class: "approve", type: "button", onclick: () => act("resume",
+          { interrupt_id: pending.interrupt_id, approved: true }) }, "Approve"),
+        h("button", { id: "deny", class: "deny", type: "button", onclick: () => act("resume",
+          { interrupt_id: pending.interrupt_id, approved: false }) }, "Deny"))));
+  }
+
+  function drawSteps() {
+    if (!run.steps.length) { timeline.replaceChildren(h("span", { class: "note" }, "No steps yet.")); return; }
+    const start = Date.parse(run.started_at || run.created_at);
+    const end = Math.max(run.finished_at ? Date.parse(run.finished_at) : Date.now(),
+      ...run.steps.map((s) => Date.parse(s.finished_at || s.started_at)));
+    const span = Math.max(1, end - start);
+    timeline.replaceChildren(...run.steps.map((step) => {
+      const from = Date.parse(step.started_at);
+      const to = step.finished_at ? Date.parse(step.finished_at) : Date.now();
+      const bar = h("div", { class: `bar ${step.status}` });
+      bar.style.left = `${((from - start) / span) * 100}%`;
+      bar.style.width = `${Math.max(0.5, ((to - from) / span) * 100)}%`;
+      return h("div", { class: "step" }, h("code", {}, step.key), h("div", { class: "track" }, bar),
+        h("span", { class: "num" }, `${step.status === "running" ? "… " : ""}${duration((to - from) / 1000)}`));
+    }));
+  }
+
+  async function refresh() {
+    run = await api(base);
+    title.replaceChildren("Run ", h("code", {}, run.run_id), " ", badge(run.status));
+    facts.replaceChildren(...[
+      ["workflow", run.workflow], ["tenant", run.tenant_id], ["lane", run.queue],
+      ["attempts", run.attempt], ["conversation", run.conversation_id || "—"],
+      ["created", new Date(run.created_at).toLocaleString()],
+      ["started", run.started_at ? new Date(run.started_at).toLocaleString() : "—"],
+      ["finished", run.finished_at ? new Date(run.finished_at).toLocaleString() : "—"],
+      ["elapsed", duration(run.elapsed_time)],
+    ].flatMap(([name, value]) => [h("dt", {}, name), h("dd", { "data-fact": name }, String(value))]));
+    io.replaceChildren(
+      h("div", {}, h("h2", {}, "Input"), json(run.input)),
+      h("div", { id: "result" }, h("h2", {}, run.error ? "Error" : "Output"),
+        json(run.error ? run.error : run.output)));
+    drawInterrupt();
+    drawControls();
+    drawSteps();
+  }
+
+  const stop = new AbortController();
+  onLeave(() => stop.abort());
+  let lastId = null;
+  const streamEvents = async () => {
+    // The stream closes after the terminal event; it is reopened after the last event seen
+    // while the run has not ended (a server restart, a proxy timeout).
+    while (!stop.signal.aborted) {
+      try {
+        await readEvents(`${base}/events`, lastId, (event) => {
+          lastId = event.id;
+          events.append(h("div", { "data-type": event.type },
+            h("span", { class: "note" }, `#${event.id} `), h("span", { class: "type" }, event.type),
+            " ", JSON.stringify(event.data)));
+          // A model's answer is thousands of deltas: keep the newest lines on the page.
+          while (events.childElementCount > MAX_EVENT_LINES) events.firstElementChild.remove();
+          events.scrollTop = events.scrollHeight;
+          if (event.type === "delta") {
+            if (event.data && typeof event.data.text === "string") {
+              streamed.textContent += event.data.text;
+            }
+            return;  // a model streams many: the poll keeps the facts fresh meanwhile
+          }
+          refresh().catch(() => {});
+        }, stop.signal);
+      } catch (error) {
+        if (stop.signal.aborted) return;
+        if (error instanceof ApiError && error.status === 404) return;
+        showError(error);
+      }
+      if (run && TERMINAL.has(run.status)) return;
+      await new Promise((resolve) => setTimeout(resolve, 1000));
+    }
+  };
+  refresh().then(() => { streamEvents(); every(POLL_MS, refresh); }).catch((error) => {
+    main.replaceChildren(h("h1", {}, "Run not found"),
+      h("p", { class: "error", id: "not-found", role: "alert" }, error.message),
+      h("a", { href: "#/runs" }, "All runs"));
+  });
+}
+
+// Tenants: plan, today's quota use against the limit, running runs against the cap.
+function viewTenants() {
+  const body = h("tbody", { id: "tenants-body" });
+  const created = h("div", { id: "created" });
+  const name = h("input", { id: "tenant-name", placeholder: "name", required: true });
+  const plan = h("input", { id: "tenant-plan", placeholder: "plan", value: "team", required: true });
+  main.replaceChildren(h("h1", {}, "Tenants"),
+    h("table", { id: "tenants" }, h("thead", {}, h("tr", {},
+      ["name", "tenant id", "plan", "lane", "quota today", "", "running", ""].map((c) => h("th", {}, c)))),
+    body),
+    h("h2", {}, "New tenant"),
+    h("form", { class: "row", onsubmit: async (event) => {
+      event.preventDefault();
+      try {
+        const tenant = await api("/v1/admin/tenants", {
+          method: "POST", body: { name: name.value.trim(), plan: plan.value.trim() },
+        });
+        name.value = "";
+        created.replaceChildren(h("div", { class: "panel" },
+          h("p", {}, `Tenant ${tenant.name} created. Its API key is shown this once:`),
+          h("pre", { id: "new-key" }, tenant.api_key)));
+      } catch (error) { showError(error); }
+    } }, name, plan, h("button", { type: "submit" }, "Create")),
+    created);
+  every(POLL_MS * 2, async () => {
+    const page = await api("/v1/admin/tenants?limit=200");
+    body.replaceChildren(...page.tenants.map((t) => h("tr", { "data-tenant-id": t.tenant_id },
+      h("td", {}, t.name), h("td", {}, h("code", {}, t.tenant_id.slice(0, 8))),
+      h("td", {}, t.plan), h("td", {}, t.lane),
+      h("td", { class: "num" }, `${t.used_today} / ${t.daily_quota}`),
+      h("td", {}, meter(t.used_today, t.daily_quota)),
+      h("td", { class: "num" }, `${t.running} / ${t.tenant_concurrency}`),
+      h("td", {}, meter(t.running, t.tenant_concurrency)))));
+  });
+}
+
+// Usage (a tenant's own): its daily quota.
+function viewUsage() {
+  const box = h("div", { class: "panel" });
+  main.replaceChildren(h("h1", {}, "Usage"), box);
+  every(POLL_MS * 2, async () => {
+    const usage = await api("/v1/usage");
+    box.replaceChildren(h("dl", { class: "facts" },
+      h("dt", {}, "plan"), h("dd", {}, usage.plan),
+      h("dt", {}, "quota today"), h("dd", {}, `${usage.used_today} / ${usage.daily_quota}`,
+        meter(usage.used_today, usage.daily_quota)),
+      h("dt", {}, "resets"), h("dd", {}, new Date(usage.resets_at).toLocaleString())));
+  });
+}
+
+// ---- routing ----------------------------------------------------------------------------
+
+function route() {
+  for (const stop of cleanups) stop();
+  cleanups = [];
+  const [path, query] = location.hash.slice(1).split("?");
+  const params = new URLSearchParams(query || "");
+  const signedIn = Boolean(session.token);
+  document.getElementById("nav").hidden = !signedIn;
+  document.getElementById("sign-out").hidden = !signedIn;
+  document.getElementById("who").textContent = signedIn
+    ? `signed in as ${sessionStorage.getItem("moorline.label")}` : "";
+  for (const link of document.querySelectorAll("#nav a")) {
+    link.hidden = Boolean(link.dataset.role) && link.dataset.role !== session.role;
+    link.classList.toggle("active", path.startsWith(`/${link.dataset.page}`));
+  }
+  if (!signedIn) { viewSignIn(); return; }
+  const parts = path.split("/").filter(Boolean);
+  if (parts[0] === "runs" && parts[1]) viewRun(decodeURIComponent(parts[1]));
+  else if (parts[0] === "lanes" && session.isAdmin) viewLanes();
+  else if (parts[0] === "tenants" && session.isAdmin) viewTenants();
+  else if (parts[0] === "usage" && !session.isAdmin) viewUsage();
+  else viewRuns(params);
+}
+
+document.getElementById("sign-out").addEventListener("click", signOut);
+window.addEventListener("hashchange", route);
+route();
