@@ -142,7 +142,7 @@ class PendingInterrupt(Result):
 
     interrupt_id: str
     action: str
-    data: JSONValue
+    data: Any  # JSON (pydantic cannot build the recursive JSONValue)
     expires_at: datetime
 
 
@@ -155,7 +155,7 @@ class RunSummary(Result):
     status: RunStatus
     queue: str
     attempt: int
-    error: JSONValue
+    error: Any
     conversation_id: str | None
     created_at: datetime
     started_at: datetime | None
@@ -166,8 +166,8 @@ class RunSummary(Result):
 class Run(RunSummary):
     """A run with its input, output, steps and pending interrupt."""
 
-    input: JSONValue
-    output: JSONValue
+    input: Any
+    output: Any
     steps: list[Step]
     pending_interrupt: PendingInterrupt | None
 

@@ -24,6 +24,7 @@ from rich.text import Text
 from moorline.api.app import create_app
 from moorline.api.deps import Services
 from moorline.api.guards import RedactKeys
+from moorline.cli import client_commands
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.dispatch.lanes import resolve_lanes
@@ -58,6 +59,7 @@ def build_cli() -> typer.Typer:
     )
     db_cli.command("upgrade")(db_upgrade)
     cli.add_typer(db_cli, name="db")
+    client_commands.register(cli)
     return cli
 
 
