@@ -25,6 +25,7 @@ from moorline.api.app import create_app
 from moorline.api.deps import Services
 from moorline.api.guards import RedactKeys
 from moorline.cli import client_commands
+from moorline.cli.banner import start_banner
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.dispatch.lanes import resolve_lanes
@@ -178,6 +179,8 @@ async def _serve(
     except BaseException:
         await db.dispose()
         raise
+    banner = start_banner(settings, host=host, port=port, database=db.display_url)
+    settings = banner.settings  # with a generated admin token, on loopback without one
     # From here the app's lifespan disposes the database when the server stops.
     api = create_app(settings, db, workflows=app)
     _run_workers_with_the_api(api, settings, app, loops)
@@ -186,10 +189,7 @@ async def _serve(
     # in a URL (refused with 400) must not land in the log as well.
     for name in ("uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).addFilter(RedactKeys())
-    shown_host = f"[{host}]" if ":" in host else host
-    Console(soft_wrap=True, highlight=False).print(
-        f"Starting the Moorline API on http://{shown_host}:{port} (database {db.display_url})"
-    )
+    Console(soft_wrap=True, highlight=False).print("\n".join(banner.lines), markup=False)
     with _shutdown_signals_end_cleanly():
         await server.serve()
     return server.started
