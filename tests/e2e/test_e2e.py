@@ -47,7 +47,9 @@ async def wait_until(client: Client, run_id: str, status: RunStatus) -> Run:
         run = await client.get_run(run_id)
         return run if run.status == status else None
 
-    return await wait_for(reached, timeout_s=TIMEOUT_S, message=f"run {run_id} {status}")
+    found = await wait_for(reached, timeout_s=TIMEOUT_S, message=f"run {run_id} {status}")
+    assert found is not None
+    return found
 
 
 async def wait_for_interrupt(client: Client, run_id: str) -> Run:
@@ -55,7 +57,9 @@ async def wait_for_interrupt(client: Client, run_id: str) -> Run:
         run = await client.get_run(run_id)
         return run if run.pending_interrupt is not None else None
 
-    return await wait_for(paused, timeout_s=TIMEOUT_S, message=f"run {run_id} to ask")
+    found = await wait_for(paused, timeout_s=TIMEOUT_S, message=f"run {run_id} to ask")
+    assert found is not None
+    return found
 
 
 def cli_as(cluster: Cluster, key: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,7 @@ import asyncio
 from moorline.engine.context import Context
 from moorline.engine.registry import Moorline
 from moorline.settings import Settings
-from moorline.types import JSONObject
+from moorline.types import JSONObject, JSONValue
 
 POLL_S = 0.05
 """How often a waiting workflow looks for messages (each look is a cancel check too)."""
@@ -42,13 +42,14 @@ async def wait(ctx: Context) -> JSONObject:
     # Messages come only by draining (no wake-up to wait on): poll, as chat_agent does.
     while not (messages := await ctx.drain_messages()):  # noqa: ASYNC110
         await asyncio.sleep(POLL_S)
-    return {"messages": messages}
+    received: list[JSONValue] = [*messages]
+    return {"messages": received}
 
 
 @app.workflow("chat")
 async def chat(ctx: Context) -> JSONObject:
     """Answer each injected message with a delta until one says "bye"."""
-    transcript: list[str] = []
+    transcript: list[JSONValue] = []
     await ctx.emit("ready", {})
     while True:
         for message in await ctx.drain_messages():
