@@ -69,6 +69,23 @@ def cli_as(cluster: Cluster, key: str, *args: str) -> subprocess.CompletedProces
 # --- SQLite, no Redis ----------------------------------------------------------------------
 
 
+async def test_admin_and_service_routes_answer_through_the_client(cluster: Cluster) -> None:
+    async with Client(cluster.url, admin_token=ADMIN_TOKEN) as admin:
+        tenant = await admin.create_tenant(f"e2e-{uuid.uuid4().hex[:8]}", "sandbox")
+        moved = await admin.change_plan(tenant.tenant_id, "team")
+        lanes = {lane.lane for lane in await admin.queues()}
+        assert await admin.healthz()
+        ready = await admin.readyz()
+    assert (moved.tenant_id, moved.plan) == (tenant.tenant_id, "team")
+    assert "workflow_team" in lanes
+    assert ready.ready and ready.checks == {"database": "ok"}
+    async with Client(cluster.url, tenant.api_key) as client:
+        hook = await client.create_webhook("greet")
+        usage = await client.usage()
+    assert hook.url.endswith(hook.webhook_id) and len(hook.secret) >= 16
+    assert (usage.plan, usage.used_today, usage.remaining) == ("team", 0, usage.daily_quota)
+
+
 async def test_a_run_is_followed_to_its_end_through_the_client(cluster: Cluster) -> None:
     key = await new_tenant(cluster)
     async with Client(cluster.url, key) as client:

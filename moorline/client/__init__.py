@@ -2,15 +2,12 @@
 
 It speaks only the HTTP contract: it imports nothing from ``moorline.api`` (an import-linter
 contract holds it to that), so it works against any server of the same API version and
-shows what a client in another language would have to do. Results are pydantic models
-defined here; they ignore fields a newer server adds (API.md: "may grow fields").
+shows what a client in another language would have to do.
 
-An error answer is raised as the :class:`~moorline.errors.MoorlineError` class of its
-``code`` (``run_not_found`` → :class:`~moorline.errors.RunNotFound`, …), with the body's
-message, its extra fields in :attr:`~moorline.errors.MoorlineError.details` and, for a 429,
-``Retry-After`` in ``retry_after_s``. A code this client does not know becomes an
-:class:`ApiError` that is also an instance of the branch of its HTTP status (a 409 is a
-:class:`~moorline.errors.Conflict`), carrying the code and status it was sent with.
+- :mod:`moorline.client.results`: the typed results (pydantic models of the response bodies);
+- :mod:`moorline.client.errors`: error answers raised as the
+  :class:`~moorline.errors.MoorlineError` class of their ``code``;
+- :mod:`moorline.client.sse`: the event stream's parser.
 
 Example::
 
@@ -21,46 +18,36 @@ Example::
 """
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-from moorline.errors import (
-    BackendUnavailable,
-    BadRequest,
-    BodyTooLarge,
-    Conflict,
-    ConversationBusy,
-    CredentialsInQuery,
-    Detail,
-    Forbidden,
-    IdempotencyConflict,
-    InterruptNotFound,
-    InvalidInput,
-    InvalidJson,
-    InvalidRequest,
-    InvalidSignature,
-    LimitExceeded,
-    MoorlineError,
-    NoPendingInterrupt,
-    NotFound,
-    QuotaExceeded,
-    RateLimited,
-    RunFinished,
-    RunNotFound,
-    RunNotInteractive,
-    TenantNotFound,
-    Unauthorized,
-    WebhookNotFound,
-    WorkflowNotFound,
+from moorline.client.errors import ApiError, ServerUnreachable, error_from_response
+from moorline.client.results import (
+    CancelAccepted,
+    Event,
+    Lane,
+    MessageAccepted,
+    PendingInterrupt,
+    Queues,
+    Readiness,
+    Resumed,
+    Run,
+    RunAccepted,
+    RunPage,
+    RunSummary,
+    Step,
+    Tenant,
+    TenantCreated,
+    Usage,
+    Webhook,
 )
-from moorline.types import JSONObject, JSONValue, RunStatus
+from moorline.client.sse import parse_sse
+from moorline.errors import Unauthorized
+from moorline.types import JSONObject, RunStatus
 
 DEFAULT_TIMEOUT_S = 10.0
 STREAM_READ_TIMEOUT_S = 60.0
@@ -69,328 +56,7 @@ STREAM_READ_TIMEOUT_S = 60.0
 
 MAX_RECONNECTS = 8
 """Reconnects of an event stream in a row, without an event in between, before giving up."""
-
-TERMINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
-"""Event types after which the server closes a run's stream."""
-
 M = TypeVar("M", bound=BaseModel)
-
-
-# --- results --------------------------------------------------------------------------------
-
-
-class Result(BaseModel):
-    """A response body: immutable, and fields a newer server adds are ignored."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-
-class TenantCreated(Result):
-    """A new tenant and its API key, shown this once."""
-
-    tenant_id: str
-    name: str
-    plan: str
-    api_key: str
-
-
-class Tenant(Result):
-    """A tenant."""
-
-    tenant_id: str
-    name: str
-    plan: str
-
-
-class Lane(Result):
-    """One lane's load."""
-
-    lane: str
-    queued: int
-    running: int
-    oldest_queued_age_s: float | None
-
-
-class Queues(Result):
-    """Every lane's load."""
-
-    lanes: list[Lane]
-
-
-class RunAccepted(Result):
-    """An admitted trigger (or, for a repeated idempotency key, the earlier run)."""
-
-    run_id: str
-    workflow: str
-    status: RunStatus
-    queue: str
-    created_at: datetime
-
-
-class Step(Result):
-    """One checkpointed step of a run."""
-
-    key: str
-    status: str
-    attempt: int
-    started_at: datetime
-    finished_at: datetime | None
-
-
-class PendingInterrupt(Result):
-    """The decision a run waits for."""
-
-    interrupt_id: str
-    action: str
-    data: Any  # JSON (pydantic cannot build the recursive JSONValue)
-    expires_at: datetime
-
-
-class RunSummary(Result):
-    """A run as listed."""
-
-    run_id: str
-    workflow: str
-    tenant_id: str
-    status: RunStatus
-    queue: str
-    attempt: int
-    error: Any
-    conversation_id: str | None
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    elapsed_time: float | None
-
-
-class Run(RunSummary):
-    """A run with its input, output, steps and pending interrupt."""
-
-    input: Any
-    output: Any
-    steps: list[Step]
-    pending_interrupt: PendingInterrupt | None
-
-
-class RunPage(Result):
-    """A page of runs, newest first; ``next_cursor`` is None on the last page."""
-
-    runs: list[RunSummary]
-    next_cursor: str | None
-
-
-class CancelAccepted(Result):
-    """A recorded cancel: ``cancelled`` at once, or ``running`` until the run's next check."""
-
-    run_id: str
-    status: RunStatus
-
-
-class Resumed(Result):
-    """A recorded decision."""
-
-    run_id: str
-    interrupt_id: str
-    resolution: Literal["resolved"]
-
-
-class MessageAccepted(Result):
-    """A stored message, in the order the workflow will drain it."""
-
-    run_id: str
-    seq: int
-
-
-class Webhook(Result):
-    """A webhook: where to deliver and the secret to sign with."""
-
-    webhook_id: str
-    url: str
-    secret: str
-
-
-class Usage(Result):
-    """The tenant's daily quota."""
-
-    tenant_id: str
-    plan: str
-    daily_quota: int
-    used_today: int
-    remaining: int
-    resets_at: datetime
-
-
-class Readiness(Result):
-    """``/readyz``: whether every backend accepts work, and each one's state."""
-
-    ready: bool
-    checks: dict[str, str]
-    message: str | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Event:
-    """One event of a run's stream: its ``seq`` (the SSE id), type and JSON data."""
-
-    seq: int
-    type: str
-    data: JSONValue
-
-    @property
-    def is_terminal(self) -> bool:
-        """The run's last event: the server closes the stream after it."""
-        return self.type in TERMINAL_EVENTS
-
-
-# --- errors ---------------------------------------------------------------------------------
-
-
-class ApiError(MoorlineError):
-    """An error answer whose code this client does not know.
-
-    Each one is raised as a subclass made for its code that also derives from the branch of
-    its HTTP status (see :func:`error_from_response`), so ``except Conflict`` still catches
-    a 409 of a newer server; ``code`` and ``status`` are the ones the server sent.
-    """
-
-
-class ServerUnreachable(BackendUnavailable):
-    """The server did not answer: nothing listens at the URL, or the connection broke."""
-
-    code = "server_unreachable"
-
-
-_BRANCHES: dict[int, type[MoorlineError]] = {
-    400: BadRequest,
-    401: Unauthorized,
-    403: Forbidden,
-    404: NotFound,
-    409: Conflict,
-    413: LimitExceeded,
-    422: InvalidRequest,
-    429: LimitExceeded,
-    503: BackendUnavailable,
-}
-"""The class an unknown code derives from, by HTTP status (else :class:`MoorlineError`)."""
-
-_SIMPLE: tuple[type[MoorlineError], ...] = (
-    BadRequest,
-    InvalidJson,
-    CredentialsInQuery,
-    Unauthorized,
-    InvalidSignature,
-    Forbidden,
-    InvalidInput,
-    InvalidRequest,
-    NotFound,
-    RunNotFound,
-    WorkflowNotFound,
-    TenantNotFound,
-    WebhookNotFound,
-    InterruptNotFound,
-    Conflict,
-    IdempotencyConflict,
-    RunFinished,
-    RunNotInteractive,
-    NoPendingInterrupt,
-    BackendUnavailable,
-)
-"""Known classes built from the message alone."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Answer:
-    """What an error factory needs of the response."""
-
-    message: str
-    extra: dict[str, Detail]
-    headers: httpx.Headers
-
-    def header_int(self, name: str) -> int | None:
-        value = self.headers.get(name)
-        return int(value) if value is not None and value.isdigit() else None
-
-    def extra_str(self, name: str) -> str:
-        value = self.extra.get(name)
-        return value if isinstance(value, str) else ""
-
-
-def _conversation_busy(answer: _Answer) -> MoorlineError:
-    error = ConversationBusy(answer.extra_str("conversation_id"), answer.extra_str("run_id"))
-    error.message, error.args = answer.message, (answer.message,)
-    return error
-
-
-def _rate_limited(answer: _Answer) -> MoorlineError:
-    reset_s = answer.header_int("RateLimit-Reset") or answer.header_int("Retry-After") or 0
-    return RateLimited(
-        answer.message, limit=answer.header_int("RateLimit-Limit") or 0, reset_s=reset_s
-    )
-
-
-def _quota_exceeded(answer: _Answer) -> MoorlineError:
-    return QuotaExceeded(
-        answer.message,
-        run_id=answer.extra_str("run_id"),
-        retry_after_s=answer.header_int("Retry-After") or 0,
-    )
-
-
-def _limit(cls: type[LimitExceeded]) -> Callable[[_Answer], MoorlineError]:
-    return lambda answer: cls(answer.message, retry_after_s=answer.header_int("Retry-After"))
-
-
-def _plain(cls: type[MoorlineError]) -> Callable[[_Answer], MoorlineError]:
-    return lambda answer: cls(answer.message)
-
-
-_FACTORIES: dict[str, tuple[int, Callable[[_Answer], MoorlineError]]] = {
-    **{cls.code: (cls.status, _plain(cls)) for cls in _SIMPLE},
-    ConversationBusy.code: (ConversationBusy.status, _conversation_busy),
-    RateLimited.code: (RateLimited.status, _rate_limited),
-    QuotaExceeded.code: (QuotaExceeded.status, _quota_exceeded),
-    LimitExceeded.code: (LimitExceeded.status, _limit(LimitExceeded)),
-    BodyTooLarge.code: (BodyTooLarge.status, _limit(BodyTooLarge)),
-}
-"""The HTTP status and the way to build the error of each code this client knows."""
-
-
-def error_from_response(response: httpx.Response) -> MoorlineError:
-    """The :class:`~moorline.errors.MoorlineError` an error response stands for."""
-    try:
-        error = response.json()["error"]
-        code, message = str(error["code"]), str(error["message"])
-    except (ValueError, KeyError, TypeError):
-        # Not the API's error shape (a proxy's page, say): keep the status, show the text.
-        code, message, error = "http_error", response.text[:200] or response.reason_phrase, {}
-    extra: dict[str, Detail] = {
-        key: value
-        for key, value in error.items()
-        if key not in ("code", "message") and isinstance(value, str | int | float | bool | None)
-    }
-    answer = _Answer(message=message, extra=extra, headers=response.headers)
-    status, factory = _FACTORIES.get(code, (0, None))
-    # A known code under another status is not what this client knows: treat it as unknown.
-    exc = factory(answer) if factory is not None and status == response.status_code else None
-    if exc is None:
-        exc = _unknown(code, response.status_code, answer)
-    exc.extra.update(extra)
-    return exc
-
-
-def _unknown(code: str, status: int, answer: _Answer) -> MoorlineError:
-    branch = _BRANCHES.get(status, MoorlineError)
-    # A class per answer rather than a shared cache: unknown codes are rare, and the client
-    # keeps no state outside its instance.
-    cls: type[MoorlineError] = type(
-        "ApiError", (ApiError, branch), {"code": code, "status": status}
-    )
-    if issubclass(cls, LimitExceeded):
-        return cls(answer.message, retry_after_s=answer.header_int("Retry-After"))
-    return cls(answer.message)
-
-
-# --- the client -----------------------------------------------------------------------------
 
 
 class Client:
@@ -693,42 +359,26 @@ def _segment(value: str) -> str:
     return quote(value, safe="")
 
 
-# --- Server-Sent Events -----------------------------------------------------------------------
-
-
-async def parse_sse(lines: AsyncIterator[str]) -> AsyncIterator[Event]:
-    """The events of an SSE stream, from its lines.
-
-    Written here rather than taken from ``httpx-sse``, which is not a dependency: the server
-    sends only ``id``/``event``/``data`` fields and comment pings, so the part of the SSE
-    grammar needed is a few lines. Comments (``:``) and ``retry`` are skipped; an event
-    without an id (none is sent) is skipped too, since it could not be resumed after.
-    """
-    fields: dict[str, list[str]] = {}
-    async for raw in lines:
-        line = raw.rstrip("\r\n")
-        if not line:
-            event = _event_of(fields)
-            fields = {}
-            if event is not None:
-                yield event
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        fields.setdefault(name, []).append(value.removeprefix(" "))
-    event = _event_of(fields)
-    if event is not None:
-        yield event
-
-
-def _event_of(fields: dict[str, list[str]]) -> Event | None:
-    ids, data = fields.get("id"), fields.get("data")
-    if not ids or data is None or not ids[-1].isdigit():
-        return None
-    text = "\n".join(data)
-    try:
-        payload: JSONValue = json.loads(text)
-    except ValueError:
-        payload = text
-    return Event(seq=int(ids[-1]), type=(fields.get("event") or ["message"])[-1], data=payload)
+__all__ = [
+    "ApiError",
+    "CancelAccepted",
+    "Client",
+    "Event",
+    "Lane",
+    "MessageAccepted",
+    "PendingInterrupt",
+    "Readiness",
+    "Resumed",
+    "Run",
+    "RunAccepted",
+    "RunPage",
+    "RunSummary",
+    "ServerUnreachable",
+    "Step",
+    "Tenant",
+    "TenantCreated",
+    "Usage",
+    "Webhook",
+    "error_from_response",
+    "parse_sse",
+]
