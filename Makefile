@@ -36,6 +36,7 @@ bench: install
 	$(BIN)/python bench/enqueue.py
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/api.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

@@ -157,7 +157,9 @@ def serve(
     """Serve the HTTP API v1 until SIGTERM or Ctrl-C.
 
     Start fails with one line when the database schema is behind the code: run
-    `moorline db upgrade` first (SQLite databases are created on the spot).
+    `moorline db upgrade` first (SQLite databases are created on the spot). At start it
+    prints where the API and its docs are and how to create a first tenant (see
+    `moorline.cli.banner` for the admin token it may generate).
     """
     settings = load_settings()
     application = load_app(app or settings.app)
