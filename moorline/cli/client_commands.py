@@ -30,6 +30,8 @@ from moorline.types import JSONObject, RunStatus
 DEFAULT_URL = "http://127.0.0.1:8000"
 EXIT_ERROR = 1
 EXIT_RUN_NOT_SUCCEEDED = 2
+PIPE_WIDTH = 400
+"""Columns a table may use when stdout is not a terminal."""
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -104,8 +106,12 @@ def print_error(exc: MoorlineError) -> None:
 
 def stdout() -> Console:
     """The console of a command's output."""
-    # soft_wrap: long ids and JSON stay on one line whatever the terminal width.
-    return Console(soft_wrap=True, highlight=False)
+    # soft_wrap: long ids and JSON stay on one line whatever the terminal width. Into a pipe,
+    # Rich would assume 80 columns and cut table cells; a script reads whole lines.
+    console = Console(soft_wrap=True, highlight=False)
+    if not console.is_terminal:
+        console.width = PIPE_WIDTH
+    return console
 
 
 def print_json(value: BaseModel | list[BaseModel] | JSONObject) -> None:
@@ -279,7 +285,7 @@ def print_outcome(run: Run) -> None:
     console.print(f"run {run.run_id} {run.status}", style=f"bold {style}")
     shown = run.output if run.status == RunStatus.SUCCEEDED else run.error
     if shown is not None:
-        print(json.dumps(shown, indent=2))
+        print(json.dumps(shown, indent=2, ensure_ascii=False))
 
 
 @synchronous
@@ -302,7 +308,7 @@ async def status(
         ("conversation", run.conversation_id or "-"),
         ("created", run.created_at.isoformat()),
         ("elapsed", "-" if run.elapsed_time is None else f"{run.elapsed_time:.3f}s"),
-        ("steps", ", ".join(f"{step.key} ({step.status})" for step in run.steps) or "-"),
+        ("steps", describe_steps(run)),
     ):
         table.add_row(Text(field, style="bold"), Text(value))
     if run.pending_interrupt is not None:
@@ -314,6 +320,14 @@ async def status(
     if run.error is not None:
         table.add_row(Text("error", style="bold"), Text(json.dumps(run.error)))
     stdout().print(table)
+
+
+def describe_steps(run: Run) -> str:
+    """How many steps the run checkpointed, and its latest (a chat run has hundreds)."""
+    if not run.steps:
+        return "-"
+    last = run.steps[-1]
+    return f"{len(run.steps)}, latest {last.key} ({last.status})"
 
 
 @synchronous
@@ -416,11 +430,13 @@ async def runs(
 
 
 def runs_table(rows: list[RunSummary]) -> Table:
-    """One line per run."""
-    table = Table("run", "workflow", "status", "created", "elapsed", box=None)
+    """One line per run; ids are never cut (they are what the next command needs)."""
+    table = Table(box=None)
+    table.add_column("run", no_wrap=True, min_width=max((len(r.run_id) for r in rows), default=3))
+    for name in ("workflow", "status", "created", "elapsed"):
+        table.add_column(name, no_wrap=True)
     for run in rows:
         elapsed = "-" if run.elapsed_time is None else f"{run.elapsed_time:.2f}s"
-        table.add_row(
-            run.run_id, run.workflow, str(run.status), run.created_at.isoformat(), elapsed
-        )
+        created = run.created_at.strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(run.run_id, run.workflow, str(run.status), created, elapsed)
     return table
