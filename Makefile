@@ -42,6 +42,7 @@ bench: install
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/metrics_scrape.py
 	$(BIN)/python bench/dashboard.py
+	$(BIN)/python bench/api.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

@@ -1,5 +1,6 @@
 """Moorline: durable, multi-tenant execution for LLM and agent workloads."""
 
+from moorline.client import Client
 from moorline.engine.context import Cancelled, Context, Decision
 from moorline.engine.registry import Moorline
 from moorline.errors import (
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailable",
     "Cancelled",
+    "Client",
     "ConfigError",
     "Conflict",
     "Context",

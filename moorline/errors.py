@@ -57,11 +57,14 @@ class MoorlineError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+        self.extra: dict[str, Detail] = {}
+        """Extra fields of the error body this error was read from (:class:`moorline.Client`
+        fills them in); empty for an error raised on this side."""
 
     @property
     def details(self) -> dict[str, Detail]:
         """Extra fields of the error body beside ``code`` and ``message`` (none by default)."""
-        return {}
+        return dict(self.extra)
 
 
 class ConfigError(MoorlineError):

@@ -23,6 +23,8 @@ from rich.text import Text
 from moorline.api.app import create_app
 from moorline.api.deps import Services
 from moorline.api.guards import redact
+from moorline.cli import client_commands
+from moorline.cli.banner import start_banner
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.dispatch.lanes import resolve_lanes
@@ -58,6 +60,7 @@ def build_cli() -> typer.Typer:
     )
     db_cli.command("upgrade")(db_upgrade)
     cli.add_typer(db_cli, name="db")
+    client_commands.register(cli)
     return cli
 
 
@@ -153,7 +156,9 @@ def serve(
     """Serve the HTTP API v1 until SIGTERM or Ctrl-C.
 
     Start fails with one line when the database schema is behind the code: run
-    `moorline db upgrade` first (SQLite databases are created on the spot).
+    `moorline db upgrade` first (SQLite databases are created on the spot). At start it
+    prints where the API and its docs are and how to create a first tenant (see
+    `moorline.cli.banner` for the admin token it may generate).
     """
     settings = load_settings()
     configure_logging(settings)
@@ -176,6 +181,11 @@ async def _serve(
     except BaseException:
         await db.dispose()
         raise
+    banner = start_banner(settings, host=host, port=port, database=db.display_url)
+    if banner.settings is not settings:
+        # A generated admin token: log lines must blank it like a configured one.
+        settings = banner.settings
+        configure_logging(settings)
     # From here the app's lifespan disposes the database when the server stops.
     api = create_app(settings, db, workflows=app)
     _run_workers_with_the_api(api, settings, app, loops)
@@ -185,10 +195,7 @@ async def _serve(
     server = uvicorn.Server(
         uvicorn.Config(api, host=host, port=port, lifespan="on", log_config=None)
     )
-    shown_host = f"[{host}]" if ":" in host else host
-    Console(soft_wrap=True, highlight=False).print(
-        f"Starting the Moorline API on http://{shown_host}:{port} (database {db.display_url})"
-    )
+    Console(soft_wrap=True, highlight=False).print("\n".join(banner.lines), markup=False)
     with _shutdown_signals_end_cleanly():
         await server.serve()
     return server.started

@@ -1,0 +1,240 @@
+"""Trigger latency and throughput of one ``moorline serve`` process (issue 5's targets).
+
+Starts a real ``moorline serve --workers 0`` (API and reaper, no worker loop, so nothing but
+admission competes with the triggers) on a fresh database, creates a tenant whose plan never
+binds (rate limit and quota far above the load), then has ``C`` concurrent clients, in this
+process, each send ``POST /v1/workflows/echo/runs`` through ``moorline.Client`` one after
+another until ``--triggers`` are accepted. Latency is measured at the client, request sent to
+response parsed. Each (backend, C) is measured ``--rounds`` times after a warm-up; the table
+shows the median of the rounds with min and max.
+
+Backends: ``sqlite`` (a file, no Redis) and ``postgresql`` (with Redis, a fresh key prefix).
+Targets (issue 5): at 8 clients p50 <= 5 ms and p99 <= 20 ms; at 64 clients >= 800
+triggers/s, on SQLite; the same p50 on PostgreSQL + Redis.
+
+The client shares the machine with the server, so on a small machine the figures are a lower
+bound of what the server alone could do. ``--profile DIR`` runs the server under cProfile and
+writes ``DIR/<backend>.prof`` at its exit, to find the trigger path's hot spots.
+
+    .venv/bin/python bench/api.py [--triggers 2000] [--warmup 200] [--rounds 3]
+        [--clients 8,64] [--backends sqlite,postgresql] [--profile DIR]
+"""
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from common import on_fresh_database, percentile, summary
+from redis.asyncio import Redis
+
+from moorline import Client
+from moorline.db.manager import DatabaseManager
+from moorline.db.migrate import upgrade
+from moorline.settings import Settings
+
+REDIS_URL = os.environ.get("MOORLINE_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+ADMIN_TOKEN = "bench-admin-token"
+PLANS_YAML = """
+plans:
+  bench:
+    lane: workflow_bench
+    priority: 50
+    daily_quota: 100000000
+    rate_limit: "1000000/second"
+    tenant_concurrency: 8
+    lane_slots: 8
+"""
+STARTUP_S = 60.0
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Round:
+    """One measured round: per-trigger latencies (ms) and the rate over the round."""
+
+    latencies_ms: list[float]
+    rate_per_s: float
+
+    def percentile(self, share: float) -> float:
+        return percentile(self.latencies_ms, share)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@asynccontextmanager
+async def serving(settings: dict[str, str], profile: Path | None) -> AsyncIterator[str]:
+    """A ``moorline serve --workers 0`` process with ``settings``; its URL."""
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
+    env.update(settings)
+    profiler = [] if profile is None else ["-m", "cProfile", "-o", str(profile)]
+    command = [sys.executable, *profiler, "-m", "moorline"]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        "serve",
+        "--port",
+        str(port),
+        "--workers",
+        "0",
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url, process)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), timeout=60)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+async def wait_ready(url: str, process: asyncio.subprocess.Process) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    async with httpx.AsyncClient(base_url=url, timeout=2.0) as http:
+        while True:
+            if process.returncode is not None:
+                assert process.stderr is not None
+                raise SystemExit(f"moorline serve exited: {(await process.stderr.read()).decode()}")
+            try:
+                if (await http.get("/readyz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("moorline serve did not become ready")
+            await asyncio.sleep(0.1)
+
+
+async def trigger_round(client: Client, clients: int, triggers: int) -> Round:
+    """``triggers`` accepted triggers sent by ``clients`` concurrent loops."""
+    remaining = triggers
+    latencies: list[float] = []
+
+    async def loop() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            started = time.perf_counter()
+            await client.trigger("echo", {"message": "bench"})
+            latencies.append((time.perf_counter() - started) * 1000)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(clients)))
+    return Round(latencies_ms=latencies, rate_per_s=triggers / (time.perf_counter() - started))
+
+
+async def measure(url: str, args: argparse.Namespace) -> dict[int, list[Round]]:
+    async with Client(url, admin_token=ADMIN_TOKEN) as admin:
+        tenant = await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")
+    results: dict[int, list[Round]] = {}
+    async with Client(url, tenant.api_key, timeout_s=60.0) as client:
+        for clients in args.clients:
+            await trigger_round(client, clients, args.warmup)
+            results[clients] = [
+                await trigger_round(client, clients, args.triggers) for _ in range(args.rounds)
+            ]
+    return results
+
+
+async def run_backend(backend: str, args: argparse.Namespace, root: Path) -> dict[int, list[Round]]:
+    async def on(url: str) -> dict[int, list[Round]]:
+        settings = {
+            "MOORLINE_DATABASE_URL": url,
+            "MOORLINE_ADMIN_TOKEN": ADMIN_TOKEN,
+            "MOORLINE_PLANS_FILE": str(root / "plans.yaml"),
+            "MOORLINE_APP": "moorline.examples.app:app",
+        }
+        prefix = f"bench_{uuid.uuid4().hex[:10]}"
+        if backend == "postgresql":
+            db = DatabaseManager(Settings(database_url=url))
+            try:
+                await upgrade(db)
+            finally:
+                await db.dispose()
+            settings |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
+        profile = None if args.profile is None else args.profile / f"{backend}.prof"
+        try:
+            async with serving(settings, profile) as server:
+                return await measure(server, args)
+        finally:
+            if backend == "postgresql":
+                await delete_keys(prefix)
+
+    return await on_fresh_database(backend, on)
+
+
+async def delete_keys(prefix: str) -> None:
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        keys = [key async for key in redis.scan_iter(match=f"{prefix}:*", count=1000)]
+        for start in range(0, len(keys), 500):
+            await redis.delete(*keys[start : start + 500])
+    finally:
+        await redis.aclose()
+
+
+def report(backend: str, results: dict[int, list[Round]]) -> None:
+    label = "sqlite" if backend == "sqlite" else "postgresql+redis"
+    for clients, rounds in results.items():
+        p50 = [r.percentile(0.50) for r in rounds]
+        p99 = [r.percentile(0.99) for r in rounds]
+        rate = [r.rate_per_s for r in rounds]
+        print(
+            f"{label:17} {clients:3} clients  p50 {summary(p50, ' ms'):24}  "
+            f"p99 {summary(p99, ' ms'):24}  {summary(rate)}",
+            flush=True,
+        )
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--triggers", type=int, default=2000, help="Triggers per round.")
+    parser.add_argument("--warmup", type=int, default=200, help="Unmeasured triggers first.")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--clients", type=lambda text: [int(n) for n in text.split(",")], default=[8, 64]
+    )
+    parser.add_argument(
+        "--backends", type=lambda text: text.split(","), default=["sqlite", "postgresql"]
+    )
+    parser.add_argument("--profile", type=Path, default=None, help="Directory for cProfile.")
+    args = parser.parse_args()
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    print(
+        f"{args.triggers} triggers per round, median (min, max) of {args.rounds} rounds; "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        (root / "plans.yaml").write_text(PLANS_YAML, encoding="utf-8")
+        for backend in args.backends:
+            report(backend, await run_backend(backend, args, root))
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

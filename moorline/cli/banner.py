@@ -1,0 +1,74 @@
+"""What ``moorline serve`` prints at start: where the API is, and how to create a first tenant.
+
+Admin routes need ``MOORLINE_ADMIN_TOKEN`` (unset means they are off). Without one, a server
+that listens only on a loopback interface gets a random token for this process, printed once:
+only users of this machine can reach it, and its output is theirs, so the first tenant is one
+command away without weakening anything. A server listening on other interfaces keeps the
+admin routes off and says how to set a token: a token printed by a server reachable from the
+network would end up in its logs.
+"""
+
+import ipaddress
+import secrets
+import shlex
+from dataclasses import dataclass
+
+from pydantic import SecretStr
+
+from moorline.settings import Settings
+
+ADMIN_TOKEN_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Banner:
+    """The settings to serve with (maybe with a generated admin token) and the lines to print."""
+
+    settings: Settings
+    lines: list[str]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback interface (``localhost``, ``127.x``, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def start_banner(settings: Settings, *, host: str, port: int, database: str) -> Banner:
+    """The start message of a server on ``host:port``, and its admin token if it needs one."""
+    shown_host = f"[{host}]" if ":" in host else host
+    url = f"http://{shown_host}:{port}"
+    lines = [
+        f"Starting the Moorline API on {url} (database {database})",
+        f"  dashboard: {url}/",
+        f"  API docs:  {url}/docs",
+    ]
+    # A wildcard address is not a URL to reach the server at: name the loopback one instead.
+    reach = url if host not in ("0.0.0.0", "::") else f"http://127.0.0.1:{port}"
+    create = f"moorline tenants create my-team --plan team --url {shlex.quote(reach)}"
+    if settings.admin_token is not None:
+        lines += [
+            "Create a first tenant (MOORLINE_ADMIN_TOKEN as set for this server):",
+            f"  {create}",
+        ]
+        return Banner(settings=settings, lines=lines)
+    if not is_loopback(host):
+        lines += [
+            "Admin routes are off: MOORLINE_ADMIN_TOKEN is not set. To create tenants, restart "
+            "with a token, e.g. MOORLINE_ADMIN_TOKEN=$(openssl rand -hex 32), then:",
+            f"  MOORLINE_ADMIN_TOKEN=<token> {create}",
+        ]
+        return Banner(settings=settings, lines=lines)
+    token = secrets.token_urlsafe(ADMIN_TOKEN_BYTES)
+    lines += [
+        "MOORLINE_ADMIN_TOKEN is not set: this process accepts a generated admin token, shown "
+        "only now (set MOORLINE_ADMIN_TOKEN to choose a lasting one). Create a first tenant:",
+        f"  MOORLINE_ADMIN_TOKEN={token} {create}",
+    ]
+    return Banner(
+        settings=settings.model_copy(update={"admin_token": SecretStr(token)}), lines=lines
+    )
