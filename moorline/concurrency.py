@@ -17,8 +17,9 @@ few places where blocking code must run beside the loop. Each tool here covers o
   through a bounded queue. The thread never touches the loop's state: it only puts into the
   queue, through the loop. The consumer stops it with a :class:`threading.Event` and drains the
   queue as it leaves, so a producer blocked on a full queue is always released.
-- :func:`keep_cancel`: await a call from a library that may swallow a cancellation (redis-py on
-  Python 3.11) and raise it anyway.
+- :func:`keep_cancel` and :func:`cancel_and_wait`: await a call from a library that may swallow
+  a cancellation (redis-py on Python 3.11) and raise it anyway; cancel tasks and wait for their
+  end, cancelling again any that swallowed it.
 - :class:`TTLCache`: values loaded by an async function and trusted for a TTL, one load per key
   at a time; see the class for what is served while a reload runs or after one failed.
 
@@ -40,6 +41,9 @@ from typing import Any, Final, Generic, ParamSpec, Self, TypeVar
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+RECANCEL_EVERY_S: Final = 0.5
+"""How long :func:`cancel_and_wait` lets a cancelled task run before cancelling it again."""
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 P = ParamSpec("P")
@@ -460,6 +464,25 @@ async def run_in_thread(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
         async for result in results:
             return result
     raise AssertionError("unreachable: the bridge ended without a result")  # pragma: no cover
+
+
+async def cancel_and_wait(
+    tasks: Iterable["asyncio.Task[Any]"], *, recancel_every_s: float = RECANCEL_EVERY_S
+) -> None:
+    """Cancel ``tasks`` and wait until every one has ended.
+
+    A task that outlives its cancel for ``recancel_every_s`` is cancelled again: a library
+    may swallow a cancellation (see :func:`keep_cancel`), and a plain ``cancel(); await`` then
+    waits for as long as the task would have run, possibly for ever. If the caller is
+    cancelled meanwhile, it stops waiting at once (the tasks stay cancelled).
+    """
+    pending = {task for task in tasks if not task.done()}
+    for task in pending:
+        task.cancel()
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=recancel_every_s)
+        for task in pending:
+            task.cancel()
 
 
 async def keep_cancel(call: Awaitable[T]) -> T:

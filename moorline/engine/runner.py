@@ -34,6 +34,7 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
+from moorline.concurrency import cancel_and_wait
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
@@ -225,11 +226,9 @@ class WorkflowRunner:
         return to_json(output, f"the result of workflow {run.workflow!r}")
 
     async def _stop_watchers(self, run_id: RunId, watchers: list[asyncio.Task[None]]) -> None:
-        for watcher in watchers:
-            watcher.cancel()
         if not watchers:
             return
-        await asyncio.wait(watchers)
+        await cancel_and_wait(watchers)
         for watcher in watchers:
             failure = None if watcher.cancelled() else watcher.exception()
             if failure is not None:
@@ -247,9 +246,7 @@ class WorkflowRunner:
                 await heartbeat  # the store shut down: only the heartbeat can tell now
             from_store = signalled.done() and signalled.result()
         finally:
-            for waiting in (signalled, heartbeat):
-                waiting.cancel()
-            await asyncio.wait([signalled, heartbeat])
+            await cancel_and_wait([signalled, heartbeat])
         logger.info(
             "run %s attempt %d: cancel seen (%s); %.1fs grace before it is stopped",
             ctx.run_id,

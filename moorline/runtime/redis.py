@@ -42,7 +42,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from moorline.concurrency import keep_cancel
+from moorline.concurrency import cancel_and_wait, keep_cancel
 from moorline.errors import BackendUnavailable
 from moorline.runtime.base import (
     CANCELLED_DECISION,
@@ -420,14 +420,17 @@ class RedisRuntimeStore(RuntimeStore):
         watch = asyncio.create_task(self._watch(run_id, check, wakes_on, timeout_s, default))
         self._watches.add(watch)
         try:
-            return await watch
+            # asyncio.wait, not ``await watch``: cancelled, this task stops waiting at once and
+            # makes sure the watch ends, even if a Redis call in it swallowed the first cancel.
+            await asyncio.wait((watch,))
         except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if self._is_shut_down and current is not None and current.cancelling() == 0:
-                raise StoreShutdown("the runtime store is shutting down") from None
+            await cancel_and_wait((watch,))
             raise
         finally:
             self._watches.discard(watch)
+        if watch.cancelled():  # only shutdown() cancels a watch this task still waits for
+            raise StoreShutdown("the runtime store is shutting down")
+        return watch.result()
 
     async def _watch(
         self,

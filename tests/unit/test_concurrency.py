@@ -22,6 +22,7 @@ from moorline.concurrency import (
     RWLock,
     ThreadBridge,
     TTLCache,
+    cancel_and_wait,
     keep_cancel,
     run_in_thread,
 )
@@ -648,3 +649,31 @@ async def test_keep_cancel_passes_results_and_errors_through() -> None:
     assert await keep_cancel(answer()) == 42
     with pytest.raises(ValueError, match="boom"):
         await keep_cancel(fail())
+
+
+async def test_cancel_and_wait_cancels_again_a_task_that_swallowed_the_first_cancel() -> None:
+    entered, swallowed = asyncio.Event(), asyncio.Event()
+
+    async def swallows_once() -> None:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            swallowed.set()  # as redis-py under Python 3.11 can: the cancel is gone
+        await asyncio.Event().wait()  # would wait for ever without a second cancel
+
+    task = asyncio.create_task(swallows_once())
+    await asyncio.wait_for(entered.wait(), TIMEOUT_S)
+    await asyncio.wait_for(cancel_and_wait([task], recancel_every_s=0.05), TIMEOUT_S)
+    assert swallowed.is_set()
+    assert task.cancelled()
+
+
+async def test_cancel_and_wait_returns_at_once_for_finished_tasks() -> None:
+    async def answer() -> int:
+        return 1
+
+    task = asyncio.create_task(answer())
+    await task
+    await asyncio.wait_for(cancel_and_wait([task]), TIMEOUT_S)
+    assert task.result() == 1
