@@ -46,6 +46,8 @@ CI_BACKENDS = ["sqlite", "postgresql"]
 
 CANCEL_RUNS = 1000 if FULL else 300
 CANCEL_TENANTS = 5
+ASKING_CANCELS = 3
+"""Runs cancelled as soon as they are seen waiting for a decision, before the random ones."""
 ASK_AT = (0, 1, -1)
 """Where runs wait for a permission, in turn: before their first step, after it, never."""
 STEP_S = 1.0
@@ -112,6 +114,19 @@ async def running_under(db: DatabaseManager, pattern: str) -> list[RunId]:
             select(runs.c.id).where(
                 runs.c.status == RunStatus.RUNNING.value, runs.c.lease_owner.like(pattern)
             )
+        )
+        return [RunId(run_id) for run_id in rows.scalars()]
+
+
+async def waiting_for_a_decision(
+    db: DatabaseManager, run_ids: Sequence[RunId], limit: int
+) -> list[RunId]:
+    """Up to ``limit`` of ``run_ids`` that wait for a permission decision now."""
+    async with db.connect() as conn:
+        rows = await conn.execute(
+            select(interrupts.c.run_id)
+            .where(interrupts.c.run_id.in_(run_ids), interrupts.c.status == "pending")
+            .limit(limit)
         )
         return [RunId(run_id) for run_id in rows.scalars()]
 
@@ -219,6 +234,15 @@ async def test_cancels_at_random_points_end_every_run_cancelled_with_no_later_st
         return all(workers.is_serving(proc) for proc in procs)
 
     await wait_for(serving, timeout_s=30, message="both workers serving")
+
+    # However slow the machine, some cancels land on a permission wait for certain (the
+    # random schedule below finds more on a fast one).
+    for run_id in await wait_for(
+        lambda: waiting_for_a_decision(db, run_ids, ASKING_CANCELS),
+        timeout_s=60,
+        message="runs waiting for a decision",
+    ):
+        request(run_id)
     order = list(run_ids)
     rng.shuffle(order)
     crash_at = len(order) // 3

@@ -22,7 +22,7 @@ from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.schema import events, runs
-from moorline.types import TERMINAL_STATUSES, RunStatus, TenantId
+from moorline.types import TERMINAL_STATUSES, JSONObject, RunStatus, TenantId
 from tests.contract.queue_helpers import Tenants, event_types, running_per_tenant, statuses
 from tests.faults.harness import (
     LEASE_TTL_S,
@@ -40,6 +40,8 @@ CHAOS_RUNS = 300
 CHAOS_WORKERS = 3
 CHAOS_TENANTS = 10
 CHAOS_TENANT_CAP = 6
+MIN_KILLS = 3
+"""Kills of a worker mid-run the chaos test needs before it counts as having tested."""
 CAP_TEST_RUNS = 40
 CAP_TEST_CAP = 5
 TERMINAL = [status.value for status in TERMINAL_STATUSES]
@@ -116,12 +118,11 @@ async def test_kill_9_at_random_loses_and_doubles_nothing(
     rng = random.Random(20261123)
     workers.tenant_concurrency = CHAOS_TENANT_CAP
     tenant_ids = [await tenants.new(PLAN) for _ in range(CHAOS_TENANTS)]
-    run_ids = await submit(
-        RunsRepo(db),
-        tenant_ids,
-        "work",
-        [{"seconds": rng.uniform(1.0, 2.5)} for _ in range(CHAOS_RUNS)],
-    )
+
+    def batch(count: int) -> list[JSONObject]:
+        return [{"seconds": rng.uniform(1.0, 2.5)} for _ in range(count)]
+
+    run_ids = await submit(RunsRepo(db), tenant_ids, "work", batch(CHAOS_RUNS))
     for _ in range(CHAOS_WORKERS):
         workers.start()
     interrupted: list[tuple[str, int, datetime]] = []
@@ -129,8 +130,12 @@ async def test_kill_9_at_random_loses_and_doubles_nothing(
     kills = 0
     deadline = time.monotonic() + 240
     next_kill = time.monotonic() + rng.uniform(0.5, 3.0)
-    while await terminal_count(db, run_ids) < CHAOS_RUNS:
+    while (ended := await terminal_count(db, run_ids)) < len(run_ids):
         assert time.monotonic() < deadline, "runs did not all finish within 240 s"
+        if kills < MIN_KILLS and len(run_ids) - ended < CHAOS_RUNS // 4:
+            # A slow machine boots replacement workers slowly: keep work coming until the
+            # test has killed enough workers mid-run to mean something.
+            run_ids += await submit(RunsRepo(db), tenant_ids, "work", batch(CHAOS_RUNS // 4))
         for tenant, running in (await running_per_tenant(db, tenant_ids)).items():
             most_running[tenant] = max(most_running[tenant], running)
         # Kill only workers that are serving: one still starting up runs nothing yet, and
@@ -148,7 +153,7 @@ async def test_kill_9_at_random_loses_and_doubles_nothing(
         await asyncio.sleep(0.05)  # sampling cadence of the cap check, not synchronisation
     workers.terminate_all()
 
-    assert kills >= 3, f"only {kills} kills happened: the test did not test"
+    assert kills >= MIN_KILLS, f"only {kills} kills happened: the test did not test"
     assert interrupted, "no kill interrupted a run: the test did not test"
     assert max(most_running.values()) <= CHAOS_TENANT_CAP, most_running
     assert max(most_running.values()) == CHAOS_TENANT_CAP, "no tenant reached its cap: untested"
