@@ -31,11 +31,11 @@ format: install
 	$(BIN)/ruff check --fix moorline tests bench
 	$(BIN)/ruff format moorline tests bench
 
+# The report suite (bench-report.md/.json); BENCH_ARGS e.g. "--quick --backends sqlite".
+# bench/db_commit.py and bench/enqueue.py are one-off comparisons, run by hand.
+BENCH_ARGS ?=
 bench: install
-	$(BIN)/python bench/db_commit.py
-	$(BIN)/python bench/enqueue.py
-	$(BIN)/python bench/dispatch.py
-	$(BIN)/python bench/engine.py
+	$(BIN)/moorline bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

@@ -24,6 +24,7 @@ from rich.text import Text
 from moorline.api.app import create_app
 from moorline.api.deps import Services
 from moorline.api.guards import RedactKeys
+from moorline.cli.bench import bench
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.dispatch.lanes import resolve_lanes
@@ -53,6 +54,7 @@ def build_cli() -> typer.Typer:
     )
     cli.command("serve")(serve)
     cli.command("worker")(worker)
+    cli.command("bench")(bench)
     db_cli = typer.Typer(
         help="Manage the database schema.", no_args_is_help=True, rich_markup_mode="markdown"
     )
