@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run test lint format bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ format: install
 BENCH_ARGS ?=
 bench: install
 	$(BIN)/moorline bench $(BENCH_ARGS)
+
+# The chaos soak at full size (PostgreSQL + Redis, real processes, faults); `make soak MINUTES=60`.
+# The CI-sized version is tests/soak (about two minutes, part of `make test`).
+MINUTES ?= 10
+soak: install
+	$(BIN)/python -m tests.soak --minutes $(MINUTES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage
