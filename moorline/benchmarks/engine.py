@@ -195,6 +195,7 @@ class EngineSizes:
     interrupts: int = 50
     deltas: int = 20_000
     fanout_deltas: int = 5_000
+    fanout_readers: int = 100
 
 
 QUICK = EngineSizes(steps=100, interrupts=10, deltas=2_000, fanout_deltas=500)
@@ -252,7 +253,9 @@ async def events_round(url: str, store_kind: str, sizes: EngineSizes) -> dict[st
         async def both(store: RuntimeStore) -> dict[str, float]:
             return {
                 "events_x1": await events_per_s(db, store, sizes.deltas, 1),
-                "events_x100": await events_per_s(db, store, sizes.fanout_deltas, 100),
+                "events_x100": await events_per_s(
+                    db, store, sizes.fanout_deltas, sizes.fanout_readers
+                ),
             }
 
         return await with_store(store_kind, both)
