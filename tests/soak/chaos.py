@@ -7,7 +7,8 @@ folder: restarting it must not disturb the shared Redis other tests use). Runs o
 key so a submission retried after an error (the API lost its database connection, say) can
 never make a second run. Meanwhile:
 
-- every 5-20 s a random worker is killed with SIGKILL and a new one started in its place;
+- every 5-20 s a random serving worker is killed with SIGKILL and a new one started in its
+  place; a worker that exits on its own is restarted too (as a supervisor would) and noted;
 - once, about a third of the way in, the private Redis is shut down and started again;
 - every 2-6 s one or two random connections to the soak's database are ended with
   ``pg_terminate_backend`` (never other databases' connections).
@@ -363,10 +364,19 @@ class Soak:
     async def kill_workers(self) -> None:
         while True:
             await asyncio.sleep(self.random.uniform(*self.config.kill_every_s))
-            victim_slot = self.random.choice([i for i in range(WORKERS) if i != SENTINEL])
+            # Only a worker that is serving: one killed while it still imports (several
+            # seconds on a loaded machine) tests nothing and leaves the soak without workers.
+            serving = [
+                index
+                for index in range(WORKERS)
+                if index != SENTINEL
+                and self.slots[index].poll() is None
+                and self.workers.is_serving(self.slots[index])
+            ]
+            if not serving:
+                continue
+            victim_slot = self.random.choice(serving)
             victim = self.slots[victim_slot]
-            if victim.poll() is not None:
-                continue  # it crashed on its own: the supervisor restarts it
             # Replaced before the kill, so the supervisor never sees the slot's dead process.
             self.slots[victim_slot] = self.workers.start()
             victim.kill()
@@ -414,10 +424,17 @@ class Soak:
             await asyncio.sleep(1.0)
 
     def rss_growth(self) -> dict[str, float]:
-        """Median RSS over the last 10 s of load against the 10 s after warm-up, per process."""
+        """Median RSS over the last 10 s of load against the 10 s after warm-up, per process.
+
+        Warm-up counts from the process's first sample (a restarted sentinel is young); a
+        process too young for both windows is not measured.
+        """
         growth = {}
-        warm, end = self.config.warm_up_s, self.config.load_s
+        end = self.config.load_s
         for name, samples in self.rss.items():
+            warm = samples[0][0] + self.config.warm_up_s
+            if warm + 10 > end - 10:
+                continue
             after_warm_up = [kib for at, kib in samples if warm <= at < warm + 10]
             last = [kib for at, kib in samples if end - 10 <= at <= end]
             if after_warm_up and last:
