@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint format bench clean chromium
+.PHONY: install run test test-full lint format bench soak clean chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ chromium:
 test: install chromium
 	$(BIN)/python -m pytest --cov --cov-report=term $(PYTEST_ARGS)
 
+# The fault and property tests at the issues' full size (CI runs them smaller): about an hour.
+test-full: install chromium
+	MOORLINE_FULL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
 lint: install
 	$(BIN)/ruff check moorline tests bench
 	$(BIN)/ruff format --check moorline tests bench
@@ -35,14 +39,20 @@ format: install
 	$(BIN)/ruff check --fix moorline tests bench
 	$(BIN)/ruff format moorline tests bench
 
+# The report suite (bench-report.md/.json); BENCH_ARGS e.g. "--quick --backends sqlite".
+# bench/db_commit.py and bench/enqueue.py are one-off comparisons, run by hand.
+BENCH_ARGS ?=
 bench: install
-	$(BIN)/python bench/db_commit.py
-	$(BIN)/python bench/enqueue.py
-	$(BIN)/python bench/dispatch.py
-	$(BIN)/python bench/engine.py
+	$(BIN)/moorline bench $(BENCH_ARGS)
 	$(BIN)/python bench/metrics_scrape.py
 	$(BIN)/python bench/dashboard.py
 	$(BIN)/python bench/api.py
+
+# The chaos soak at full size (PostgreSQL + Redis, real processes, faults); `make soak MINUTES=60`.
+# The CI-sized version is tests/soak (about two minutes, part of `make test`).
+MINUTES ?= 10
+soak: install
+	$(BIN)/python -m tests.soak --minutes $(MINUTES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

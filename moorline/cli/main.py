@@ -25,6 +25,7 @@ from moorline.api.deps import Services
 from moorline.api.guards import redact
 from moorline.cli import client_commands
 from moorline.cli.banner import start_banner
+from moorline.cli.bench import bench
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.dispatch.lanes import resolve_lanes
@@ -55,6 +56,7 @@ def build_cli() -> typer.Typer:
     )
     cli.command("serve")(serve)
     cli.command("worker")(worker)
+    cli.command("bench")(bench)
     db_cli = typer.Typer(
         help="Manage the database schema.", no_args_is_help=True, rich_markup_mode="markdown"
     )

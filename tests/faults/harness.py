@@ -53,6 +53,9 @@ class Workers:
     redis_url: str | None = None
     """The Redis runtime store the workers share; None: each has its own in-memory store."""
     redis_prefix: str = "mo"
+    app: str = "tests.faults.app:app"
+    """The ``--app`` the workers load (the soak has its own)."""
+    extra_env: dict[str, str] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def env(self) -> dict[str, str]:
@@ -70,6 +73,7 @@ class Workers:
         env.pop("MOORLINE_REDIS_URL", None)
         if self.redis_url is not None:
             env.update(MOORLINE_REDIS_URL=self.redis_url, MOORLINE_REDIS_PREFIX=self.redis_prefix)
+        env.update(self.extra_env)
         return env
 
     def start(self) -> subprocess.Popen[bytes]:
@@ -82,7 +86,7 @@ class Workers:
                 "moorline",
                 "worker",
                 "--app",
-                "tests.faults.app:app",
+                self.app,
                 "--lanes",
                 f"{LANE}={self.slots}",
                 "--grace",
