@@ -41,6 +41,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sqlalchemy.exc import DBAPIError
+
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
@@ -48,7 +50,7 @@ from moorline.db.repos.steps import LeaseLost
 from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Cancelled
 from moorline.engine.runner import Runner
-from moorline.errors import MoorlineError, TimeLimitExceeded
+from moorline.errors import BackendUnavailable, MoorlineError, TimeLimitExceeded
 from moorline.observability.logs import bind_run
 from moorline.observability.metrics import Metrics
 from moorline.types import JSONObject, RunStatus
@@ -59,6 +61,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_POLL_INTERVAL_S = 1.0
 DEFAULT_GRACE_S = 30.0
 SELF_FENCE_MARGIN_FRACTION = 1 / 6
+CLAIM_BACKOFF_S = 0.1
+"""First pause after a failed claim; doubled per further failure, up to CLAIM_BACKOFF_MAX_S."""
+CLAIM_BACKOFF_MAX_S = 5.0
 """Share of LEASE_TTL kept in hand: with heartbeats every TTL/3, a worker that missed two
 renewals stops the run at 5/6 of the TTL, before the reaper can see the lease expire."""
 
@@ -237,19 +242,35 @@ class Worker:
 
     async def _claim_loop(self, lane: str, stop: asyncio.Event) -> None:
         slots = self._lanes[lane]
+        failures = 0
         while self._claiming:
             free = slots - self._in_lane[lane]
             if free <= 0:
                 self._slot_freed[lane].clear()
                 await self._slot_freed[lane].wait()
                 continue
-            claims = await self._queue.claim_batch(
-                lane,
-                self.owner,
-                limit=free,
-                lease_ttl_s=self._lease_ttl_s,
-                tenant_caps=await self._tenant_caps(),
-            )
+            try:
+                claims = await self._queue.claim_batch(
+                    lane,
+                    self.owner,
+                    limit=free,
+                    lease_ttl_s=self._lease_ttl_s,
+                    tenant_caps=await self._tenant_caps(),
+                )
+            except (DBAPIError, BackendUnavailable) as exc:
+                # A dropped connection, a failover, a terminated backend: the worker outlives
+                # it. A claim whose commit went through unseen only delays its runs until the
+                # reaper hands them back (their lease names this worker, which never ran them).
+                failures += 1
+                delay_s = min(CLAIM_BACKOFF_MAX_S, CLAIM_BACKOFF_S * 2 ** (failures - 1))
+                logger.warning(
+                    "claim in lane %s failed (%r); trying again in %.1fs", lane, exc, delay_s
+                )
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay_s):
+                        await stop.wait()
+                continue
+            failures = 0
             for claim in claims:
                 self._start(claim, lane)
             if len(claims) < free and self._claiming:

@@ -1,11 +1,13 @@
 """The Worker in-process on every backend: draining, retries, slots, lost leases, shutdown."""
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.engine import make_url
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import QueueRepo
@@ -29,6 +31,7 @@ from tests.contract.queue_helpers import (
     unique,
 )
 from tests.helpers import sampled, wait_for
+from tests.servers import run_sql
 
 NO_BACKOFF = RetryPolicy(base_s=0.0, cap_s=0.0)
 
@@ -273,3 +276,35 @@ async def test_a_dying_loop_crashes_the_worker_instead_of_limping_on(
     )
     with pytest.raises(WorkerCrashed, match="plans unreadable"):
         await asyncio.wait_for(worker.run(asyncio.Event()), 10)
+
+
+@pytest.mark.requires("terminate_backend")
+async def test_a_worker_outlives_a_database_that_drops_and_refuses_its_connections(
+    db: DatabaseManager, tenants: Tenants, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The fault the chaos soak found: pg_terminate_backend under a claim crashed the worker.
+    # Here every connection is cut and new ones are refused for a while, so claims fail for
+    # certain; the worker must keep trying and drain the lane once the database is back.
+    lane = unique("lane")
+    name = make_url(database_url).database
+    tenant = await tenants.new()
+    running = Running(make_worker(db, Probe(), {lane: 4}))
+    with caplog.at_level(logging.WARNING, logger="moorline.worker.worker"):
+        async with running:
+            run_sql("postgresql", f"ALTER DATABASE {name} ALLOW_CONNECTIONS false")
+            try:
+                run_sql(
+                    "postgresql",
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    f"WHERE datname = '{name}' AND pid <> pg_backend_pid()",
+                )
+
+                async def claims_failed() -> bool:
+                    return any("claim in lane" in r.getMessage() for r in caplog.records)
+
+                await wait_for(claims_failed, message="a claim to fail")
+                assert running.task is not None and not running.task.done()
+            finally:
+                run_sql("postgresql", f"ALTER DATABASE {name} ALLOW_CONNECTIONS true")
+            run_ids = await add_runs(db, tenant, lane, 20)
+            await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the lane drained")
