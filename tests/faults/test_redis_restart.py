@@ -14,8 +14,6 @@ interrupt flag and cancel flag is gone: it keeps nothing on disk) and starts it 
 """
 
 import shutil
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -33,6 +31,7 @@ from tests.contract.queue_helpers import Tenants, statuses
 from tests.faults.harness import PLAN, RECOVERY_BOUND_S, Workers, submit
 from tests.faults.test_cancel_faults import started_after_cancel
 from tests.helpers import wait_for
+from tests.private_redis import PrivateRedis
 from tests.runtime.conftest import keys_without_ttl, make_redis_store
 from tests.servers import unique_name
 
@@ -50,58 +49,12 @@ def backend(request: pytest.FixtureRequest) -> str:
     return name
 
 
-class PrivateRedis:
-    """A redis-server of this test alone, on a free port, persisting nothing."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                shutil.which("redis-server") or "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.folder),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError(f"private redis-server did not start on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # as a crash: nothing is flushed, every key is lost
-            self.proc.wait()
-
-
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[PrivateRedis]:
+async def redis_server(tmp_path: Path) -> AsyncIterator[PrivateRedis]:
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed")
     server = PrivateRedis(tmp_path)
-    server.start()
+    await server.start()
     yield server
     server.stop()
 
@@ -162,8 +115,7 @@ async def test_a_redis_restart_loses_no_cancel_no_decision_and_strands_no_run(
     before = targets[:3]
     for run_id in before:
         await runs.request_cancel(tenant, run_id)
-    redis_server.stop()
-    redis_server.start()
+    await redis_server.restart()
     back_at = time.monotonic()
 
     after = targets[3:]

@@ -8,7 +8,6 @@ a wake-up can only cross between them through the server. Connections are killed
 import asyncio
 import logging
 import shutil
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,7 +29,8 @@ from moorline.dispatch.wakeups import (
 from moorline.errors import ConfigError
 from moorline.settings import Settings
 from tests.helpers import wait_for
-from tests.servers import REDIS_TEST_URL, is_listening, require_server, servers_required
+from tests.private_redis import PrivateRedis
+from tests.servers import REDIS_TEST_URL, require_server, servers_required
 
 LOCAL_WAKE_S = 0.05
 REMOTE_WAKE_S = 0.1
@@ -317,46 +317,6 @@ async def test_redis_down_costs_latency_not_errors(
         await wakeups.close()
 
 
-class PrivateRedis:
-    """A redis-server of the test's own on a free port, so the test may stop and restart it."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.dir = tmp_path
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._process: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        self._process = await asyncio.create_subprocess_exec(
-            "redis-server",
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.dir),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-
-        async def up() -> bool:
-            return await asyncio.to_thread(is_listening, "127.0.0.1", self.port)
-
-        await wait_for(up, message="the private redis-server to listen")
-
-    async def stop(self) -> None:
-        process, self._process = self._process, None
-        if process is not None and process.returncode is None:
-            process.terminate()
-            await process.wait()
-
-
 @pytest.fixture
 async def private_redis(tmp_path: Path) -> AsyncIterator[PrivateRedis]:
     if shutil.which("redis-server") is None:
@@ -369,7 +329,7 @@ async def private_redis(tmp_path: Path) -> AsyncIterator[PrivateRedis]:
     try:
         yield server
     finally:
-        await server.stop()
+        server.stop()
 
 
 async def test_redis_listener_comes_back_after_a_server_restart(
@@ -380,7 +340,7 @@ async def test_redis_listener_comes_back_after_a_server_restart(
     await consumer.start()
     try:
         name = lane()
-        await private_redis.stop()
+        private_redis.stop()
         # Down: a notification is lost on the wire (this process is still woken), and the
         # other process's slow poll times out as usual.
         await producer.notify({name})

@@ -25,7 +25,6 @@ run again after their checkpoint; no key in the soak's Redis may be without a TT
 import asyncio
 import os
 import random
-import shutil
 import signal
 import socket
 import statistics
@@ -39,7 +38,6 @@ from pathlib import Path
 
 import httpx
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
@@ -49,6 +47,7 @@ from moorline.db.schema import runs
 from moorline.settings import Settings
 from moorline.types import TERMINAL_STATUSES
 from tests.faults.harness import PLAN, REPO_ROOT, Workers
+from tests.private_redis import PrivateRedis
 from tests.servers import PG_ADMIN_URL, run_sql, unique_name
 from tests.soak.history import History, check
 
@@ -135,65 +134,6 @@ def rss_kib(pid: int) -> int | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     return None
-
-
-class PrivateRedis:
-    """A ``redis-server`` of the soak's own, without persistence, that can be restarted."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        log = (self.folder / "redis.log").open("ab")
-        self.proc = subprocess.Popen(
-            [
-                shutil.which("redis-server") or "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.folder),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-
-    async def wait_ready(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            client = Redis.from_url(self.url)
-            try:
-                if await client.ping():
-                    return
-            except (OSError, RedisError):
-                if time.monotonic() > deadline:
-                    raise
-            finally:
-                await client.aclose()
-            await asyncio.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    async def restart(self) -> None:
-        """Gone for a moment, back empty: what a Redis without persistence does on restart."""
-        self.stop()
-        self.start()
-        await self.wait_ready()
 
 
 @contextmanager
@@ -447,7 +387,7 @@ class Soak:
             await upgrade(db)
         finally:
             await db.dispose()
-        self.redis.start()
+        self.redis.launch()
         self.workers.redis_url = self.redis.url
         self.workers.redis_prefix = "soak"
         try:
