@@ -16,6 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from moorline.api.app import create_app
+from moorline.db.dsn import DatabaseUnreachable
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.settings import Settings
@@ -77,7 +78,7 @@ class ReadOnly:
 
 READ_ONLY = {
     "sqlite": ReadOnly(open=sqlite_read_only, reason="readonly database"),
-    "postgresql": ReadOnly(open=postgresql_read_only, reason="read-only transaction"),
+    "postgresql": ReadOnly(open=postgresql_read_only, reason="read-only (a standby"),
     "mysql": ReadOnly(open=mysql_read_only, reason="UPDATE command denied"),
 }
 
@@ -114,9 +115,16 @@ async def test_readyz_is_ready_when_the_database_takes_writes(
 async def test_readyz_is_503_when_the_database_only_reads(
     backend: str, settings: Settings, read_only_db: DatabaseManager
 ) -> None:
-    # Reads work, so a SELECT 1 probe would call this database ready.
-    async with read_only_db.connect() as conn:
-        assert (await conn.execute(text("SELECT 1"))).scalar_one() == 1
+    if backend == "postgresql":
+        # A node in read-only mode is refused at connect (the failover creator skips it, as it
+        # would a standby), so /readyz reports it down with that reason.
+        with pytest.raises(DatabaseUnreachable, match="read-only"):
+            async with read_only_db.connect():
+                pass
+    else:
+        # Reads work, so a SELECT 1 probe would call this database ready.
+        async with read_only_db.connect() as conn:
+            assert (await conn.execute(text("SELECT 1"))).scalar_one() == 1
 
     async with client_for(create_app(settings, read_only_db)) as client:
         ready = await client.get("/readyz")
