@@ -333,14 +333,16 @@ def make_failover_creator(
             try:
                 async with asyncio.timeout(probe_timeout_s):
                     writable = await _is_writable(connection, target.driver)
-            except Exception as exc:
-                await _close_quietly(connection)
+            except BaseException as exc:
+                _discard(connection)
+                if not isinstance(exc, Exception):
+                    raise  # cancelled: the connection is closed all the same
                 failures.append((target.display, _describe(exc, target, probe_timeout_s)))
                 continue
             if not writable:
                 # A standby, or a primary that was demoted after a failover: writing there
                 # would fail at best and fork the data at worst, so the next address is tried.
-                await _close_quietly(connection)
+                _discard(connection)
                 failures.append((target.display, "read-only (a standby or a demoted node)"))
                 continue
             if failures:
@@ -368,11 +370,17 @@ async def _is_writable(connection: Any, driver: Driver) -> bool:
     return not read_only
 
 
-async def _close_quietly(connection: Any) -> None:
+def _discard(connection: Any) -> None:
+    """Close a connection the creator will not hand out, at once and without awaiting.
+
+    asyncpg's ``terminate()`` and aiomysql's ``close()`` drop the socket synchronously, so a
+    rejected connection is closed even when the creator is being cancelled.
+    """
     try:
-        result = connection.close()
-        if asyncio.iscoroutine(result):  # asyncpg's close is a coroutine, aiomysql's is not
-            await result
+        if hasattr(connection, "terminate"):
+            connection.terminate()
+        else:
+            connection.close()
     except Exception:  # the connection is being dropped; its close may fail too
         logger.debug("closing a rejected database connection failed", exc_info=True)
 
