@@ -49,7 +49,7 @@ bench: install
 	$(BIN)/python bench/api.py
 
 # The chaos soak at full size (PostgreSQL + Redis, real processes, faults); `make soak MINUTES=60`.
-# The CI-sized version is tests/soak (about two minutes, part of `make test`).
+# The CI-sized version is tests/soak (about two and a half minutes, part of `make test`).
 MINUTES ?= 10
 soak: install
 	$(BIN)/python -m tests.soak --minutes $(MINUTES)

@@ -13,8 +13,11 @@ Targets (issue 5): at 8 clients p50 <= 5 ms and p99 <= 20 ms; at 64 clients >= 8
 triggers/s, on SQLite; the same p50 on PostgreSQL + Redis.
 
 The client shares the machine with the server, so on a small machine the figures are a lower
-bound of what the server alone could do. ``--profile DIR`` runs the server under cProfile and
-writes ``DIR/<backend>.prof`` at its exit, to find the trigger path's hot spots.
+bound of what the server alone could do. The last columns are the CPU time per accepted trigger
+of the server process (all its threads, from ``/proc``) and of this client process, medians of
+the rounds: steadier than latency on a busy machine, and they tell which side is the limit.
+``--profile DIR`` runs the server under cProfile and writes ``DIR/<backend>.prof`` at its exit,
+to find the trigger path's hot spots.
 
     .venv/bin/python bench/api.py [--triggers 2000] [--warmup 200] [--rounds 3]
         [--clients 8,64] [--backends sqlite,postgresql] [--profile DIR]
@@ -25,6 +28,7 @@ import asyncio
 import os
 import signal
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +37,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 from common import on_fresh_database, percentile, summary
@@ -61,10 +66,12 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Round:
-    """One measured round: per-trigger latencies (ms) and the rate over the round."""
+    """One measured round: latencies (ms), the rate, CPU per trigger (server, client)."""
 
     latencies_ms: list[float]
     rate_per_s: float
+    server_cpu_ms: float
+    client_cpu_ms: float
 
     def percentile(self, share: float) -> float:
         return percentile(self.latencies_ms, share)
@@ -77,15 +84,34 @@ def free_port() -> int:
         return port
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # After the command: state is field 3, utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+
 @asynccontextmanager
-async def serving(settings: dict[str, str], profile: Path | None) -> AsyncIterator[str]:
-    """A ``moorline serve --workers 0`` process with ``settings``; its URL."""
+async def serving(settings: dict[str, str], profile: Path | None) -> AsyncIterator[Server]:
+    """A ``moorline serve --workers 0`` process with ``settings``: its URL and pid."""
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
     env.update(settings)
     profiler = [] if profile is None else ["-m", "cProfile", "-o", str(profile)]
     command = [sys.executable, *profiler, "-m", "moorline"]
+    # The server's log goes to a file: a pipe nobody reads fills up (64 KiB of access log
+    # lines) and then blocks the server's event loop on its next log write.
+    log = tempfile.TemporaryFile()
     process = await asyncio.create_subprocess_exec(
         *command,
         "serve",
@@ -95,12 +121,12 @@ async def serving(settings: dict[str, str], profile: Path | None) -> AsyncIterat
         "0",
         env=env,
         stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=log,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        await wait_ready(url, process)
-        yield url
+        await wait_ready(url, process, log)
+        yield Server(url=url, pid=process.pid)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -108,15 +134,16 @@ async def serving(settings: dict[str, str], profile: Path | None) -> AsyncIterat
         except TimeoutError:
             process.kill()
             await process.wait()
+        log.close()
 
 
-async def wait_ready(url: str, process: asyncio.subprocess.Process) -> None:
+async def wait_ready(url: str, process: asyncio.subprocess.Process, log: IO[bytes]) -> None:
     deadline = time.monotonic() + STARTUP_S
     async with httpx.AsyncClient(base_url=url, timeout=2.0) as http:
         while True:
             if process.returncode is not None:
-                assert process.stderr is not None
-                raise SystemExit(f"moorline serve exited: {(await process.stderr.read()).decode()}")
+                log.seek(0)
+                raise SystemExit(f"moorline serve exited: {log.read().decode()}")
             try:
                 if (await http.get("/readyz")).status_code == 200:
                     return
@@ -127,8 +154,9 @@ async def wait_ready(url: str, process: asyncio.subprocess.Process) -> None:
             await asyncio.sleep(0.1)
 
 
-async def trigger_round(client: Client, clients: int, triggers: int) -> Round:
+async def trigger_round(client: Client, clients: int, triggers: int, server_pid: int) -> Round:
     """``triggers`` accepted triggers sent by ``clients`` concurrent loops."""
+    cpu_before, client_before = cpu_seconds(server_pid), time.process_time()
     remaining = triggers
     latencies: list[float] = []
 
@@ -142,18 +170,25 @@ async def trigger_round(client: Client, clients: int, triggers: int) -> Round:
 
     started = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(clients)))
-    return Round(latencies_ms=latencies, rate_per_s=triggers / (time.perf_counter() - started))
+    elapsed = time.perf_counter() - started
+    return Round(
+        latencies_ms=latencies,
+        rate_per_s=triggers / elapsed,
+        server_cpu_ms=(cpu_seconds(server_pid) - cpu_before) * 1000 / triggers,
+        client_cpu_ms=(time.process_time() - client_before) * 1000 / triggers,
+    )
 
 
-async def measure(url: str, args: argparse.Namespace) -> dict[int, list[Round]]:
-    async with Client(url, admin_token=ADMIN_TOKEN) as admin:
+async def measure(server: Server, args: argparse.Namespace) -> dict[int, list[Round]]:
+    async with Client(server.url, admin_token=ADMIN_TOKEN) as admin:
         tenant = await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")
     results: dict[int, list[Round]] = {}
-    async with Client(url, tenant.api_key, timeout_s=60.0) as client:
+    async with Client(server.url, tenant.api_key, timeout_s=60.0) as client:
         for clients in args.clients:
-            await trigger_round(client, clients, args.warmup)
+            await trigger_round(client, clients, args.warmup, server.pid)
             results[clients] = [
-                await trigger_round(client, clients, args.triggers) for _ in range(args.rounds)
+                await trigger_round(client, clients, args.triggers, server.pid)
+                for _ in range(args.rounds)
             ]
     return results
 
@@ -201,9 +236,12 @@ def report(backend: str, results: dict[int, list[Round]]) -> None:
         p50 = [r.percentile(0.50) for r in rounds]
         p99 = [r.percentile(0.99) for r in rounds]
         rate = [r.rate_per_s for r in rounds]
+        server = statistics.median(r.server_cpu_ms for r in rounds)
+        client = statistics.median(r.client_cpu_ms for r in rounds)
         print(
             f"{label:17} {clients:3} clients  p50 {summary(p50, ' ms'):24}  "
-            f"p99 {summary(p99, ' ms'):24}  {summary(rate)}",
+            f"p99 {summary(p99, ' ms'):24}  {summary(rate)}  "
+            f"CPU/trigger server {server:.1f} ms, client {client:.1f} ms",
             flush=True,
         )
 

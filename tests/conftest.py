@@ -1,8 +1,14 @@
 """Backend fixtures: every contract test runs on SQLite, PostgreSQL and MariaDB.
 
 A test module gets a fresh database of its own on each backend; tests inside a module share it
-and keep apart by creating their own tenants. Capabilities (``@pytest.mark.requires(...)``)
-decide which backends a test runs on, never the backend's name.
+and keep apart by creating their own tenants. The schema is built once per module, when its
+first test asks for ``db`` (as each test's own ``upgrade`` used to: every later one was a no-op
+that cost 0.1-0.3 s of Alembic and reflection, over 500 tests). Capabilities
+(``@pytest.mark.requires(...)``) decide which backends a test runs on, never the backend's name.
+
+PostgreSQL test databases commit asynchronously (``synchronous_commit = off``): no test of a
+module database crashes the server, and nothing else about a commit changes (the failover
+drill and the soak, which stop or kill servers, make databases of their own).
 """
 
 from collections.abc import AsyncIterator, Iterator
@@ -52,6 +58,8 @@ def database_url(backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     require_server(backend)
     name = unique_name()
     run_sql(backend, f"CREATE DATABASE {name}")
+    if backend == "postgresql":
+        run_sql(backend, f"ALTER DATABASE {name} SET synchronous_commit = off")
     admin = PG_ADMIN_URL if backend == "postgresql" else MYSQL_ADMIN_URL
     try:
         yield make_url(admin).set(database=name).render_as_string(hide_password=False)
@@ -64,17 +72,24 @@ def database_url(backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         run_sql(backend, drop)
 
 
+@pytest.fixture(scope="module")
+def schema_built() -> set[str]:
+    """The database URLs whose schema this module has built (migrated to head)."""
+    return set()
+
+
 @pytest.fixture
 def settings(database_url: str) -> Settings:
     return Settings(database_url=database_url, db_retry_base=0.01)
 
 
 @pytest.fixture
-async def db(settings: Settings) -> AsyncIterator[DatabaseManager]:
+async def db(settings: Settings, schema_built: set[str]) -> AsyncIterator[DatabaseManager]:
     """A DatabaseManager over this module's database, schema in place."""
     manager = DatabaseManager(settings)
-    await upgrade(manager)
-    await manager.initialize()
+    if settings.database_url not in schema_built:
+        await upgrade(manager)
+        schema_built.add(settings.database_url)
     try:
         yield manager
     finally:

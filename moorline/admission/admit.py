@@ -17,6 +17,11 @@ the first that refuses ends the decision:
 6. **Enqueue** through the :class:`~moorline.dispatch.submit.Submitter` (group commit; its
    hook wakes the lane's workers). A run that fails to be stored gives its unit back.
 
+With counters in the database (no Redis), steps 5 and 6 are one: the run goes to the
+Submitter with its :class:`~moorline.db.repos.quotas.QuotaClaim`, and the batch transaction
+that stores it takes its unit, or stores it ``rate_limited``. Nothing is given back then: a run
+that fails to be stored rolls its unit back with it.
+
 Steps 3 and 4 are reads that come before the quota, so a retried request or a refused one
 never takes a unit, and ``GET /v1/usage`` shows only units of stored runs. What makes them
 safe under concurrency:
@@ -45,14 +50,15 @@ from moorline.admission.quotas import QuotaStore, next_reset, quota_day, seconds
 from moorline.admission.ratelimit import RateLimiter, RateLimitState
 from moorline.concurrency import KeyedLock
 from moorline.db.repos.listing import RunListing
+from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
-from moorline.db.repos.runs import RunsRepo, hash_input
+from moorline.db.repos.runs import NewRun, RunsRepo, hash_input
 from moorline.dispatch.submit import Submitter, new_run_for_plan
 from moorline.engine.registry import WorkflowDefinition
 from moorline.errors import ConversationBusy, IdempotencyConflict, QuotaExceeded, RateLimited
 from moorline.observability.metrics import Metrics
 from moorline.plans import Plan
-from moorline.types import TenantId
+from moorline.types import JSONObject, RunStatus, TenantId
 
 logger = logging.getLogger(__name__)
 
@@ -244,18 +250,23 @@ class Admission:
             timeout_s=trigger.workflow.timeout_s,
             delay_s=trigger.delay_s,
         )
+        retry_after_s = seconds_until(now, next_reset(now))
+        message = (
+            f"daily quota of {plan.daily_quota} runs used up; it resets at 00:00 UTC, "
+            f"in {retry_after_s}s"
+        )
+        refusal: JSONObject = {"code": QuotaExceeded.code, "message": message}
+        if self._quotas.taken_with_runs:
+            claim = QuotaClaim(day=day, limit=plan.daily_quota, refusal=refusal)
+            run, created = await self._store_with_unit(trigger, new, claim)
+            if run.status is RunStatus.RATE_LIMITED:
+                raise self._refused(run, message, retry_after_s)
+            return run, created
         if await self._quotas.consume(trigger.tenant_id, day, plan.daily_quota) is None:
-            retry_after_s = seconds_until(now, next_reset(now))
-            message = (
-                f"daily quota of {plan.daily_quota} runs used up; it resets at 00:00 UTC, "
-                f"in {retry_after_s}s"
-            )
             refused = await self._runs.insert_rate_limited(
-                replace(new, idempotency_key=None),
-                {"code": QuotaExceeded.code, "message": message},
+                replace(new, idempotency_key=None), refusal
             )
-            self._rejections.labels(reason=QuotaExceeded.code).inc()
-            raise QuotaExceeded(message, run_id=refused.run_id, retry_after_s=retry_after_s)
+            raise self._refused(refused, message, retry_after_s)
         try:
             return await self._submitter.submit(new), True
         except IdempotencyConflict:
@@ -268,6 +279,29 @@ class Admission:
         except BaseException:
             await self._quotas.release(trigger.tenant_id, day)
             raise
+
+    async def _store_with_unit(
+        self, trigger: Trigger, new: NewRun, claim: QuotaClaim
+    ) -> tuple[Run, bool]:
+        """Store the run taking its unit in the same transaction (counters in the database).
+
+        Returns:
+            The run (``rate_limited`` when the quota refused it), and whether it is new.
+        """
+        try:
+            return await self._submitter.submit(new, quota=claim), True
+        except IdempotencyConflict:
+            # Another process stored a run under this key since the check above; the failed
+            # transaction took no unit.
+            earlier = await self._earlier_run(trigger)
+            if earlier is None:
+                raise
+            return earlier, False
+
+    def _refused(self, run: Run, message: str, retry_after_s: int) -> QuotaExceeded:
+        """The error of a trigger whose run the quota refused (stored ``rate_limited``)."""
+        self._rejections.labels(reason=QuotaExceeded.code).inc()
+        return QuotaExceeded(message, run_id=run.run_id, retry_after_s=retry_after_s)
 
     async def _shielded(self, decision: Coroutine[Any, Any, T]) -> T:
         """Run ``decision`` to its end even if the caller is cancelled meanwhile."""

@@ -10,6 +10,11 @@ all. Two stores keep the counters, one per deployment shape, behind :class:`Quot
   counter without a TTL (RELIABILITY.md F1), and a release never recreates an expired one.
 - :class:`DatabaseQuotaStore` (no Redis): the ``quota_usage`` table through
   :class:`~moorline.db.repos.quotas.QuotasRepo`, whose conditional UPDATE is just as atomic.
+  Built by :func:`make_quota_store` it is *taken with runs*: admission does not consume a unit
+  in a transaction of its own but hands the run's
+  :class:`~moorline.db.repos.quotas.QuotaClaim` to the Submitter, whose batch transaction takes
+  the units and stores the runs together (one transaction for many triggers instead of one per
+  trigger, and a unit can never be taken without its run being stored, nor the reverse).
 
 Both refuse the unit that would pass the limit, whatever the concurrency, so "exactly the
 quota" holds for any number of API processes. Days are UTC and come from the API process's
@@ -29,6 +34,10 @@ from moorline.settings import Settings
 from moorline.types import TenantId
 
 DAY_FORMAT = "%Y-%m-%d"
+
+REDIS_CONNECTIONS = 50
+"""Connections of one process's quota store (and of its rate limiter's Redis storage); callers
+beyond them wait for a free one."""
 
 COUNTER_MARGIN_S = 3600.0
 """Seconds a Redis counter outlives its day: API processes whose clocks disagree by less than
@@ -53,6 +62,15 @@ def seconds_until(now: datetime, then: datetime) -> int:
 
 class QuotaStore(Protocol):
     """Per-tenant daily counters with an atomic take-unless-full."""
+
+    @property
+    def taken_with_runs(self) -> bool:
+        """Whether a unit is taken in the transaction that stores its run.
+
+        True only for counters in the runs' own database: admission then hands the Submitter a
+        :class:`~moorline.db.repos.quotas.QuotaClaim` instead of calling :meth:`consume`.
+        """
+        ...
 
     async def consume(self, tenant_id: TenantId, day: str, limit: int) -> int | None:
         """Take one unit of ``day`` unless ``limit`` are taken.
@@ -84,10 +102,21 @@ class QuotaStore(Protocol):
 
 
 class DatabaseQuotaStore(QuotaStore):
-    """Quota counters in the ``quota_usage`` table (deployments without Redis)."""
+    """Quota counters in the ``quota_usage`` table (deployments without Redis).
 
-    def __init__(self, db: DatabaseManager) -> None:
+    Args:
+        db: The runs' database.
+        taken_with_runs: Take units in the Submitter's transactions (see the module docstring)
+            rather than through :meth:`consume`.
+    """
+
+    def __init__(self, db: DatabaseManager, *, taken_with_runs: bool = False) -> None:
         self._repo = QuotasRepo(db)
+        self._taken_with_runs = taken_with_runs
+
+    @property
+    def taken_with_runs(self) -> bool:
+        return self._taken_with_runs
 
     async def consume(self, tenant_id: TenantId, day: str, limit: int) -> int | None:
         return await self._repo.consume(tenant_id, day, limit)
@@ -131,7 +160,7 @@ class RedisQuotaStore(QuotaStore):
             ConfigError: the ``redis`` package is not installed.
         """
         try:
-            from redis.asyncio import Redis
+            from redis.asyncio import BlockingConnectionPool, Redis
             from redis.exceptions import RedisError
 
             from moorline.runtime.redis import load_script
@@ -139,12 +168,22 @@ class RedisQuotaStore(QuotaStore):
             raise ConfigError(
                 "MOORLINE_REDIS_URL: the redis package is missing; install moorline[redis]"
             ) from None
-        self._client = Redis.from_url(url, decode_responses=True)
+        # A blocking pool: a burst of triggers beyond it waits for a connection, where the
+        # default pool would fail the ones past its 100th with "Too many connections" (503).
+        self._client = Redis.from_pool(
+            BlockingConnectionPool.from_url(
+                url, decode_responses=True, max_connections=REDIS_CONNECTIONS
+            )
+        )
         self._redis_error = RedisError
         self.keys = RedisKeys(prefix)
         self._clock = clock or (lambda: datetime.now(UTC))
         self._consume = self._client.register_script(load_script("consume_quota"))
         self._release = self._client.register_script(load_script("release_quota"))
+
+    @property
+    def taken_with_runs(self) -> bool:
+        return False
 
     def _ttl_ms(self, day: str) -> int:
         start = datetime.combine(date.fromisoformat(day), time(0), tzinfo=UTC)
@@ -193,7 +232,7 @@ class RedisQuotaStore(QuotaStore):
 
 
 def make_quota_store(settings: Settings, db: DatabaseManager) -> QuotaStore:
-    """Redis counters when ``MOORLINE_REDIS_URL`` is set, else the database's."""
+    """Redis counters when ``MOORLINE_REDIS_URL`` is set, else the database's (taken with runs)."""
     if settings.redis_url:
         return RedisQuotaStore(settings.redis_url, prefix=settings.redis_prefix)
-    return DatabaseQuotaStore(db)
+    return DatabaseQuotaStore(db, taken_with_runs=True)

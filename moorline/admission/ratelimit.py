@@ -5,9 +5,14 @@ one webhook) counts against that credential's window. The strategy is the librar
 window*: at most ``count`` hits in any span of the period, with no double burst at a window
 boundary as a fixed window would allow (RELIABILITY.md F3).
 
-Storage follows the deployment: the library's in-process memory storage without Redis, its
-Redis storage with it, under ``<prefix>:ratelimit`` (:meth:`RedisKeys.rate_limits`), where each
-window's key gets its expiry in the same Lua script that writes it.
+Storage follows the deployment: the library's Redis storage with Redis, under
+``<prefix>:ratelimit`` (:meth:`RedisKeys.rate_limits`), where each window's key gets its expiry
+in the same Lua script that writes it. Without Redis, the library's *synchronous* memory
+storage keeps the same window in this process's memory: its calls never block (a dict and a
+lock per key, expiry swept by a timer thread), whereas its async twin starts, on every hit, an
+expiry task that hops to a thread while it holds the key's lock, so every trigger of one API
+key queued behind a thread pool round trip (a profile of a loaded server showed it among the
+largest costs of a trigger).
 
 A rate limit protects the service; it is not an account of anything. When its storage does not
 answer the request is let through and a warning logged (fail open, RELIABILITY.md F5), while the
@@ -21,9 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import limits
-from limits.aio.storage import MemoryStorage, RedisStorage, Storage
+from limits.aio.storage import RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter as SyncMovingWindowRateLimiter
 
+from moorline.admission.quotas import REDIS_CONNECTIONS
 from moorline.errors import RateLimited
 from moorline.runtime.keys import RedisKeys
 from moorline.settings import Settings
@@ -53,22 +61,23 @@ class RateLimiter:
     def __init__(self, settings: Settings) -> None:
         """Choose the storage: Redis when ``MOORLINE_REDIS_URL`` is set, else memory."""
         self._pool: Any = None
-        storage: Storage
+        self._redis: tuple[RedisStorage, MovingWindowRateLimiter] | None = None
+        self._memory = SyncMovingWindowRateLimiter(MemoryStorage())
         if settings.redis_url:
-            from redis.asyncio import ConnectionPool
+            from redis.asyncio import BlockingConnectionPool
 
-            # Our own pool, so that close() can release its connections.
-            self._pool = ConnectionPool.from_url(settings.redis_url)
+            # Our own pool, so that close() can release its connections; blocking, so that a
+            # burst waits for a connection instead of failing (and being let through) beyond it.
+            self._pool = BlockingConnectionPool.from_url(
+                settings.redis_url, max_connections=REDIS_CONNECTIONS
+            )
             storage = RedisStorage(
                 f"async+{settings.redis_url}",
                 implementation="redispy",
                 key_prefix=RedisKeys(settings.redis_prefix).rate_limits(),
                 connection_pool=self._pool,
             )
-        else:
-            storage = MemoryStorage()
-        self._storage = storage
-        self._limiter = MovingWindowRateLimiter(storage)
+            self._redis = (storage, MovingWindowRateLimiter(storage))
         self._items: dict[str, limits.RateLimitItem] = {}
 
     def _item(self, rate: str) -> limits.RateLimitItem:
@@ -93,12 +102,24 @@ class RateLimiter:
             RateLimited: the window is full; nothing was counted.
         """
         item = self._item(rate)
+        if self._redis is None:
+            allowed = self._memory.hit(item, identity)
+            reset_at, remaining = self._memory.get_window_stats(item, identity)
+            return self._state(item, rate, allowed, reset_at, remaining)
+        redis_storage, limiter = self._redis
         try:
-            allowed = await self._limiter.hit(item, identity)
-            reset_at, remaining = await self._limiter.get_window_stats(item, identity)
-        except self._storage.base_exceptions as exc:
+            allowed = await limiter.hit(item, identity)
+            reset_at, remaining = await limiter.get_window_stats(item, identity)
+        except redis_storage.base_exceptions as exc:
             logger.warning("rate limit storage unavailable, letting the request through: %s", exc)
             return None
+        return self._state(item, rate, allowed, reset_at, remaining)
+
+    @staticmethod
+    def _state(
+        item: limits.RateLimitItem, rate: str, allowed: bool, reset_at: float, remaining: int
+    ) -> RateLimitState:
+        """The state after a hit, or the refusal of a hit over the limit."""
         reset_s = max(1, math.ceil(reset_at - time.time()))
         if not allowed:
             raise RateLimited(

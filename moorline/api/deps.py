@@ -6,8 +6,10 @@
 Authentication reads ``Authorization: Bearer <credential>`` only:
 
 - :func:`tenant_caller`: an API key, hashed and looked up (see
-  :mod:`moorline.db.repos.tenants`); a missing, unknown or revoked key is 401
-  ``unauthorized``, all alike.
+  :mod:`moorline.db.repos.tenants`; a key found is trusted for
+  :data:`~moorline.db.repos.tenants.AUTH_CACHE_TTL_S` seconds, so a revocation or plan change
+  made by another process reaches this one within that bound, one made here at once); a
+  missing, unknown or revoked key is 401 ``unauthorized``, all alike.
 - :func:`require_admin`: ``MOORLINE_ADMIN_TOKEN``, compared in constant time; a tenant's key
   is 403 ``forbidden``, anything else 401. Without an admin token the admin routes are off:
   every credential is refused there.
@@ -149,8 +151,12 @@ class Caller:
     rate_identity: str
 
 
-def get_services(request: Request) -> Services:
-    """The app's services."""
+async def get_services(request: Request) -> Services:
+    """The app's services.
+
+    A coroutine although it awaits nothing: FastAPI runs a plain ``def`` dependency in its
+    thread pool, a thread hop per request for an attribute read.
+    """
     services: Services = request.app.state.services
     return services
 

@@ -12,6 +12,7 @@ database:
   wake-ups; latency is ``started_at - created_at``, both from the database clock.
 
     .venv/bin/python bench/dispatch.py [--rounds 3] [--backends sqlite,postgresql,mysql]
+        [--figures enqueue,drain,latency]
 
 (or ``moorline bench --benchmarks enqueue,drain,latency`` for the report).
 """
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument(
+        "--figures", default="enqueue,drain,latency", help="which figures to measure"
+    )
     parser.add_argument("--enqueue-runs", type=int, default=defaults.enqueue_runs)
     parser.add_argument("--producers", type=int, default=defaults.producers)
     parser.add_argument("--drain-runs", type=int, default=defaults.drain_runs)
@@ -241,16 +245,26 @@ def main(argv: list[str] | None = None) -> None:
         f"{sizes.drain_runs} no-op runs, one worker, {sizes.slots} slots; latency at "
         f"{sizes.rate:.0f} runs/s for {sizes.latency_seconds:.0f} s; median of {args.rounds}"
     )
+    rounds = {"enqueue": enqueue_round, "drain": drain_round, "latency": latency_round}
+    chosen = args.figures.split(",")
+    unknown = sorted(set(chosen) - set(rounds))
+    if unknown:
+        parser.error(f"unknown figures: {', '.join(unknown)}")
+    units = {
+        "enqueue": " runs/s",
+        "drain": " runs/s",
+        "latency_p50": " ms",
+        "latency_p99": " ms",
+    }
     for backend in args.backends.split(","):
         figures: dict[str, list[float]] = {}
-        for measure in (enqueue_round, drain_round, latency_round):
+        for figure in chosen:
             for _ in range(args.rounds):
+                measure = rounds[figure]
                 found = asyncio.run(on_fresh_database(backend, partial(measure, sizes=sizes)))
                 for key, value in found.items():
                     figures.setdefault(key, []).append(value)
         print(f"{backend}")
-        print(f"  enqueue      {summary(figures['enqueue'], ' runs/s')}")
-        print(f"  drain        {summary(figures['drain'], ' runs/s')}")
-        print(f"  latency p50  {summary(figures['latency_p50'], ' ms')}")
-        print(f"  latency p99  {summary(figures['latency_p99'], ' ms')}")
+        for key, values in figures.items():
+            print(f"  {key.replace('_', ' '):12} {summary(values, units[key])}")
         sys.stdout.flush()

@@ -17,6 +17,7 @@ database, with the runner called directly on a claimed run (no worker loop in be
   reader, ≥ 1,000/s to each of 100.
 
     .venv/bin/python bench/engine.py [--rounds 3] [--only step,resume,events]
+        [--step-backends sqlite,postgresql,mysql]
 
 (or ``moorline bench --benchmarks step,resume,events`` for the report).
 """
@@ -52,6 +53,8 @@ T = TypeVar("T")
 LANE = "bench"
 CAPS = {"bench": 1_000_000}
 REDIS_URL = "redis://127.0.0.1:6379/0"
+STEP_BACKENDS = ("sqlite", "postgresql")
+"""Databases of the step figure by default: those with a target (MariaDB on request)."""
 PAIRINGS = {"memory": "sqlite", "redis": "postgresql"}
 """Store → database of the resume and events figures: the embedded and the scaled-out setup."""
 
@@ -285,12 +288,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interrupts", type=int, default=defaults.interrupts)
     parser.add_argument("--deltas", type=int, default=defaults.deltas)
     parser.add_argument("--fanout-deltas", type=int, default=defaults.fanout_deltas)
+    parser.add_argument(
+        "--step-backends",
+        default=",".join(STEP_BACKENDS),
+        help="databases of the step figure, of sqlite,postgresql,mysql",
+    )
     args = parser.parse_args(argv)
     sizes = EngineSizes(args.steps, args.interrupts, args.deltas, args.fanout_deltas)
     only = set(args.only.split(","))
     print(f"engine: median of {args.rounds} rounds (min, max)")
     if "step" in only:
-        for backend in ("sqlite", "postgresql"):
+        for backend in args.step_backends.split(","):
             found = rounds(args.rounds, backend, partial(step_round, sizes=sizes))
             print(f"  no-op step   {backend:10} {summary(found['step'], ' ms')}")
             sys.stdout.flush()

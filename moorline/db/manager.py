@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from sqlalchemy import event
+from sqlalchemy.dialects.sqlite.aiosqlite import SQLiteDialect_aiosqlite
 from sqlalchemy.engine import Connection, ExceptionContext, make_url
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -30,6 +31,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import QueuePool, StaticPool
 
+from moorline.db import sqlite_driver
 from moorline.db.dialects import (
     DialectName,
     is_read_only_error,
@@ -79,10 +81,10 @@ class DatabaseManager:
         self.targets: list[ConnectTarget] = (
             [] if "sqlite" in drivers else [parse_target(url) for url in urls]
         )
-        self.engine = self._create_engine()
         self.dialect: DialectName = (
             "sqlite" if "sqlite" in drivers else "postgresql" if "postgres" in drivers else "mysql"
         )
+        self.engine = self._create_engine()
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         # SQLite has one writer at a time. Queueing this process's writers here, in order,
         # replaces a pile-up in SQLite's busy handler, which sleeps up to 100 ms between
@@ -111,6 +113,7 @@ class DatabaseManager:
             pool_timeout=s.db_pool_timeout,
             pool_recycle=int(s.db_pool_recycle),
             pool_pre_ping=s.db_pool_pre_ping,
+            isolation_level=write_isolation_level(self.dialect),
         )
 
         @event.listens_for(engine.sync_engine, "handle_error")
@@ -129,9 +132,12 @@ class DatabaseManager:
         if parsed.drivername != "sqlite+aiosqlite":
             parsed = parsed.set(drivername="sqlite+aiosqlite")
         in_memory = parsed.database in (None, "", ":memory:")
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any]
         if in_memory:
             kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+        else:
+            connect_args = SQLiteDialect_aiosqlite().create_connect_args(parsed)
+            kwargs = {"async_creator": sqlite_driver.connector(*connect_args)}
         engine = create_async_engine(parsed, **kwargs)
 
         @event.listens_for(engine.sync_engine, "connect")
@@ -181,22 +187,17 @@ class DatabaseManager:
 
     @asynccontextmanager
     async def write_transaction(self) -> AsyncIterator[AsyncConnection]:
-        """One write transaction at the isolation level of the dispatch and fenced writes.
+        """One write transaction of the dispatch and fenced writes: :meth:`transaction`.
 
-        READ COMMITTED on the servers, so a statement after a lock wait sees what the previous
-        lock holder committed (MySQL's default REPEATABLE READ could read an older snapshot, and
-        a tenant cap or fence checked against it could be wrong); ``BEGIN IMMEDIATE`` on SQLite
-        (see :meth:`transaction`).
+        These writes need READ COMMITTED on the servers, so a statement after a lock wait sees
+        what the previous lock holder committed (MySQL's default REPEATABLE READ could read an
+        older snapshot, and a tenant cap or fence checked against it could be wrong). Every
+        pooled connection is set to it once, when it connects (see ``_create_engine``), rather
+        than per transaction: on MySQL setting and resetting it cost two round trips each
+        time. On SQLite ``BEGIN IMMEDIATE`` serialises writers instead.
         """
-        level = write_isolation_level(self.dialect)
-        if level is None:
-            async with self.transaction() as conn:
-                yield conn
-            return
-        async with self.engine.connect() as conn:
-            await conn.execution_options(isolation_level=level)
-            async with conn.begin():
-                yield conn
+        async with self.transaction() as conn:
+            yield conn
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:

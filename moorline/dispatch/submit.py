@@ -8,6 +8,11 @@ it with one :meth:`~moorline.db.repos.runs.RunsRepo.submit_many` transaction: wh
 commits, the next one gathers, so the batch size follows the load without any timer. Each
 caller still awaits its own run or its own error.
 
+A submission may carry a :class:`~moorline.db.repos.quotas.QuotaClaim` (admission does when
+the quota counters are in the database): its unit of the daily quota is taken in the batch's
+transaction, so one transaction decides the quota of many triggers and stores their runs, and a
+run refused by the quota comes back stored ``rate_limited``.
+
 The coalescing is hand-written rather than a library's because it must know the repository's
 error semantics: a batch refused for one bad row (an idempotency conflict, say) is retried run
 by run, so only that row's caller gets the error.
@@ -18,11 +23,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.errors import MoorlineError
 from moorline.plans import Plan
-from moorline.types import JSONObject, RunId, TenantId
+from moorline.types import JSONObject, RunId, RunStatus, TenantId
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +41,7 @@ _CLOSED = "Submitter is closed"
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Request:
     new: NewRun
+    quota: QuotaClaim | None
     future: asyncio.Future[Run]
 
 
@@ -85,11 +92,17 @@ class Submitter:
         """Runs stored so far."""
         return self._runs_written
 
-    async def submit(self, new: NewRun) -> Run:
+    async def submit(self, new: NewRun, *, quota: QuotaClaim | None = None) -> Run:
         """Store ``new`` as a ``queued`` run, in a transaction shared with concurrent callers.
 
+        Args:
+            new: The run to store.
+            quota: The daily-quota unit the run needs, taken in the same transaction; without
+                one the run is stored ``rate_limited`` (see
+                :meth:`~moorline.db.repos.runs.RunsRepo.submit_many`).
+
         Returns:
-            The run as stored.
+            The run as stored: ``queued``, or ``rate_limited`` when ``quota`` was refused.
 
         Raises:
             RuntimeError: the submitter is closed.
@@ -102,7 +115,7 @@ class Submitter:
         if self._writer is None:
             self._writer = asyncio.create_task(self._run(), name="moorline-submitter")
         future: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Request(new=new, future=future))
+        await self._queue.put(_Request(new=new, quota=quota, future=future))
         if self._writer.done():
             # The writer stopped while this caller waited for room in the queue.
             self._fail_waiting(RuntimeError(_CLOSED))
@@ -155,7 +168,7 @@ class Submitter:
 
     async def _write_batch(self, batch: list[_Request]) -> None:
         try:
-            stored = await self._runs.submit_many([request.new for request in batch])
+            stored = await self._store(batch)
         except MoorlineError as exc:
             if len(batch) == 1:
                 _settle(batch[0], exc)
@@ -174,18 +187,28 @@ class Submitter:
         self._count(len(stored))
         for request, run in zip(batch, stored, strict=True):
             _settle(request, run)
-        self._notify({run.lane for run in stored})
+        lanes = {run.lane for run in stored if run.status is RunStatus.QUEUED}
+        if lanes:
+            self._notify(lanes)
+
+    async def _store(self, batch: list[_Request]) -> list[Run]:
+        quotas = [request.quota for request in batch]
+        return await self._runs.submit_many(
+            [request.new for request in batch],
+            quotas=quotas if any(quota is not None for quota in quotas) else None,
+        )
 
     async def _write_one_by_one(self, batch: list[_Request]) -> None:
         lanes: set[str] = set()
         for request in batch:
             try:
-                [run] = await self._runs.submit_many([request.new])
+                [run] = await self._store([request])
             except Exception as exc:
                 _settle(request, exc)
                 continue
             self._count(1)
-            lanes.add(run.lane)
+            if run.status is RunStatus.QUEUED:
+                lanes.add(run.lane)
             _settle(request, run)
         if lanes:
             self._notify(lanes)

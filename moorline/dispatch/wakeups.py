@@ -27,6 +27,8 @@ else LISTEN/NOTIFY on PostgreSQL, else in-process only.
 
 import asyncio
 import logging
+import math
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -91,12 +93,21 @@ class Waiter(Protocol):
         """
         ...
 
-    async def wait(self, lane: str, timeout_s: float) -> bool:
+    async def wait(self, lane: str, timeout_s: float, *, seen_before: float | None = None) -> bool:
         """Wait until ``lane`` is notified or ``timeout_s`` seconds pass.
 
         A notification that arrived while no task of this process was waiting on the lane is
         kept for the next ``wait`` on it, so one sent between a worker's empty claim and its
         ``wait`` is not lost. All tasks waiting on the lane wake together.
+
+        Args:
+            lane: The lane to wait for.
+            timeout_s: The slow poll: return False after this many seconds.
+            seen_before: A ``time.monotonic()`` instant by which the caller's last look at
+                the lane (its claim's transaction) had begun. Notifications are sent after
+                the commit that made runs claimable, so those kept from before it announce
+                runs that look already saw: they are dropped instead of waking the caller
+                for a claim that would find nothing new.
 
         Returns:
             True when woken (by a notification or a listener reconnect), False on timeout.
@@ -122,6 +133,8 @@ class LocalWakeups(Notifier, Waiter):
         self.origin = uuid.uuid4().hex
         """Id of this process's wake-ups, carried by remote payloads to skip our own echo."""
         self._events: dict[str, asyncio.Event] = {}
+        self._woken_at: dict[str, float] = {}
+        """``time.monotonic()`` of each lane's latest wake-up."""
 
     def _event(self, lane: str) -> asyncio.Event:
         event = self._events.get(lane)
@@ -131,13 +144,14 @@ class LocalWakeups(Notifier, Waiter):
 
     def wake(self, lanes: Iterable[str]) -> None:
         """Wake the waiters of ``lanes`` now (synchronous, for listener callbacks)."""
+        now = time.monotonic()
         for lane in lanes:
+            self._woken_at[lane] = now
             self._event(lane).set()
 
     def wake_all(self) -> None:
         """Wake every lane this process has waited on or been notified about."""
-        for event in self._events.values():
-            event.set()
+        self.wake(list(self._events))
 
     async def notify(self, lanes: set[str]) -> None:
         self.wake(lanes)
@@ -145,8 +159,14 @@ class LocalWakeups(Notifier, Waiter):
     async def start(self) -> None:
         return None
 
-    async def wait(self, lane: str, timeout_s: float) -> bool:
+    async def wait(self, lane: str, timeout_s: float, *, seen_before: float | None = None) -> bool:
         event = self._event(lane)
+        if (
+            event.is_set()
+            and seen_before is not None
+            and self._woken_at.get(lane, math.inf) <= seen_before
+        ):
+            event.clear()  # every wake-up kept is older than the caller's last look
         if not event.is_set():
             if timeout_s <= 0:
                 return False
@@ -240,9 +260,9 @@ class ListeningWakeups(Notifier, Waiter, ABC):
         await self._first_attempt.wait()
         self._raise_if_dead()
 
-    async def wait(self, lane: str, timeout_s: float) -> bool:
+    async def wait(self, lane: str, timeout_s: float, *, seen_before: float | None = None) -> bool:
         self._raise_if_dead()
-        return await self.hub.wait(lane, timeout_s)
+        return await self.hub.wait(lane, timeout_s, seen_before=seen_before)
 
     async def close(self) -> None:
         task, self._task = self._task, None

@@ -47,6 +47,7 @@ from moorline.db.repos.messages import MessagesRepo
 from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt
 from moorline.db.repos.steps import CancelRequested, LeaseLost, StepsRepo
+from moorline.engine.checkpoints import Checkpoints
 from moorline.engine.events import BUFFERED_EVENT_TYPES, EventWriter
 from moorline.engine.steps import (
     backoff_delay_s,
@@ -157,7 +158,7 @@ class Context:
     ) -> None:
         self._fence: Fence = claim.fence
         self._run = claim.run
-        self._steps = steps
+        self._checkpoints = Checkpoints(claim.fence, steps)
         self._events = events
         self._interrupts = interrupts
         self._messages = messages
@@ -241,17 +242,15 @@ class Context:
         failures = 0
         while True:
             await self._check_boundary()
-            start = await self._fenced(self._steps.start(self._fence, key, function, digest))
+            start = await self._fenced(self._checkpoints.start(key, function, digest))
             if start.replay:
-                return start.step.output
+                return start.output
             token = _CURRENT_STEP.set((self.run_id, key))
             try:
                 result = await call_step_function(fn, args, kwargs)
                 output = to_json(result, f"the result of step {key!r}")
             except Exception as exc:
-                await self._fenced(
-                    self._steps.fail(self._fence, key, f"{type(exc).__name__}: {exc}")
-                )
+                await self._fenced(self._checkpoints.fail(key, f"{type(exc).__name__}: {exc}"))
                 failures += 1
                 if failures > retries or isinstance(exc, TypeError):
                     raise
@@ -270,7 +269,7 @@ class Context:
                 continue
             finally:
                 _CURRENT_STEP.reset(token)
-            await self._fenced(self._steps.succeed(self._fence, key, output))
+            await self._fenced(self._checkpoints.succeed(key, output))
             return output
 
     def idempotency_key(self) -> str:
@@ -391,16 +390,14 @@ class Context:
         deadline = loop.time() + remaining_s
         try:
             await store.open_interrupt(self.run_id, iid, remaining_s + STORE_INTERRUPT_MARGIN_S)
-            while True:
-                found = await self._interrupts.get(iid)
-                if found is not None and not found.is_pending:
-                    return _decision_of(found)
+            # Read once the store has the interrupt, so a decision signalled before is seen.
+            found = await self._interrupts.get(iid)
+            while found is None or found.is_pending:
                 left_s = deadline - loop.time()
                 if left_s <= 0:
                     return await self._settle(interrupt, DecisionReason.TIMEOUT)
-                woke = await store.wait_interrupt(
-                    self.run_id, iid, min(left_s, self._interrupt_poll_s)
-                )
+                slice_s = min(left_s, self._interrupt_poll_s)
+                woke = await store.wait_interrupt(self.run_id, iid, slice_s)
                 if woke == CANCELLED_DECISION:
                     self._is_cancelled = True
                     return await self._settle(interrupt, DecisionReason.CANCELLED)
@@ -412,18 +409,16 @@ class Context:
                         iid,
                         max(0.0, deadline - loop.time()) + STORE_INTERRUPT_MARGIN_S,
                     )
-                elif not await self._is_resolved(iid):
+                found = await self._interrupts.get(iid)
+                if woke is not None and (found is None or found.is_pending):
                     # The store has a decision the database does not show yet: the approver
                     # commits there first, so give its commit a poll slice to become visible.
-                    if await store.wait_cancelled(self.run_id, min(left_s, self._interrupt_poll_s)):
+                    if await store.wait_cancelled(self.run_id, slice_s):
                         self._is_cancelled = True
                         return await self._settle(interrupt, DecisionReason.CANCELLED)
+            return _decision_of(found)
         except StoreShutdown:
             return await self._settle(interrupt, DecisionReason.SHUTDOWN)
-
-    async def _is_resolved(self, interrupt_id: str) -> bool:
-        found = await self._interrupts.get(interrupt_id)
-        return found is not None and not found.is_pending
 
     async def _settle(self, interrupt: Interrupt, reason: DecisionReason) -> Decision:
         """Deny the interrupt for ``reason`` in the database, unless a decision came first."""

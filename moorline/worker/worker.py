@@ -4,9 +4,10 @@ One :class:`Worker` per process (or per in-process loop of ``moorline serve``):
 
 - **Lanes and slots.** Each lane has its own slots and its own claim loop, so a flooded
   sandbox lane never takes a professional slot. A loop claims as many runs as it has free
-  slots, in one statement (:meth:`~moorline.db.repos.queue.QueueRepo.claim_batch`, which also
-  enforces tenant caps and round-robin between tenants), then sleeps until a wake-up, a freed
-  slot or the slow poll.
+  slots, in one transaction (:meth:`~moorline.db.repos.queue.QueueRepo.claim`, which also
+  enforces tenant caps and round-robin between tenants), then sleeps until a wake-up, the slow
+  poll, or a local reason to look again: a freed slot when the lane was full or a tenant's cap
+  held runs back, or a retry of its own whose delay has passed.
 - **Leases.** A heartbeat loop renews every held lease each ``LEASE_TTL/3`` with a statement
   fenced by (run, attempt, owner, running). A renewal that matches no row means the lease is
   gone (reaped, cancelled): the execution is cancelled at once and writes nothing more. The
@@ -77,8 +78,11 @@ class WorkerCrashed(MoorlineError):
 class Waiter(Protocol):
     """Wakes a lane's claim loop when new work may be there (see ``moorline.dispatch``)."""
 
-    async def wait(self, lane: str, timeout_s: float) -> bool:
-        """Return True when woken for ``lane``, False after ``timeout_s``."""
+    async def wait(self, lane: str, timeout_s: float, *, seen_before: float | None = None) -> bool:
+        """Return True when woken for ``lane``, False after ``timeout_s``.
+
+        Wake-ups from before ``seen_before`` (``time.monotonic()``) are already covered.
+        """
         ...
 
 
@@ -104,6 +108,8 @@ class _Execution:
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when a heartbeat finds the run's cancel recorded in the database."""
     started: float = field(default_factory=time.monotonic)
+    finished: bool = False
+    """Its outcome is written (or given up): no heartbeat or fence concerns it any more."""
 
 
 class Worker:
@@ -162,7 +168,16 @@ class Worker:
         self._completer = Completer(self._runs)
         self._executions: set[_Execution] = set()
         self._in_lane = dict.fromkeys(self._lanes, 0)
-        self._slot_freed = {lane: asyncio.Event() for lane in self._lanes}
+        self._recheck = {lane: asyncio.Event() for lane in self._lanes}
+        """Set when this process knows its lane may have claimable work (see ``_claim_loop``)."""
+        self._wants_slot = dict.fromkeys(self._lanes, False)
+        """Whether a slot freed in the lane should make its loop claim again."""
+        self._retry_timers: set[asyncio.TimerHandle] = set()
+        # prometheus-client's labels() takes a lock and builds a key per call: once per lane.
+        self._latency_by_lane = {
+            lane: self._metrics.dispatch_latency_s.labels(lane=lane) for lane in self._lanes
+        }
+        self._duration_by_outcome: dict[tuple[str, str], Any] = {}
         self._claiming = True
         self._closing = asyncio.Event()
         self._runtime_renewal: asyncio.Task[None] | None = None
@@ -203,15 +218,17 @@ class Worker:
                 await stop.wait()
                 self._claiming = False
                 for lane in self._lanes:
-                    self._slot_freed[lane].set()
+                    self._recheck[lane].set()
                 await asyncio.gather(*claimers)
                 await self._drain()
                 self._completer.close()
                 self._closing.set()
+                self._cancel_retry_timers()
         except BaseExceptionGroup as group_error:
             # A loop died: nobody renews leases or writes outcomes any more, so running
             # executions must stop now; their runs return through the reaper.
             self._abandon_all()
+            self._cancel_retry_timers()
             cause = group_error.exceptions[0]
             logger.critical("worker %s: a loop died: %r", self.owner, cause, exc_info=cause)
             raise WorkerCrashed(f"worker loop died: {cause!r}") from cause
@@ -241,16 +258,26 @@ class Worker:
     # --- claiming ----------------------------------------------------------------------------
 
     async def _claim_loop(self, lane: str, stop: asyncio.Event) -> None:
+        """Claim whenever the lane may have work for a free slot, else wait.
+
+        The loop claims again at once after a full batch; otherwise it waits for a wake-up
+        (new work somewhere), the slow poll, or a local reason: a run of this worker went
+        back to the queue with a retry delay that has now passed, or a slot was freed while
+        the last claim had left runs behind for want of a tenant's free slot. A slot freed
+        when the last claim found the lane empty wakes nobody: a claim then would find nothing
+        the wake-ups would not announce, and on SQLite would still take the write lock.
+        """
         slots = self._lanes[lane]
         failures = 0
         while self._claiming:
             free = slots - self._in_lane[lane]
             if free <= 0:
-                self._slot_freed[lane].clear()
-                await self._slot_freed[lane].wait()
+                self._wants_slot[lane] = True
+                self._recheck[lane].clear()
+                await self._recheck[lane].wait()
                 continue
             try:
-                claims = await self._queue.claim_batch(
+                batch = await self._queue.claim(
                     lane,
                     self.owner,
                     limit=free,
@@ -271,26 +298,52 @@ class Worker:
                         await stop.wait()
                 continue
             failures = 0
-            for claim in claims:
+            for claim in batch.claims:
                 self._start(claim, lane)
-            if len(claims) < free and self._claiming:
-                await self._wait_for_work(lane, stop)
+            if len(batch.claims) < free and self._claiming:
+                self._wants_slot[lane] = batch.is_capped
+                await self._wait_for_work(lane, stop, batch.began_monotonic_s)
 
-    async def _wait_for_work(self, lane: str, stop: asyncio.Event) -> None:
-        """Until a wake-up for ``lane``, a freed slot, ``stop``, or the slow poll."""
+    async def _wait_for_work(self, lane: str, stop: asyncio.Event, seen_before: float) -> None:
+        """Until a wake-up for ``lane``, a local recheck, ``stop``, or the slow poll.
+
+        Wake-ups sent before ``seen_before``, when the last claim's transaction began,
+        announced runs that claim saw already: they do not count.
+        """
+        recheck = self._recheck[lane]
+        if recheck.is_set():
+            recheck.clear()
+            return
         waits: list[asyncio.Future[Any]] = [
             asyncio.ensure_future(stop.wait()),
-            asyncio.ensure_future(self._slot_freed[lane].wait()),
+            asyncio.ensure_future(recheck.wait()),
         ]
         if self._waiter is not None:
-            waits.append(asyncio.ensure_future(self._waiter.wait(lane, self._poll_interval_s)))
-        self._slot_freed[lane].clear()
+            woken = self._waiter.wait(lane, self._poll_interval_s, seen_before=seen_before)
+            waits.append(asyncio.ensure_future(woken))
         try:
             await asyncio.wait(waits, timeout=self._poll_interval_s, return_when="FIRST_COMPLETED")
         finally:
             for waiting in waits:
                 waiting.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
+            recheck.clear()
+
+    def _wake_at(self, lane: str, delay_s: float) -> None:
+        """Make ``lane``'s loop claim again in ``delay_s`` seconds (a retry becomes due)."""
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:
+            self._retry_timers.discard(handle)
+            self._recheck[lane].set()
+
+        handle = loop.call_later(delay_s, wake)
+        self._retry_timers.add(handle)
+
+    def _cancel_retry_timers(self) -> None:
+        for handle in self._retry_timers:
+            handle.cancel()
+        self._retry_timers.clear()
 
     def _start(self, claim: Claim, lane: str) -> None:
         execution = _Execution(claim=claim, lane=lane)
@@ -301,7 +354,7 @@ class Worker:
         run = claim.run
         # Both instants are database time: the claim set updated_at, the enqueue not_before.
         waited_s = (run.updated_at - run.not_before).total_seconds()
-        self._metrics.dispatch_latency_s.labels(lane=lane).observe(max(0.0, waited_s))
+        self._latency_by_lane[lane].observe(max(0.0, waited_s))
         execution.task = asyncio.create_task(
             self._execute(execution), name=f"run:{claim.fence.run_id}:{claim.fence.attempt}"
         )
@@ -322,6 +375,10 @@ class Worker:
                 applied = await self._completer.complete(outcome)
                 if applied:
                     self._count_outcome(execution, outcome)
+                    if isinstance(outcome, Failed) and outcome.retry_delay_s is not None:
+                        # Claimable again once its delay has passed: look for it then
+                        # rather than at the next poll.
+                        self._wake_at(execution.lane, max(0.0, outcome.retry_delay_s))
                 else:
                     self._count_lease_loss(execution)
                     logger.warning(
@@ -352,14 +409,24 @@ class Worker:
         else:
             name = outcome.status.value
         elapsed_s = time.monotonic() - execution.started
-        self._metrics.run_duration_s.labels(lane=execution.lane, outcome=name).observe(elapsed_s)
+        key = (execution.lane, name)
+        duration = self._duration_by_outcome.get(key)
+        if duration is None:
+            labels = {"lane": execution.lane, "outcome": name}
+            duration = self._duration_by_outcome[key] = self._metrics.run_duration_s.labels(
+                **labels
+            )
+        duration.observe(elapsed_s)
 
     def _count_lease_loss(self, execution: _Execution) -> None:
         self._metrics.lease_losses.labels(lane=execution.lane).inc()
 
     async def _release_runtime(self, claim: Claim) -> None:
+        # Not shielded (a shield is a task per run): this runs after ``_finish``, and from then
+        # on nothing cancels the execution's task, since heartbeats, self-fences, the drain
+        # and the crash path all skip finished executions.
         try:
-            await asyncio.shield(self._runner.release(claim))
+            await self._runner.release(claim)
         except Exception:
             logger.exception("run %s: could not release its runtime state", claim.fence.run_id)
 
@@ -409,11 +476,13 @@ class Worker:
         return Succeeded(fence=claim.fence, output=output)
 
     def _finish(self, execution: _Execution) -> None:
+        execution.finished = True
         if execution.fence_timer is not None:
             execution.fence_timer.cancel()
         self._executions.discard(execution)
         self._in_lane[execution.lane] -= 1
-        self._slot_freed[execution.lane].set()
+        if self._wants_slot[execution.lane]:
+            self._recheck[execution.lane].set()
         self.finished += 1
 
     # --- leases ------------------------------------------------------------------------------
@@ -434,7 +503,7 @@ class Worker:
         )
 
     def _lose(self, execution: _Execution, why: str) -> None:
-        if execution.lost:
+        if execution.lost or execution.finished:
             return
         execution.lost = True
         self._count_lease_loss(execution)
@@ -486,6 +555,10 @@ class Worker:
             logger.warning("heartbeat for %d runs failed: %r", len(held), exc)
             return
         for execution in held:
+            if execution.finished:
+                # It ended while the renewal ran: its lease went with its outcome, which is
+                # neither a lease lost nor a reason to arm its self-fence again.
+                continue
             fence = execution.claim.fence
             if (fence.run_id, fence.attempt) in renewal.renewed:
                 if not execution.lost:
@@ -496,7 +569,7 @@ class Worker:
                 self._lose(execution, "renewal matched no row (reclaimed, cancelled or finished)")
         # In its own task: a slow RuntimeStore must never delay the next database heartbeat.
         if self._runtime_renewal is None or self._runtime_renewal.done():
-            kept = [execution.claim for execution in held if not execution.lost]
+            kept = [e.claim for e in held if not (e.lost or e.finished)]
             self._runtime_renewal = asyncio.create_task(
                 self._renew_runtime(kept), name="runtime-renewal"
             )

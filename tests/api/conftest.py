@@ -2,7 +2,9 @@
 
 Every test gets a fresh app (its own admission state, rate-limit memory, submitter), with a
 plans file whose rates are high enough never to bind, except the ``trickle`` plan's, which
-tests of the limits use. ``make_api`` builds more apps, with Redis for instance. Tests keep
+tests of the limits use. The sandbox plan's rate is per minute, so that its rate-limit keys in
+Redis (which expire one window after the last hit) are still there when a test looks for them.
+``make_api`` builds more apps, with Redis for instance. Tests keep
 apart by creating their own tenants.
 
 The database is SQLite (a file per module): the routes' SQL lives in repositories whose
@@ -41,7 +43,7 @@ plans:
     lane: workflow_sandbox
     priority: 10
     daily_quota: 50
-    rate_limit: "100000/second"
+    rate_limit: "6000000/minute"
     tenant_concurrency: 2
     lane_slots: 2
   team:

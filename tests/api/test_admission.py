@@ -10,8 +10,8 @@ test no quota or rate-limit key may lack a TTL (RELIABILITY.md F1).
 import asyncio
 import os
 from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -22,6 +22,8 @@ from moorline.admission.quotas import DatabaseQuotaStore, QuotaStore, quota_day
 from moorline.admission.ratelimit import RateLimiter
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.listing import RunListing
+from moorline.db.repos.quotas import QuotaClaim
+from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.repos.tenants import TenantsRepo
 from moorline.dispatch.submit import Submitter
@@ -135,10 +137,18 @@ async def test_clients_that_go_away_mid_request_lose_no_unit(
 ) -> None:
     async with make_api(**deployment.settings) as api:
         caller = await api.tenant("sandbox")
-        requests = [
-            asyncio.ensure_future(api.trigger(caller, input={"message": str(i)}))
-            for i in range(QUOTA * 2)
-        ]
+        requests: list[asyncio.Future[Any]] = []
+
+        async def send() -> None:
+            # Paced rather than all at once: a batch of admissions stores every run sent with
+            # it in one transaction, so clients sent together would all be answered together,
+            # before any of them could go away mid-request.
+            for i in range(QUOTA * 2):
+                trigger = api.trigger(caller, input={"message": str(i)})
+                requests.append(asyncio.ensure_future(trigger))
+                await asyncio.sleep(0.002)
+
+        sending = asyncio.ensure_future(send())
 
         async def some_admitted() -> bool:
             usage = await api.client.get("/v1/usage", headers=caller.headers)
@@ -148,6 +158,7 @@ async def test_clients_that_go_away_mid_request_lose_no_unit(
         gone = [request for request in requests if not request.done()][::2]
         for request in gone:
             request.cancel()
+        await sending
         await asyncio.gather(*requests, return_exceptions=True)
         assert any(request.cancelled() for request in gone)
         await api.app.state.services.admission.close()  # decisions of departed clients end
@@ -246,6 +257,64 @@ async def test_a_run_that_cannot_be_stored_gives_its_unit_back(make_api: MakeApi
         assert usage.used_today == 0
         assert await api.count_runs(caller) == 0
         assert await TenantsRepo(api.db).get(tenant_id) is not None
+
+
+class RacingRuns(RunsRepo):
+    """Before its first batch, lets "another API process" store ``rival`` (quota taken with
+    runs: the unit is taken in the batch's transaction, after the idempotency check)."""
+
+    def __init__(self, db: DatabaseManager, rival: NewRun) -> None:
+        super().__init__(db)
+        self._rival: NewRun | None = rival
+
+    async def submit_many(
+        self, new: Sequence[NewRun], *, quotas: Sequence[QuotaClaim | None] | None = None
+    ) -> list[Run]:
+        rival, self._rival = self._rival, None
+        if rival is not None:
+            await RunsRepo(self._db).submit_many([rival])
+        return await super().submit_many(new, quotas=quotas)
+
+
+async def test_with_units_taken_with_runs_a_lost_key_race_or_a_failed_store_takes_no_unit(
+    make_api: MakeApi,
+) -> None:
+    async with make_api() as api:
+        caller = await api.tenant("sandbox")
+        tenant_id = TenantId(caller.tenant_id)
+        plan = await PlansProvider(api.settings).get("sandbox")
+        quotas = DatabaseQuotaStore(api.db, taken_with_runs=True)
+        rival = NewRun(
+            tenant_id=tenant_id,
+            workflow="echo",
+            input={"message": "hi"},
+            lane=plan.lane,
+            idempotency_key="race",
+        )
+        racing = Submitter(RacingRuns(api.db, rival))
+        trigger = Trigger(
+            tenant_id=tenant_id,
+            plan=plan,
+            rate_identity="test",
+            workflow=workflows.app.get("echo"),
+            input={"message": "hi"},
+            idempotency_key="race",
+        )
+        try:
+            admitted = await (await admission_over(api.db, racing, quotas)).admit(trigger)
+        finally:
+            await racing.close()
+        assert not admitted.created and admitted.run.idempotency_key == "race"
+        day = quota_day(admitted.run.created_at)
+        assert await quotas.used(tenant_id, day) == 0
+        closed = Submitter(RunsRepo(api.db))
+        await closed.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await (await admission_over(api.db, closed, quotas)).admit(
+                replace(trigger, idempotency_key=None)
+            )
+        assert await quotas.used(tenant_id, day) == 0
+        assert await api.count_runs(caller) == 1
 
 
 async def test_usage_and_queues_tell_the_truth(api: Api) -> None:

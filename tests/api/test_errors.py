@@ -118,6 +118,21 @@ async def test_plan_change_takes_effect_on_the_next_trigger(api: Api) -> None:
     assert accepted.json()["queue"] == "workflow_sandbox"
 
 
+async def test_a_plan_change_and_a_revocation_reach_a_key_in_use_at_once(api: Api) -> None:
+    """This process keeps authenticated keys for a few seconds; its own changes drop them."""
+    caller = await api.tenant("team")
+    assert (await api.trigger(caller)).json()["queue"] == "workflow_team"  # the key is kept
+    response = await api.client.patch(
+        f"/v1/admin/tenants/{caller.tenant_id}", json={"plan": "sandbox"}, headers=ADMIN
+    )
+    assert response.status_code == 200
+    assert (await api.trigger(caller)).json()["queue"] == "workflow_sandbox"
+    tenants = api.app.state.services.tenants  # the app's own repository, as its routes use it
+    [key] = await tenants.list_keys(TenantId(caller.tenant_id))
+    assert await tenants.revoke_key(key.key_id)
+    error_of(await api.trigger(caller), 401, "unauthorized")
+
+
 # --- triggers ----------------------------------------------------------------------------------
 
 

@@ -173,6 +173,8 @@ async def test_no_step_or_interrupt_starts_after_the_request_but_a_running_step_
     with pytest.raises(CancelRequested):
         await setup.steps.start(fence, "next", "f", CALL)
     with pytest.raises(CancelRequested):
+        await setup.steps.insert_new(fence, "next", "f", CALL)
+    with pytest.raises(CancelRequested):
         await InterruptsRepo(setup.db).open(fence, "permission:1", "deploy", {}, 60.0)
     # The step that was running records its result: nothing is thrown away.
     await setup.steps.succeed(fence, "in-flight", {"kept": True})
@@ -185,19 +187,27 @@ async def test_no_step_or_interrupt_starts_after_the_request_but_a_running_step_
     await setup.queue.release(fence)
     with pytest.raises(LeaseLost):
         await setup.steps.start(fence, "next", "f", CALL)
+    with pytest.raises(LeaseLost):
+        await setup.steps.insert_new(fence, "next", "f", CALL)
 
 
-async def test_steps_that_started_are_dated_before_the_request(setup: Setup) -> None:
-    """Step starts racing a cancel: each one either committed before it or was refused."""
+@pytest.mark.parametrize("how", ["start", "insert_new"])
+async def test_steps_that_started_are_dated_before_the_request(setup: Setup, how: str) -> None:
+    """Step starts racing a cancel: each one either committed before it or was refused.
+
+    Both ways a step starts: ``start`` (lock, read, insert) and the engine's one-statement
+    ``insert_new``.
+    """
     claim = await setup.running()
     fence = claim.fence
     refused: list[str] = []
     halfway = asyncio.Event()
+    begin = setup.steps.start if how == "start" else setup.steps.insert_new
 
     async def start_steps() -> None:
         for i in range(1000):
             try:
-                await setup.steps.start(fence, f"s{i}", "f", CALL)
+                await begin(fence, f"s{i}", "f", CALL)
             except CancelRequested:
                 refused.append(f"s{i}")
                 return

@@ -17,9 +17,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import select
 
-from moorline.db.dialects import db_now
+from moorline.db.dialects import db_now, lock_rows
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
+from moorline.db.repos.records import run_from_row
 from moorline.db.schema import events, runs
 from moorline.types import RunStatus
 from tests.contract.queue_helpers import (
@@ -58,6 +59,9 @@ def ids(claims: list[Claim]) -> list[str]:
     return [claim.run.run_id for claim in claims]
 
 
+# Untraced by coverage: its trials repeat paths other tests cover, and tracing would double
+# their cost (and slow one side of the race more than the other).
+@pytest.mark.no_cover
 async def test_two_pollers_claim_disjoint_batches(db: DatabaseManager, tenants: Tenants) -> None:
     queue = QueueRepo(db)
     tenant = await tenants.new()
@@ -305,3 +309,62 @@ async def test_claimed_rows_match_the_database(db: DatabaseManager, tenants: Ten
         row = rows[claim.run.run_id]
         assert (row.status, row.attempt, row.lease_owner) == ("running", 1, "w")
         assert row.lease_expires_at == claim.run.lease_expires_at
+
+
+async def test_claimed_runs_are_their_rows_as_stored(db: DatabaseManager, tenants: Tenants) -> None:
+    # The servers build the claimed rows from the locked ones instead of reading them back:
+    # every column must be what the database holds, on the first claim and on a later one.
+    queue = QueueRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    await add_runs(db, tenant, lane, 5)
+    for owner in ("first", "second"):
+        batch = await queue.claim_batch(lane, owner, limit=5, lease_ttl_s=TTL_S, tenant_caps=NO_CAP)
+        assert len(batch) == 5
+        async with db.connect() as conn:
+            stored = await conn.execute(select(runs).where(runs.c.id.in_(ids(batch))))
+            rows = {row["id"]: run_from_row(row) for row in stored.mappings()}
+        assert [claim.run for claim in batch] == [rows[run_id] for run_id in ids(batch)]
+        await requeue_all(db, tenant)
+
+
+async def test_a_claim_says_whether_a_cap_held_runs_back(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    queue = QueueRepo(db)
+    caps = {CAPPED: CAP}
+    lane = unique("lane")
+    await add_runs(db, await tenants.new(CAPPED), lane, CAP + 1)
+    first = await queue.claim(lane, "w", limit=5, lease_ttl_s=TTL_S, tenant_caps=caps)
+    assert len(first.claims) == CAP and first.is_capped
+    again = await queue.claim(lane, "w", limit=5, lease_ttl_s=TTL_S, tenant_caps=caps)
+    assert (again.claims, again.is_capped) == ([], True)
+    assert again.began_monotonic_s > first.began_monotonic_s
+    # Fewer runs than slots and no cap in the way: nothing is held back.
+    open_lane = unique("lane")
+    await add_runs(db, await tenants.new(), open_lane, 2)
+    taken = await queue.claim(open_lane, "w", limit=5, lease_ttl_s=TTL_S, tenant_caps=NO_CAP)
+    assert len(taken.claims) == 2 and not taken.is_capped
+    empty = await queue.claim(open_lane, "w", limit=5, lease_ttl_s=TTL_S, tenant_caps=NO_CAP)
+    assert (empty.claims, empty.is_capped) == ([], False)
+
+
+@pytest.mark.requires("skip_locked")
+async def test_a_run_locked_by_another_transaction_is_skipped_not_waited_for(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # A cancel (or any writer) holding a queued run's row: the claim takes the runs around it
+    # at once and leaves that one alone.
+    queue = QueueRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    held, *free_runs = await add_runs(db, tenant, lane, 4)
+    async with db.write_transaction() as conn:
+        await conn.execute(lock_rows(select(runs.c.id).where(runs.c.id == held), db.dialect))
+        async with asyncio.timeout(10):
+            batch = await queue.claim_batch(
+                lane, "w", limit=10, lease_ttl_s=TTL_S, tenant_caps=NO_CAP
+            )
+        assert sorted(ids(batch)) == sorted(free_runs)
+    [late] = await queue.claim_batch(lane, "w", limit=10, lease_ttl_s=TTL_S, tenant_caps=NO_CAP)
+    assert late.run.run_id == held

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from moorline.db.dialects import supports_update_returning
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptMismatch, InterruptResolved, InterruptsRepo
 from moorline.db.repos.queue import QueueRepo
@@ -19,6 +20,7 @@ from moorline.db.schema import interrupts
 from moorline.errors import Conflict, NotFound
 from moorline.types import Attempt, JSONObject, RunId
 from tests.contract.queue_helpers import NO_CAP, Tenants, add_runs, set_lease_expiry, unique
+from tests.contract.statements import data_statements
 from tests.helpers import wait_for
 
 TTL_S = 30.0
@@ -241,3 +243,16 @@ async def test_a_late_approval_is_refused_and_expires_the_interrupt(
     shut = await deny(repo, pending, "shutdown")
     assert (shut.status, shut.reason) == (InterruptStatus.DENIED, DecisionReason.SHUTDOWN)
     assert await repo.pending_for_run(RunId(fence.run_id)) == []
+
+
+async def test_resolve_writes_and_returns_the_decision_in_one_statement_where_it_can(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = InterruptsRepo(db)
+    _, fence = await new_run(db, tenants)
+    opened = await repo.open(fence, "perm:0", "post_comment", DATA, 300.0)
+    with data_statements(db, "interrupts") as sent:
+        resolved = await approve(repo, opened, {"note": "ok"})
+    # UPDATE … RETURNING; MySQL/MariaDB have no UPDATE … RETURNING and read the row back.
+    assert len(sent) == (1 if supports_update_returning(db.dialect) else 2), sent
+    assert resolved == await repo.get(opened.interrupt_id)

@@ -3,6 +3,7 @@
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import insert, select, text
 
 from moorline.db.dialects import db_now
@@ -46,3 +47,20 @@ async def test_strings_compare_exactly_on_every_backend(db: DatabaseManager) -> 
     async with db.connect() as conn:
         found = await conn.execute(select(tenants.c.name).where(tenants.c.name == names[0]))
         assert list(found.scalars()) == [names[0]]
+
+
+@pytest.mark.requires("server")
+async def test_a_write_transaction_sees_what_others_committed_since_it_began(
+    db: DatabaseManager,
+) -> None:
+    # READ COMMITTED on every pooled connection: after a lock wait a statement must see the
+    # previous holder's commit. Under MySQL's default REPEATABLE READ the second count would
+    # still read the snapshot of the first.
+    async with db.transaction() as conn:
+        await conn.execute(text("CREATE TABLE IF NOT EXISTS probe_rc (v INTEGER)"))
+    async with db.write_transaction() as conn:
+        before = (await conn.execute(text("SELECT count(*) FROM probe_rc"))).scalar_one()
+        async with db.transaction() as other:
+            await other.execute(text("INSERT INTO probe_rc (v) VALUES (1)"))
+        after = (await conn.execute(text("SELECT count(*) FROM probe_rc"))).scalar_one()
+    assert after == before + 1

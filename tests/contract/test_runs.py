@@ -21,7 +21,15 @@ from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import Event
-from moorline.db.repos.runs import Failed, NewRun, Outcome, RunsRepo, Succeeded, hash_input
+from moorline.db.repos.runs import (
+    Failed,
+    NewRun,
+    Outcome,
+    RunsRepo,
+    Stopped,
+    Succeeded,
+    hash_input,
+)
 from moorline.db.schema import events, runs
 from moorline.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
 from moorline.types import Attempt, JSONObject, RunId, RunStatus, TenantId
@@ -396,3 +404,78 @@ async def test_one_batch_finishes_the_same_run_once(db: DatabaseManager, tenants
     done = await repo.get(claimed.run.run_id)
     assert done is not None and done.output == 1
     assert [t for _, t, _ in await event_rows(db, claimed.run.run_id)].count("succeeded") == 1
+
+
+async def test_a_large_batch_ends_each_run_its_own_way_with_its_event(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # More outcomes of one kind than one finish statement takes, every other kind beside
+    # them, distinct values per run (each must land on its own run), and a recorded cancel
+    # that turns a success into a cancel.
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    tenant = await tenants.new()
+    await repo.submit_many([new_run(tenant, lane) for _ in range(400)])
+    claims = await claim(queue, lane, limit=400)
+    assert len(claims) == 400
+    cancelled = claims[0].run.run_id
+    await repo.request_cancel(tenant, cancelled)
+
+    def error(index: int) -> JSONObject:
+        return {"type": "ValueError", "message": f"run {index}", "reason": "retry"}
+
+    outcomes: list[Outcome] = []
+    expected: dict[RunId, tuple[RunStatus, Any, Any, str, Any]] = {}
+    for index, claimed in enumerate(claims):
+        fence, run_id, kind = claimed.fence, claimed.run.run_id, index % 20
+        if kind == 1:
+            outcomes.append(Failed(fence=fence, error=error(index), retry_delay_s=None))
+            expected[run_id] = (RunStatus.FAILED, None, error(index), "failed", error(index))
+        elif kind == 2:
+            outcomes.append(Failed(fence=fence, error=error(index), retry_delay_s=index))
+            data = {"delay_s": index, "error": error(index)}
+            expected[run_id] = (RunStatus.QUEUED, None, error(index), "retrying", data)
+        elif kind == 3:
+            outcomes.append(Stopped(fence=fence, status=RunStatus.CANCELLED))
+            data = {"reason": "cancelled"}
+            expected[run_id] = (RunStatus.CANCELLED, None, None, "cancelled", data)
+        elif kind == 4:
+            stop: JSONObject = {"reason": "timeout", "run": index}
+            outcomes.append(Stopped(fence=fence, status=RunStatus.TIMED_OUT, error=stop))
+            expected[run_id] = (RunStatus.TIMED_OUT, None, stop, "timed_out", stop)
+        else:
+            outcomes.append(Succeeded(fence=fence, output={"run": index}))
+            expected[run_id] = (RunStatus.SUCCEEDED, {"run": index}, None, "succeeded", {})
+    expected[cancelled] = (RunStatus.CANCELLED, None, None, "cancelled", {"reason": "cancelled"})
+    assert await repo.finish_many(outcomes) == [True] * 400
+
+    now = await database_now(db)
+    done = await repo.get_many(list(expected))
+    async with db.connect() as conn:
+        rows = await conn.execute(
+            select(events).where(events.c.run_id.in_(list(expected))).order_by(events.c.seq)
+        )
+        last = {row.run_id: row for row in rows}
+    for index, claimed in enumerate(claims):
+        run_id = claimed.run.run_id
+        status, output, error_, event_type, data = expected[run_id]
+        run = done[run_id]
+        assert (run.status, run.output, run.error, run.attempt) == (status, output, error_, 1)
+        assert (run.lease_owner, run.lease_expires_at) == (None, None)
+        event = last[run_id]
+        assert (event.seq, event.type, event.attempt, event.data) == (3, event_type, 1, data)
+        assert event.created_at == run.updated_at
+        if status is RunStatus.QUEUED:
+            assert run.finished_at is None
+            assert run.not_before - run.updated_at == timedelta(seconds=index)
+        else:
+            assert run.finished_at == run.updated_at <= now
+            assert run.started_at is not None and run.elapsed_time is not None
+            elapsed_s = (run.finished_at - run.started_at).total_seconds()
+            assert run.elapsed_time == pytest.approx(elapsed_s, abs=1e-3)
+    assert done[cancelled].cancel_requested_at is not None
+    assert all(
+        done[c.run.run_id].cancel_requested_at == done[c.run.run_id].finished_at
+        for index, c in enumerate(claims)
+        if index % 20 == 3
+    )

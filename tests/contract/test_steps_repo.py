@@ -1,4 +1,5 @@
-"""Step checkpoints on every backend: replay, non-determinism, fencing, takeover, races."""
+"""Step checkpoints on every backend: replay, non-determinism, fencing, takeover, races, and the
+one-statement starts and finishes the engine uses."""
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -7,13 +8,23 @@ from functools import partial
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
+from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import Fence
-from moorline.db.repos.steps import LeaseLost, StepMismatch, StepNotRunning, StepsRepo, StepStart
-from moorline.db.schema import steps
+from moorline.db.repos.steps import (
+    CancelRequested,
+    LeaseLost,
+    StepMismatch,
+    StepNotRunning,
+    StepsRepo,
+    StepStart,
+    fence_by_parameters,
+    fence_parameters,
+)
+from moorline.db.schema import runs, steps
 from moorline.types import Attempt, JSONValue, RunId, StepStatus
 from tests.contract.queue_helpers import (
     NO_CAP,
@@ -23,6 +34,7 @@ from tests.contract.queue_helpers import (
     set_lease_expiry,
     unique,
 )
+from tests.contract.statements import data_statements
 from tests.helpers import wait_for
 
 TTL_S = 30.0
@@ -206,6 +218,8 @@ async def test_a_stale_fence_writes_nothing(db: DatabaseManager, tenants: Tenant
             partial(repo.start, fence, "new", "fn", "h1"),
             partial(repo.start, fence, "in_flight", "fn", "h1"),
             partial(repo.start, fence, "done", "fn", "h1"),
+            partial(repo.insert_new, fence, "new", "fn", "h1"),
+            partial(repo.insert_new, fence, "done", "fn", "h1"),
             partial(repo.succeed, fence, "in_flight", "late"),
             partial(repo.fail, fence, "in_flight", "late"),
         ]
@@ -357,3 +371,140 @@ async def test_starts_racing_a_reclaim_leave_the_step_to_the_new_attempt(
     step = await repo.get(new.run_id, "shared")
     assert step is not None and step.output == "new"
     assert await QueueRepo(db).renew_lease(new, TTL_S)
+
+
+async def test_insert_new_starts_a_step_in_one_statement_and_a_finish_takes_one(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = StepsRepo(db)
+    _, fence = await new_run(db, tenants)
+    with data_statements(db, "steps") as started:
+        assert await repo.insert_new(fence, "fast", "fn", "h1") is True
+    assert len(started) == 1, started
+    step = await repo.get(fence.run_id, "fast")
+    assert step is not None
+    assert (step.status, step.attempt, step.function, step.call_hash) == (
+        StepStatus.RUNNING,
+        fence.attempt,
+        "fn",
+        "h1",
+    )
+    assert step.output is None and step.finished_at is None
+    with data_statements(db, "steps") as finished:
+        await repo.succeed(fence, "fast", OUTPUT)
+    assert len(finished) == 1, finished
+    with data_statements(db, "steps") as failed:
+        assert await repo.insert_new(fence, "flaky", "fn", "h1") is True
+        await repo.fail(fence, "flaky", "ValueError: boom")
+    assert len(failed) == 2, failed
+    # What the engine does next: the full start replays the one and takes the other over.
+    replayed = await repo.start(fence, "fast", "fn", "h1")
+    assert (replayed.replay, replayed.step.output) == (True, OUTPUT)
+    retried = await repo.start(fence, "flaky", "fn", "h1")
+    assert (retried.replay, retried.repeated) == (False, True)
+
+
+async def test_insert_new_leaves_an_existing_step_to_start(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = StepsRepo(db)
+    _, fence = await new_run(db, tenants)
+    await run_step(repo, fence, "done", Counted(OUTPUT))
+    await repo.start(fence, "in_flight", "fn", "h1")
+    before = await step_rows(db, fence.run_id)
+    # Also a different call: insert_new never judges an existing row, start() does.
+    for key, call_hash in [("done", "h1"), ("in_flight", "h1"), ("done", "h2")]:
+        assert await repo.insert_new(fence, key, "fn", call_hash) is False
+    assert await step_rows(db, fence.run_id) == before
+
+
+async def test_insert_new_of_a_key_equal_to_a_recorded_one_defers_to_start(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = StepsRepo(db)
+    _, fence = await new_run(db, tenants)
+    assert await repo.insert_new(fence, "Key", "fn", "h1") is True
+    await repo.succeed(fence, "Key", "upper")
+    if await repo.insert_new(fence, "key", "fn", "h1"):
+        await repo.succeed(fence, "key", "lower")
+        lower = await repo.get(fence.run_id, "key")
+        assert lower is not None and lower.output == "lower"
+    else:
+        # MySQL/MariaDB's collation: the same row; start() refuses instead of replaying it.
+        with pytest.raises(StepMismatch, match="collides"):
+            await repo.start(fence, "key", "fn", "h1")
+    upper = await repo.get(fence.run_id, "Key")
+    assert upper is not None and upper.output == "upper"
+
+
+async def test_insert_new_refuses_a_run_with_a_recorded_cancel(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = StepsRepo(db)
+    _, fence = await new_run(db, tenants)
+    assert await repo.insert_new(fence, "in_flight", "fn", "h1")
+    async with db.transaction() as conn:
+        await conn.execute(
+            update(runs)
+            .where(runs.c.id == fence.run_id)
+            .values(cancel_requested_at=db_now(db.dialect))
+        )
+    with pytest.raises(CancelRequested):
+        await repo.insert_new(fence, "next", "fn", "h1")
+    await repo.succeed(fence, "in_flight", "kept")
+    assert [(row["key"], row["output"]) for row in await step_rows(db, fence.run_id)] == [
+        ("in_flight", "kept")
+    ]
+
+
+def taken(change: str, db: DatabaseManager) -> dict[str, Any]:
+    """What another writer does to the run while one-statement step writes wait for its lock."""
+    if change == "reclaim":
+        return {"attempt": runs.c.attempt + 1, "lease_owner": "next"}
+    return {"cancel_requested_at": db_now(db.dialect)}
+
+
+@pytest.mark.parametrize("change", ["reclaim", "cancel"])
+async def test_one_statement_writes_waiting_for_the_run_lock_test_the_fence_after_it(
+    db: DatabaseManager, tenants: Tenants, change: str
+) -> None:
+    repo = StepsRepo(db)
+    _, fence = await new_run(db, tenants)
+    await repo.start(fence, "in_flight", "fn", "h1")
+    values = taken(change, db)
+    async with db.write_transaction() as conn:
+        # The run's row lock, held as a reclaim or RunsRepo.request_cancel holds it.
+        await conn.execute(update(runs).where(runs.c.id == fence.run_id).values(**values))
+        starting = asyncio.create_task(repo.insert_new(fence, "next", "fn", "h1"))
+        finishing = asyncio.create_task(repo.succeed(fence, "in_flight", "late"))
+        # Not a synchronisation: were the writes slower to reach the lock than this, they
+        # would find the change committed, and the assertions below would hold all the same.
+        await asyncio.sleep(0.3)
+        assert not starting.done() and not finishing.done()
+    if change == "reclaim":
+        for write in (starting, finishing):
+            with pytest.raises(LeaseLost):
+                await write
+        [row] = await step_rows(db, fence.run_id)
+        assert (row["key"], row["status"]) == ("in_flight", StepStatus.RUNNING.value)
+        return
+    with pytest.raises(CancelRequested):
+        await starting
+    await finishing  # a running step still records its result after a cancel
+    [row] = await step_rows(db, fence.run_id)
+    assert (row["key"], row["status"], row["output"]) == (
+        "in_flight",
+        StepStatus.SUCCEEDED.value,
+        "late",
+    )
+
+
+async def test_the_fence_of_the_statements_built_once_is_the_fence(db: DatabaseManager) -> None:
+    fence = Fence(run_id=RunId("run-1"), attempt=Attempt(3), owner="worker-7")
+    dialect = db.engine.dialect
+
+    def sql(clause: Any) -> str:
+        return str(clause.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+
+    built_once = select(runs.c.id).where(fence_by_parameters()).params(fence_parameters(fence))
+    assert sql(built_once) == sql(select(runs.c.id).where(fence.clause()))

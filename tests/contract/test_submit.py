@@ -2,19 +2,21 @@
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 from sqlalchemy import func, select
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.quotas import QuotaClaim, QuotasRepo
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.schema import events, runs
 from moorline.dispatch.submit import Submitter, new_run_for_plan
-from moorline.errors import IdempotencyConflict
+from moorline.errors import ConversationBusy, IdempotencyConflict
 from moorline.plans import COMMUNITY_LANE, DEFAULT_PLANS, for_edition
 from moorline.settings import Edition
-from moorline.types import RunId, RunStatus, TenantId
+from moorline.types import JSONObject, RunId, RunStatus, TenantId
 from tests.contract.queue_helpers import Tenants, unique
 
 CONCURRENT = 500
@@ -152,6 +154,130 @@ async def test_a_cancelled_caller_and_a_failing_hook_do_not_stop_the_writer(
     assert gone.cancelled()
     # The cancelled caller's run was dropped before its batch was written.
     assert await stored_counts(db, tenant) == (2, 2)
+
+
+REFUSAL: JSONObject = {"code": "quota_exceeded", "message": "used up"}
+
+
+def claim(day: str, limit: int) -> QuotaClaim:
+    return QuotaClaim(day=day, limit=limit, refusal=REFUSAL)
+
+
+async def test_quota_claims_admit_exactly_the_limit_in_the_runs_transactions(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant, other = await tenants.new(), await tenants.new()
+    lane = unique("lane")
+    woken: list[set[str]] = []
+    submitter = Submitter(RunsRepo(db), max_batch=16, on_enqueued=woken.append)
+    try:
+        results = await asyncio.gather(
+            *(
+                submitter.submit(
+                    new_run(tenant, lane, i, key=f"k{i}"), quota=claim("2031-01-01", 25)
+                )
+                for i in range(120)
+            ),
+            # Another tenant's claims and an unclaimed run share the batches, not the counter.
+            *(
+                submitter.submit(new_run(other, lane, i), quota=claim("2031-01-01", 3))
+                for i in range(5)
+            ),
+            submitter.submit(new_run(other, lane, 99)),
+        )
+    finally:
+        await submitter.close()
+    mine, theirs, unclaimed = results[:120], results[120:125], results[125]
+    # The first 25 submitted got the units (batches in order); the rest were stored refused.
+    assert [run.status for run in mine] == [RunStatus.QUEUED] * 25 + [RunStatus.RATE_LIMITED] * 95
+    assert [run.status for run in theirs] == [RunStatus.QUEUED] * 3 + [RunStatus.RATE_LIMITED] * 2
+    assert unclaimed.status is RunStatus.QUEUED
+    quotas = QuotasRepo(db)
+    assert await quotas.used(tenant, "2031-01-01") == 25
+    assert await quotas.used(other, "2031-01-01") == 3
+    assert await stored_counts(db, tenant) == (25, 25)  # no event for a refused run
+    refused = await RunsRepo(db).get_many([run.run_id for run in mine[25:]])
+    for run in mine[25:]:
+        assert refused[run.run_id] == run  # returned as stored
+        assert run.error == REFUSAL and run.idempotency_key is None
+        assert run.finished_at == run.created_at
+    assert [run.idempotency_key for run in mine[:25]] == [f"k{i}" for i in range(25)]
+    # Queued runs too are returned as stored (their time came with the quota's statement).
+    queued = await RunsRepo(db).get_many([run.run_id for run in mine[:25]])
+    assert [queued[run.run_id] for run in mine[:25]] == mine[:25]
+    # Batches whose runs were all refused woke nobody.
+    assert set().union(*woken) == {lane} and len(woken) < submitter.batches_written
+
+
+async def test_concurrent_submitters_never_pass_the_quota(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    """Two submitters stand for two API processes: they share the counter only."""
+    tenant = await tenants.new()
+    lane = unique("lane")
+    first, second = Submitter(RunsRepo(db), max_batch=8), Submitter(RunsRepo(db), max_batch=8)
+    try:
+        results = await asyncio.gather(
+            *(
+                (first if i % 2 else second).submit(
+                    new_run(tenant, lane, i), quota=claim("2031-02-01", 40)
+                )
+                for i in range(150)
+            )
+        )
+    finally:
+        await first.close()
+        await second.close()
+    statuses = [run.status for run in results]
+    assert statuses.count(RunStatus.QUEUED) == 40
+    assert statuses.count(RunStatus.RATE_LIMITED) == 110
+    assert await QuotasRepo(db).used(tenant, "2031-02-01") == 40
+    # The day's counter existed already for the second day's first batch: a counter at its
+    # limit refuses; another day starts again.
+    [late] = await RunsRepo(db).submit_many(
+        [new_run(tenant, lane, 0)], quotas=[claim("2031-02-01", 40)]
+    )
+    assert late.status is RunStatus.RATE_LIMITED
+    [next_day] = await RunsRepo(db).submit_many(
+        [new_run(tenant, lane, 0)], quotas=[claim("2031-02-02", 40)]
+    )
+    assert next_day.status is RunStatus.QUEUED
+    assert await QuotasRepo(db).used(tenant, "2031-02-02") == 1
+
+
+async def test_a_batch_that_fails_takes_no_unit(db: DatabaseManager, tenants: Tenants) -> None:
+    tenant = await tenants.new()
+    lane = unique("lane")
+    repo = RunsRepo(db)
+    await repo.submit_many([new_run(tenant, lane, -1, key="taken")])
+    busy = NewRun(tenant_id=tenant, workflow="noop", input={}, lane=lane, conversation_id="c")
+    await repo.submit_many([busy])
+    for failing, error in (
+        (new_run(tenant, lane, 0, key="taken"), IdempotencyConflict),
+        (replace(busy, run_id=None), ConversationBusy),
+    ):
+        with pytest.raises(error):
+            await repo.submit_many(
+                [new_run(tenant, lane, 1), failing], quotas=[claim("2031-03-01", 5)] * 2
+            )
+    assert await QuotasRepo(db).used(tenant, "2031-03-01") == 0
+    assert await stored_counts(db, tenant) == (2, 2)
+    # Through the submitter, the failing run alone is refused; the others get their units.
+    submitter = Submitter(repo)
+    try:
+        results = await asyncio.gather(
+            submitter.submit(new_run(tenant, lane, 1), quota=claim("2031-03-01", 5)),
+            submitter.submit(new_run(tenant, lane, 2, key="taken"), quota=claim("2031-03-01", 5)),
+            submitter.submit(new_run(tenant, lane, 3), quota=claim("2031-03-01", 5)),
+            return_exceptions=True,
+        )
+    finally:
+        await submitter.close()
+    assert isinstance(results[1], IdempotencyConflict)
+    assert [run.status for run in (results[0], results[2]) if isinstance(run, Run)] == [
+        RunStatus.QUEUED
+    ] * 2
+    assert await QuotasRepo(db).used(tenant, "2031-03-01") == 2
 
 
 def test_new_run_for_plan_takes_lane_and_priority_from_the_plan() -> None:

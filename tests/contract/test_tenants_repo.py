@@ -136,3 +136,69 @@ async def test_concurrent_creates_of_one_name_make_one_tenant(db: DatabaseManage
     assert await count(db, api_keys) == keys_before + 1
     tenant, api_key = made[0]
     assert await repo.authenticate(api_key) == tenant
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingManager:
+    """Counts the reads a repository opens (``connect``), passing everything else through."""
+
+    def __init__(self, db: DatabaseManager) -> None:
+        self._db = db
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+    def connect(self) -> Any:
+        self.reads += 1
+        return self._db.connect()
+
+
+async def test_the_auth_cache_is_bounded_by_its_ttl_and_dropped_on_changes_made_here(
+    db: DatabaseManager,
+) -> None:
+    clock = Clock()
+    counted = CountingManager(db)
+    cached = TenantsRepo(counted, auth_ttl_s=5.0, clock=clock)  # type: ignore[arg-type]
+    elsewhere = TenantsRepo(db)  # another process, as far as the cache can tell
+    tenant, key = await elsewhere.create(unique("cached"), "team")
+    # Concurrent lookups of one key share one read; a found key is then trusted.
+    assert await asyncio.gather(*(cached.authenticate(key) for _ in range(20))) == [tenant] * 20
+    assert await cached.authenticate(key) == tenant
+    assert counted.reads == 1
+    # A change made elsewhere is seen once the TTL has passed, not before.
+    assert await elsewhere.set_plan(tenant.tenant_id, "sandbox")
+    clock.now += 4.9
+    found = await cached.authenticate(key)
+    assert found is not None and found.plan == "team"
+    clock.now += 0.2
+    found = await cached.authenticate(key)
+    assert found is not None and found.plan == "sandbox"
+    [listed] = await elsewhere.list_keys(tenant.tenant_id)
+    assert await elsewhere.revoke_key(listed.key_id)
+    assert await cached.authenticate(key) is not None
+    clock.now += 5.1
+    assert await cached.authenticate(key) is None
+    # Changes made through the caching repository itself take effect at once.
+    second = await cached.create_key(tenant.tenant_id)
+    assert await cached.authenticate(second) is not None  # unknown keys are never kept
+    assert await cached.set_plan(tenant.tenant_id, "professional")
+    found = await cached.authenticate(second)
+    assert found is not None and found.plan == "professional"
+    [_, second_id] = [k.key_id for k in await cached.list_keys(tenant.tenant_id)]
+    assert await cached.revoke_key(second_id)
+    assert await cached.authenticate(second) is None
+    # Unknown keys are looked up every time, as revoked ones are.
+    reads = counted.reads
+    assert await cached.authenticate("ml_" + "u" * 43) is None
+    assert await cached.authenticate("ml_" + "u" * 43) is None
+    assert counted.reads == reads + 2

@@ -39,6 +39,7 @@ from tests.contract.queue_helpers import (
     statuses,
     unique,
 )
+from tests.contract.statements import data_statements
 from tests.helpers import wait_for
 
 Workflow = Callable[..., Any]
@@ -291,6 +292,29 @@ async def test_request_permission_returns_the_persons_decision(
         output = await asyncio.wait_for(task, 10)
         assert output == {"approved": False, "reason": "denied", "data": {"note": "no"}}
     assert await harness.interrupts.pending_for_run(run_id) == []
+
+
+async def test_a_decision_signalled_through_the_store_is_read_once_from_the_database(
+    harness: Harness,
+) -> None:
+    permission_workflow(harness)
+    run_id = await harness.new_run("ask")
+    task = asyncio.create_task(harness.runner.run(await harness.claim()))
+    interrupt = await harness.pending(run_id)
+    await wait_for(
+        lambda: harness.store.get_interrupt(run_id, interrupt.interrupt_id),
+        message="the workflow waiting in the store",
+    )
+    await harness.interrupts.resolve(
+        run_id, interrupt.interrupt_id, approved=False, reason="denied", data=None
+    )
+    with data_statements(harness.db, "interrupts") as sent:
+        await harness.store.resolve_interrupt(
+            run_id, interrupt.interrupt_id, {"approved": False, "reason": "denied"}
+        )
+        output = await asyncio.wait_for(task, 10)
+    assert output == {"approved": False, "reason": "denied", "data": None}
+    assert [statement.split()[0].upper() for statement in sent] == ["SELECT"]
 
 
 async def test_request_permission_times_out_as_a_persisted_denial(harness: Harness) -> None:

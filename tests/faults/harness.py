@@ -25,6 +25,9 @@ REAPER_INTERVAL_S = 0.5
 RECOVERY_BOUND_S = LEASE_TTL_S + REAPER_INTERVAL_S + 5.0
 """Issue 3: an interrupted run is back within LEASE_TTL + reaper interval + 5 s."""
 
+UNMEASURED = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG")
+"""The variables through which coverage (``patch = subprocess``) measures child processes."""
+
 
 def plans_file(folder: Path, *, tenant_concurrency: int) -> Path:
     path = folder / "plans.yaml"
@@ -56,6 +59,12 @@ class Workers:
     app: str = "tests.faults.app:app"
     """The ``--app`` the workers load (the soak has its own)."""
     extra_env: dict[str, str] = field(default_factory=dict)
+    measured: bool = True
+    """Whether coverage measures the processes (when the tests run under it). A process that
+    ends by SIGKILL never writes its data: tracing it only slows it down (a traced worker takes
+    about 1.5 s more CPU to start, on a machine whose two cores the test shares with it). The
+    tests that kill workers at random turn it off; the other fault tests measure the worker
+    process code that only runs in a real process (signals, shutdown)."""
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def env(self) -> dict[str, str]:
@@ -74,6 +83,9 @@ class Workers:
         if self.redis_url is not None:
             env.update(MOORLINE_REDIS_URL=self.redis_url, MOORLINE_REDIS_PREFIX=self.redis_prefix)
         env.update(self.extra_env)
+        if not self.measured:
+            for name in UNMEASURED:
+                env.pop(name, None)
         return env
 
     def start(self) -> subprocess.Popen[bytes]:

@@ -95,6 +95,13 @@ async def test_a_redis_restart_loses_no_cancel_no_decision_and_strands_no_run(
     permissions = InterruptsRepo(db)
     for _ in range(2):
         workers.start()
+
+    async def all_serving() -> bool:
+        return all(workers.is_serving(proc) for proc in workers.procs)
+
+    # Start-up is not the fault under test: on a loaded two-core machine, two interpreters
+    # importing at once can take most of the 30 s the runs below are given.
+    await wait_for(all_serving, timeout_s=120, message="the workers to serve")
     targets = await submit(runs, [tenant], "cancel_target", [{"step_s": STEP_S}] * 6)
     asking = await submit(runs, [tenant], "approve_then_act", [{}] * 4)
     working = await submit(runs, [tenant], "work", [{"seconds": WORKING_S}] * 4)

@@ -115,6 +115,7 @@ async def reclaimed_at(db: DatabaseManager, run_id: str, attempt: int) -> dateti
 async def test_kill_9_at_random_loses_and_doubles_nothing(
     db: DatabaseManager, tenants: Tenants, workers: Workers
 ) -> None:
+    workers.measured = False  # killed at random: see Workers.measured
     rng = random.Random(20261123)
     workers.tenant_concurrency = CHAOS_TENANT_CAP
     tenant_ids = [await tenants.new(PLAN) for _ in range(CHAOS_TENANTS)]

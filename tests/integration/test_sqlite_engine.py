@@ -5,13 +5,15 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.pool import StaticPool
 
+from moorline.db import sqlite_driver
 from moorline.db.manager import DatabaseManager
 from moorline.settings import Settings
 
@@ -179,3 +181,70 @@ async def test_a_file_from_an_older_version_gets_the_current_indexes(db_path: Pa
         await current.dispose()
     assert "ix_runs_lane_tenant" in names
     assert "ix_runs_claim" not in names
+
+
+@pytest.fixture
+def crossings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the calls sent to the aiosqlite connections' threads from now on."""
+    sent: list[str] = []
+    crossing = sqlite_driver.Connection._execute
+
+    async def counted(self: sqlite_driver.Connection, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(getattr(fn, "__name__", repr(fn)))
+        return await crossing(self, fn, *args, **kwargs)  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(sqlite_driver.Connection, "_execute", counted)
+    return sent
+
+
+async def test_a_one_statement_write_crosses_to_the_driver_thread_twice(
+    sqlite_db: DatabaseManager, crossings: list[str]
+) -> None:
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+    # The statement with its BEGIN IMMEDIATE, then the commit; the pool's reset-on-return
+    # rollback finds no transaction and stays on the event loop.
+    assert crossings == ["_run", "commit"]
+    crossings.clear()
+    async with sqlite_db.connect() as conn:
+        assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 1
+    # A read: the statement with its BEGIN (DEFERRED, so the reads share one snapshot), then
+    # the rollback that ends the snapshot.
+    assert crossings == ["_run", "rollback"]
+
+
+async def test_a_transaction_without_statements_never_takes_the_lock(
+    sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
+) -> None:
+    other = raw_connection(db_path)
+    try:
+        async with sqlite_db.transaction():
+            other.execute("BEGIN IMMEDIATE")  # free: the held-back BEGIN was never sent
+            other.execute("ROLLBACK")
+    finally:
+        other.close()
+    assert crossings == []
+
+
+async def test_an_error_in_the_first_statement_rolls_the_transaction_back(
+    sqlite_db: DatabaseManager,
+) -> None:
+    with pytest.raises(IntegrityError):
+        async with sqlite_db.transaction() as conn:
+            # Sent in one crossing with BEGIN IMMEDIATE, and refused.
+            await conn.execute(text("INSERT INTO counter (id, n) VALUES (1, 5)"))
+    with pytest.raises(IntegrityError):
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("UPDATE counter SET n = 7 WHERE id = 1"))
+            await conn.execute(text("INSERT INTO counter (id, n) VALUES (1, 5)"))
+    async with sqlite_db.transaction() as conn:
+        rows = await conn.execute(
+            text("INSERT INTO counter (id, n) VALUES (:id, :n)"),
+            [{"id": 2, "n": 2}, {"id": 3, "n": 3}],
+        )
+        assert rows.rowcount == 2
+        returned = await conn.execute(text("UPDATE counter SET n = n * 10 RETURNING id, n"))
+        assert sorted(returned.all()) == [(1, 0), (2, 20), (3, 30)]
+    async with sqlite_db.connect() as conn:
+        result = await conn.stream(text("SELECT id FROM counter ORDER BY id"))
+        assert [row.id async for row in result] == [1, 2, 3]

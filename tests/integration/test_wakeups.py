@@ -98,6 +98,23 @@ async def test_local_notification_is_kept_for_the_next_wait() -> None:
     assert await wakeups.wait(name, 0) is False  # consumed
 
 
+async def test_local_notification_older_than_the_last_look_is_dropped() -> None:
+    # A worker's claim began after the notification: it saw the runs announced, so the kept
+    # notification must not send it on a claim that finds nothing new.
+    wakeups = LocalWakeups()
+    name = lane()
+    await wakeups.notify({name})
+    look_began = time.monotonic()
+    assert await wakeups.wait(name, 0, seen_before=look_began) is False
+    # One sent after the look began may announce runs the look missed: it is kept.
+    await wakeups.notify({name})
+    assert await wakeups.wait(name, 0, seen_before=look_began) is True
+    # A lane never notified, and no look given: as before.
+    assert await wakeups.wait(lane(), 0, seen_before=time.monotonic()) is False
+    await wakeups.notify({name})
+    assert await wakeups.wait(name, 0) is True
+
+
 # --- PostgreSQL LISTEN/NOTIFY ----------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from moorline.db.manager import DatabaseManager
-from moorline.db.repos.queue import QueueRepo
+from moorline.db.repos.queue import QueueRepo, Renewal
+from moorline.db.repos.records import Fence
 from moorline.db.schema import runs
 from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Context
@@ -308,3 +309,86 @@ async def test_a_worker_outlives_a_database_that_drops_and_refuses_its_connectio
                 run_sql("postgresql", f"ALTER DATABASE {name} ALLOW_CONNECTIONS true")
             run_ids = await add_runs(db, tenant, lane, 20)
             await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the lane drained")
+
+
+def slow_polling_worker(
+    db: DatabaseManager,
+    lanes: Mapping[str, int],
+    *,
+    caps: Mapping[str, int] | None = None,
+    retry_policy: RetryPolicy = NO_BACKOFF,
+) -> Worker:
+    """A worker whose slow poll never comes within a test: only local reasons make it claim."""
+
+    async def tenant_caps() -> Mapping[str, int]:
+        return caps if caps is not None else await no_caps()
+
+    return Worker(
+        db,
+        make_runner(db, Probe()),
+        lanes=lanes,
+        lease_ttl_s=30.0,
+        tenant_caps=tenant_caps,
+        retry_policy=retry_policy,
+        poll_interval_s=60.0,
+    )
+
+
+async def test_a_slot_freed_under_a_tenant_cap_is_used_at_once(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # The tenant may run one run at a time, so every claim leaves runs behind; each finished
+    # run must make the worker claim the next without waiting for the (minute-long) poll.
+    lane = unique("lane")
+    run_ids = await add_runs(db, await tenants.new("one_at_a_time"), lane, 4)
+    async with Running(slow_polling_worker(db, {lane: 4}, caps={"one_at_a_time": 1})):
+        await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the capped runs")
+
+
+async def test_a_retry_is_claimed_once_its_delay_has_passed(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # Nothing announces a retry becoming due; the worker that wrote it looks again then.
+    lane = unique("lane")
+    [run_id] = await add_runs(db, await tenants.new(), lane, 1, max_attempts=3)
+    await set_workflow(db, [run_id], "boom")
+    short_backoff = RetryPolicy(base_s=0.2, cap_s=0.2)
+    async with Running(slow_polling_worker(db, {lane: 2}, retry_policy=short_backoff)):
+        await wait_for(lambda: all_in(db, [run_id], "failed"), message="three attempts")
+    assert (await statuses(db, [run_id]))[run_id] == ("failed", 3)
+
+
+async def test_a_run_that_ends_during_a_heartbeat_has_not_lost_its_lease(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The heartbeat's renewal runs while the run ends: the renewal misses the finished run,
+    # which must not count as a lost lease (nor re-arm a self-fence that fires later).
+    probe = Probe()
+    lane = unique("lane")
+    [run_id] = await add_runs(db, await tenants.new(), lane, 1)
+    await set_workflow(db, [run_id], "gated")
+    metrics = Metrics()
+    worker = make_worker(db, probe, {lane: 1}, lease_ttl_s=0.6, metrics=metrics)
+    renew = QueueRepo.renew_leases
+    raced = asyncio.Event()
+
+    async def renew_as_the_run_ends(
+        self: QueueRepo, fences: Sequence[Fence], lease_ttl_s: float
+    ) -> Renewal:
+        if raced.is_set():
+            return await renew(self, fences, lease_ttl_s)
+        probe.gate.set()
+
+        async def ended() -> bool:
+            return worker.finished >= 1
+
+        await wait_for(ended, message="the run to end")
+        raced.set()
+        return Renewal(renewed=frozenset(), cancel_requested=frozenset())
+
+    monkeypatch.setattr(QueueRepo, "renew_leases", renew_as_the_run_ends)
+    async with Running(worker):
+        await wait_for(lambda: _entered(probe, 1), message="run started")
+        await asyncio.wait_for(raced.wait(), 10)
+    assert (await statuses(db, [run_id]))[run_id] == ("succeeded", 1)
+    assert sampled(metrics.lease_losses, "moorline_lease_losses_total", lane=lane) == 0

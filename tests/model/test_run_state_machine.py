@@ -24,11 +24,18 @@ database is read and checked:
 
 **Backends.** SQLite and PostgreSQL (the issue's pair) in CI; ``MOORLINE_FULL=1`` adds MariaDB.
 One database and tenant per backend for the whole module, one lane per example, whose runs
-are deleted when the example ends.
+are deleted when the example ends (unless no later example can see them).
 
-**Size.** CI runs ``CI_EXAMPLES`` examples of at most ``CI_STEPS`` rules per backend (1,000 per
-backend took 7.5 minutes on this 2-core machine, over the CI budget); ``MOORLINE_FULL=1``
-runs ``FULL_EXAMPLES`` of ``FULL_STEPS``. Failures
+**Size.** CI runs ``CI_EXAMPLES`` examples of ``CI_STEPS`` rules per backend, the issue's 2,000
+in all; ``MOORLINE_FULL=1`` runs ``FULL_EXAMPLES`` of ``FULL_STEPS``. An example makes about
+eleven repository calls (the run claimed at a random point of its workflow, two or three rules
+that reach the database, a read of everything after each, the clean-up): 55-65 ms on this
+2-core machine when quiet, 100-150 ms when other work loads it. What keeps it that cheap: no
+sleeps (the model's clock moves leases, delays and deadlines into the past by SQL), one
+``UNION ALL`` read per check, rows left in place when no later example can see them
+(``RunMachine.is_inert``), PostgreSQL commits without waiting for the disk (see
+``tests/conftest.py``), and no coverage tracing (``no_cover``): traced, the same examples cost
+twice the CPU, to measure lines the repositories' contract tests cover. Failures
 Hypothesis found and shrank are kept below as ``test_regression_*``: the shrunk rule sequence
 replayed with the same checks after every rule.
 """
@@ -51,7 +58,7 @@ from tests.contract.queue_helpers import create_tenant, purge_tenant
 from tests.model.machine import LONG_S, Backend, RunMachine, machine_on
 
 IS_FULL = os.environ.get("MOORLINE_FULL") == "1"
-CI_EXAMPLES = 150  # about 20 s per backend; the issue's 2,000 in all is MOORLINE_FULL=1
+CI_EXAMPLES = 1_000  # per backend: the issue's 2,000 in all
 CI_STEPS = 12
 FULL_EXAMPLES = 10_000
 FULL_STEPS = 40
@@ -95,6 +102,9 @@ def machine_backend(database_url: str) -> Iterator[Backend]:
             runner.run(backend.db.dispose())
 
 
+# One to two minutes per backend on a quiet machine; several on a loaded one.
+@pytest.mark.timeout(900)
+@pytest.mark.no_cover
 def test_run_state_machine(machine_backend: Backend) -> None:
     run_state_machine_as_test(machine_on(machine_backend), settings=MACHINE_SETTINGS)
 

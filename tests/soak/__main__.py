@@ -1,6 +1,9 @@
 """``make soak``: the full-size chaos soak, minutes to hours.
 
-    python -m tests.soak [--minutes 10] [--rate 8] [--seed N] [--keep DIR]
+    python -m tests.soak [--minutes 10] [--share 0.7] [--rate R] [--seed N] [--keep DIR]
+
+The load is ``--share`` of the drain rate a calibration measures first, unless ``--rate`` fixes
+it; Redis is restarted every minute.
 
 Prints what was done (runs, faults injected) and what held; exits 1 when anything failed.
 """
@@ -16,7 +19,15 @@ from tests.soak.test_soak import failures
 def main() -> None:
     parser = argparse.ArgumentParser(description="Moorline chaos soak (PostgreSQL + Redis).")
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of load and faults")
-    parser.add_argument("--rate", type=float, default=3.0, help="runs submitted per second")
+    parser.add_argument(
+        "--share", type=float, default=0.7, help="load as a share of the measured drain rate"
+    )
+    parser.add_argument(
+        "--rate", type=float, default=None, help="runs submitted per second (skips the share)"
+    )
+    parser.add_argument(
+        "--calibration-s", type=float, default=30.0, help="seconds the drain rate is measured"
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the fault schedule")
     parser.add_argument("--keep", type=Path, default=None, help="keep the logs in this folder")
     args = parser.parse_args()
@@ -25,9 +36,11 @@ def main() -> None:
     config = SoakConfig(
         load_s=load_s,
         rate=args.rate,
+        load_share=args.share,
+        calibration_s=args.calibration_s,
         seed=args.seed,
         warm_up_s=min(120.0, max(25.0, load_s / 10)),
-        drain_timeout_s=120.0,
+        drain_timeout_s=300.0,
     )
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)

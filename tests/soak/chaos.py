@@ -3,15 +3,26 @@
 Three ``moorline worker`` processes and one ``moorline serve --workers 0`` API process share a
 fresh PostgreSQL database and a *private* ``redis-server`` (on a free port, in a temporary
 folder: restarting it must not disturb the shared Redis other tests use). Runs of the soak app
-(:mod:`tests.soak.app`) are submitted through HTTP at a steady rate, each with an idempotency
-key so a submission retried after an error (the API lost its database connection, say) can
-never make a second run. Meanwhile:
+(:mod:`tests.soak.app`) are submitted through HTTP, each with an idempotency key so a
+submission retried after an error (the API lost its database connection, say) can never make a
+second run.
+
+**Calibration** first: runs are fed through the API so that every worker slot always has work,
+and the drain rate of this very setup (same processes, slots, workflow, machine, API) is
+measured over ``calibration_s`` once all three workers serve, without faults. The load then
+arrives open-loop at ``load_share`` (70 %) of that rate, as RELIABILITY.md J1 asks: enough to
+keep every process busy, with headroom for the faults.
+Meanwhile:
 
 - every 5-20 s a random serving worker is killed with SIGKILL and a new one started in its
   place; a worker that exits on its own is restarted too (as a supervisor would) and noted;
-- once, about a third of the way in, the private Redis is shut down and started again;
+- every minute (the first time 20 s in) the private Redis is killed and started again, empty;
 - every 2-6 s one or two random connections to the soak's database are ended with
   ``pg_terminate_backend`` (never other databases' connections).
+
+None of the soak's processes is measured by coverage: every one of them is killed with SIGKILL
+(the faults, then the teardown), so a traced process never writes its data and the tracing
+would only slow it down.
 
 Worker 0 is never killed: it is the *memory sentinel*, whose resident set size (read from
 ``/proc``) after warm-up is compared with its size at the end, as is the API process's; a
@@ -23,6 +34,7 @@ run again after their checkpoint; no key in the soak's Redis may be without a TT
 """
 
 import asyncio
+import math
 import os
 import random
 import signal
@@ -61,18 +73,32 @@ SENTINEL = 0
 class SoakConfig:
     """How long and how hard; the defaults are the CI size."""
 
-    load_s: float = 75.0
-    """How long runs are submitted (faults are injected over the same span)."""
-    rate: float = 3.0
-    """Runs submitted per second: well below what the processes drain on a loaded two-core
-    CI machine (about 6/s with the faults), so a backlog means something is wrong."""
+    load_s: float = 110.0
+    """How long runs are submitted (faults are injected over the same span): two Redis
+    restarts at the CI size, the last one half a minute before the end."""
+    rate: float | None = None
+    """Runs submitted per second; None: ``load_share`` of the drain rate calibration measures."""
+    load_share: float = 0.7
+    calibration_s: float = 10.0
+    """How long the calibration measures the drain rate."""
+    calibration_warm_s: float = 3.0
+    """Calibration load before the measurement starts (pools, caches, the first claims)."""
+    backlog_per_slot: int = 2
+    """Runs submitted and unfinished per worker slot while calibrating: never an idle slot."""
+    redis_every_s: float = 60.0
+    """Redis is restarted every this many seconds of load, ..."""
+    redis_first_s: float = 20.0
+    """... the first time this long after the load starts."""
     steps: int = 3
     step_s: float = 0.2
     kill_every_s: tuple[float, float] = (5.0, 20.0)
     terminate_every_s: tuple[float, float] = (2.0, 6.0)
     warm_up_s: float = 25.0
     """RSS is compared from this long after the load starts (imports, pools, caches settled)."""
-    drain_timeout_s: float = 60.0
+    drain_timeout_s: float = 150.0
+    """Longest wait for the backlog after the load (it ends as soon as every run is terminal):
+    on a machine loaded by other work, or after a kill that cost a worker's start-up, the load
+    can outrun what the faults left of the drain rate for a while."""
     slots: int = 10
     lease_ttl_s: float = 15.0
     """Longer than the fault tests' 3 s: with five processes on two loaded cores, a heartbeat
@@ -86,6 +112,10 @@ class SoakResult:
     """What the soak did and found."""
 
     config: SoakConfig
+    drain_rate: float = 0.0
+    """Runs per second the calibration measured (no faults, no submissions meanwhile)."""
+    rate: float = 0.0
+    """Runs per second submitted during the load."""
     submitted: int = 0
     submit_retries: int = 0
     kills: int = 0
@@ -93,6 +123,7 @@ class SoakResult:
     """Workers that exited without being killed (restarted, as a supervisor would): the last
     error line of each one's log."""
     redis_restarts: int = 0
+    planned_redis_restarts: int = 0
     terminated_connections: int = 0
     drained_after_s: float = 0.0
     elapsed_s: float = 0.0
@@ -103,11 +134,20 @@ class SoakResult:
 
     def describe(self) -> str:
         growth = ", ".join(f"{name} {share:+.1%}" for name, share in self.rss_growth.items())
+        if self.drain_rate:
+            share = f"{self.rate / self.drain_rate:.0%} of"
+        else:
+            share = "(no calibration)"
         lines = [
-            f"soak: {self.config.load_s:.0f} s of load at {self.config.rate:g} runs/s, "
-            f"{self.elapsed_s:.0f} s in all; drained {self.drained_after_s:.1f} s after the load",
+            f"calibration: drain rate {self.drain_rate:.1f} runs/s ({WORKERS} workers x "
+            f"{self.config.slots} slots, fed through the API, {self.config.calibration_s:g} s, "
+            "no faults)",
+            f"soak: {self.config.load_s:.0f} s of load at {self.rate:.1f} runs/s ({share} the "
+            f"drain rate), {self.elapsed_s:.0f} s in all; drained {self.drained_after_s:.1f} s "
+            "after the load",
             f"submitted {self.submitted} (retried submissions {self.submit_retries}); faults: "
-            f"{self.kills} worker kills, {self.redis_restarts} Redis restarts, "
+            f"{self.kills} worker kills, {self.redis_restarts} Redis restarts (of "
+            f"{self.planned_redis_restarts} planned), "
             f"{self.terminated_connections} database connections terminated",
             f"worker crashes (exited unkilled, restarted) {len(self.crashes)}"
             + "".join(f"\n    {line}" for line in self.crashes),
@@ -171,6 +211,7 @@ class Soak:
                 "MOORLINE_SOAK_LOG": str(self.log),
                 "MOORLINE_LEASE_TTL": str(config.lease_ttl_s),
             },
+            measured=False,
         )
         self.slots: list[subprocess.Popen[bytes]] = []
         self.run_ids: dict[str, str] = {}
@@ -216,6 +257,9 @@ class Soak:
             if time.monotonic() > deadline:
                 raise AssertionError("the API did not become ready in 60 s")
             await asyncio.sleep(0.1)
+
+    async def wait_workers_serving(self) -> None:
+        deadline = time.monotonic() + 60
         while not all(self.workers.is_serving(proc) for proc in self.slots):
             if time.monotonic() > deadline:
                 raise AssertionError("the workers did not start serving in 60 s")
@@ -267,20 +311,63 @@ class Soak:
                 raise AssertionError(f"submission soak-{index} refused for 60 s")
             await asyncio.sleep(0.2)
 
-    async def load(self, client: httpx.AsyncClient, keys: list[str]) -> None:
-        """Open-loop arrivals at ``rate`` per second for ``load_s`` seconds."""
+    async def load(
+        self, client: httpx.AsyncClient, keys: list[str], rate: float, first: int
+    ) -> None:
+        """Open-loop arrivals at ``rate`` per second for ``load_s`` seconds, from run ``first``."""
         pending: set[asyncio.Task[None]] = set()
-        count = int(self.config.load_s * self.config.rate)
+        count = int(self.config.load_s * rate)
         began = time.monotonic()
-        for index in range(count):
-            delay = began + index / self.config.rate - time.monotonic()
+        for offset in range(count):
+            delay = began + offset / rate - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            index = first + offset
             task = asyncio.create_task(self.submit_one(client, keys[index % len(keys)], index))
             pending.add(task)
             task.add_done_callback(pending.discard)
         await asyncio.gather(*pending)
         self.result.submitted = len(self.run_ids)
+
+    async def calibrate(self, client: httpx.AsyncClient, keys: list[str]) -> float:
+        """The drain rate of this setup, in runs per second, before any fault.
+
+        Runs are fed through the API so that ``backlog_per_slot`` runs per worker slot are
+        always submitted and not yet finished: the workers never wait for work, and the API
+        and this process do their share of the work as during the load. The rate is the
+        runs finished during ``calibration_s``, counted from ``calibration_warm_s`` after
+        every worker serves (start-up and ramp-up excluded), by polling the database.
+        """
+        await self.wait_workers_serving()
+        backlog = WORKERS * self.config.slots * self.config.backlog_per_slot
+        db = DatabaseManager(Settings(database_url=self.database_url))
+        terminal = [status.value for status in TERMINAL_STATUSES]
+        query = select(func.count()).select_from(runs).where(runs.c.status.in_(terminal))
+        feeding: set[asyncio.Task[None]] = set()
+        began = time.monotonic() + self.config.calibration_warm_s
+        ends = began + self.config.calibration_s
+        first: tuple[float, int] | None = None
+        index = 0
+        try:
+            while True:
+                async with db.connect() as conn:
+                    done = int(await conn.scalar(query) or 0)
+                now = time.monotonic()
+                if first is None and now >= began:
+                    first = (now, done)
+                if first is not None and now >= ends:
+                    return (done - first[1]) / (now - first[0])
+                while index - done < backlog:
+                    task = asyncio.create_task(
+                        self.submit_one(client, keys[index % len(keys)], index)
+                    )
+                    feeding.add(task)
+                    task.add_done_callback(feeding.discard)
+                    index += 1
+                await asyncio.sleep(0.1)
+        finally:
+            await asyncio.gather(*feeding)
+            await db.dispose()
 
     # --- faults ------------------------------------------------------------------------------
 
@@ -320,10 +407,19 @@ class Soak:
             await asyncio.to_thread(victim.wait)
             self.result.kills += 1
 
-    async def restart_redis_once(self) -> None:
-        await asyncio.sleep(self.config.load_s / 3)
-        await self.redis.restart()
-        self.result.redis_restarts += 1
+    def planned_redis_restarts(self) -> int:
+        first, every = self.config.redis_first_s, self.config.redis_every_s
+        return max(0, math.ceil((self.config.load_s - first) / every))
+
+    async def restart_redis(self) -> None:
+        """Kill Redis and start it again, empty: ``redis_first_s`` in, then every minute."""
+        first, every = self.config.redis_first_s, self.config.redis_every_s
+        began = time.monotonic()
+        self.result.planned_redis_restarts = self.planned_redis_restarts()
+        for index in range(self.result.planned_redis_restarts):
+            await asyncio.sleep(max(0.0, began + first + index * every - time.monotonic()))
+            await self.redis.restart()
+            self.result.redis_restarts += 1
 
     async def terminate_connections(self) -> None:
         """End one or two random backends of the soak's database (workers' and API's)."""
@@ -398,16 +494,19 @@ class Soak:
             async with httpx.AsyncClient(base_url=base, timeout=30) as client:
                 await self.wait_serving(client)
                 keys = await self.tenant_keys(client)
+                self.result.drain_rate = await self.calibrate(client, keys)
+                rate = self.config.rate or self.config.load_share * self.result.drain_rate
+                self.result.rate = rate
                 started = time.monotonic()
                 chaos = [
                     asyncio.create_task(self.supervise()),
                     asyncio.create_task(self.kill_workers()),
-                    asyncio.create_task(self.restart_redis_once()),
+                    asyncio.create_task(self.restart_redis()),
                     asyncio.create_task(self.terminate_connections()),
                     asyncio.create_task(self.sample_rss(started)),
                 ]
                 try:
-                    await self.load(client, keys)
+                    await self.load(client, keys, rate, first=len(self.run_ids))
                 finally:
                     for task in chaos:
                         task.cancel()

@@ -1,4 +1,7 @@
-"""The CI-sized chaos soak (about two minutes): see :mod:`tests.soak.chaos` for what it does.
+"""The CI-sized chaos soak (under three minutes): see :mod:`tests.soak.chaos` for what it does.
+
+Calibration (13 s), then 110 s of load at 70 % of the measured drain rate with two Redis
+restarts, worker kills every 5-20 s and terminated database connections every 2-6 s.
 
 ``make soak`` runs the same soak for as long as asked (``MINUTES=...``).
 """
@@ -34,13 +37,18 @@ def failures(result: SoakResult) -> list[str]:
     for name, growth in result.rss_growth.items():
         if growth >= RSS_GROWTH_LIMIT:
             found.append(f"{name}: RSS grew {growth:.1%} after warm-up")
-    if result.kills == 0 or result.redis_restarts == 0 or result.terminated_connections == 0:
+    if result.kills == 0 or result.terminated_connections == 0:
         found.append("a kind of fault was never injected")
+    if result.redis_restarts < result.planned_redis_restarts:
+        found.append(
+            f"Redis restarted {result.redis_restarts} times of {result.planned_redis_restarts}"
+        )
     return found
 
 
 @pytest.mark.faults
 @pytest.mark.slow
+@pytest.mark.timeout(2400 if FULL_SIZE else 900)  # CI: under 3 minutes, more with a backlog
 def test_chaos_soak(tmp_path: Path) -> None:
     require_server("postgresql")
     config = SoakConfig(load_s=600.0) if FULL_SIZE else SoakConfig()

@@ -20,7 +20,7 @@ from moorline.db.dialects import DialectName, db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Event, Fence
 from moorline.db.repos.steps import hold_fence_txn
-from moorline.db.schema import events
+from moorline.db.schema import events, runs
 from moorline.types import Attempt, JSONObject, RunId
 
 EVENT_QUEUED = "queued"
@@ -114,6 +114,39 @@ async def append_events_txn(
     else:
         await conn.execute(_insert_at_db_now(dialect), params)
     return [param["seq"] for param in params]
+
+
+@functools.cache
+def events_from_runs_statement(*, data_from_error: bool = False) -> Insert:
+    """One event for each of the runs ``ids``, at its next ``seq``: an ``INSERT … SELECT``.
+
+    For a transition that just changed the runs' rows in the caller's transaction: the event's
+    attempt is the row's ``attempt``, its time the row's ``updated_at`` (the transition's
+    database time), its type the ``type`` parameter and its data the ``data`` parameter, or
+    the row's ``error`` with ``data_from_error``. Each run's ``seq`` is one past its last
+    event, read by the statement itself: the caller holds the runs' rows (their locks, or
+    SQLite's write lock) and every event writer of a run holds its row, so no event of these
+    runs lands between that read and the insert, and the statement, starting after the rows
+    were taken, sees every earlier writer's commit. One statement for the whole batch, and no
+    ``max(seq)`` round trip or per-event parameters.
+    """
+    prior = events.alias("prior")
+    last_seq = (
+        select(func.coalesce(func.max(prior.c.seq), 0))
+        .where(prior.c.run_id == runs.c.id)
+        .scalar_subquery()
+    )
+    data = runs.c.error if data_from_error else bindparam("data", type_=events.c.data.type)
+    source = select(
+        runs.c.id,
+        last_seq + 1,
+        bindparam("type", type_=events.c.type.type),
+        runs.c.attempt,
+        data,
+        runs.c.updated_at,
+    ).where(runs.c.id.in_(bindparam("ids", expanding=True)))
+    columns = ["run_id", "seq", "type", "attempt", "data", "created_at"]
+    return insert(events).from_select(columns, source)
 
 
 def event_from_row(row: RowMapping) -> Event:

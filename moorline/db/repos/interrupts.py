@@ -23,10 +23,10 @@ import uuid
 from functools import partial
 from typing import Any
 
-from sqlalchemy import RowMapping, insert, null, select, update
+from sqlalchemy import RowMapping, Update, bindparam, insert, null, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import DialectName, db_now
+from moorline.db.dialects import DialectName, db_now, supports_update_returning
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt, InterruptStatus
 from moorline.db.repos.steps import hold_fence_txn
@@ -64,6 +64,17 @@ class InterruptsRepo:
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
         self._dialect: DialectName = db.dialect
+        # Built once: building an UPDATE … RETURNING costs as much as running it on SQLite.
+        self._resolves = {
+            (by_person, with_data): _resolve_statement(
+                self._dialect, by_person=by_person, with_data=with_data
+            )
+            for by_person in (False, True)
+            for with_data in (False, True)
+        }
+        self._get = select(interrupts).where(
+            interrupts.c.id == bindparam("interrupt_id", type_=interrupts.c.id.type)
+        )
 
     async def open(
         self, fence: Fence, key: str, action: str, data: JSONValue, timeout_s: float
@@ -168,25 +179,21 @@ class InterruptsRepo:
         data: JSONObject | None,
     ) -> Interrupt | InterruptResolved:
         """The resolved interrupt, or the refusal to raise once the transaction committed."""
-        now = db_now(self._dialect)
-        conditions = [
-            interrupts.c.id == interrupt_id,
-            interrupts.c.run_id == run_id,
-            interrupts.c.status == _PENDING,
-        ]
-        if cause in _PERSON_REASONS:
-            conditions.append(interrupts.c.expires_at > now)
-        result = await conn.execute(
-            update(interrupts)
-            .where(*conditions)
-            .values(
-                status=status.value,
-                reason=cause.value,
-                decision=null() if data is None else data,
-                resolved_at=now,
-            )
-        )
-        if result.rowcount == 1:
+        decide = self._resolves[cause in _PERSON_REASONS, data is not None]
+        parameters: dict[str, Any] = {
+            "interrupt_id": interrupt_id,
+            "interrupt_run_id": run_id,
+            "decided_status": status.value,
+            "decided_reason": cause.value,
+        }
+        if data is not None:
+            parameters["decided_data"] = data
+        if supports_update_returning(self._dialect):
+            # One statement where the database can return what it wrote.
+            row = (await conn.execute(decide, parameters)).mappings().first()
+            if row is not None:
+                return _interrupt_from_row(row)
+        elif (await conn.execute(decide, parameters)).rowcount == 1:
             return await _reread_txn(conn, interrupt_id)
         found = await _select_txn(
             conn, interrupts.c.id == interrupt_id, interrupts.c.run_id == run_id
@@ -283,10 +290,40 @@ class InterruptsRepo:
 
         async def read() -> Interrupt | None:
             async with self._db.connect() as conn:
-                row = await _select_txn(conn, interrupts.c.id == interrupt_id)
+                found = await conn.execute(self._get, {"interrupt_id": interrupt_id})
+                row = found.mappings().first()
             return None if row is None else _interrupt_from_row(row)
 
         return await self._db.with_retry(read)
+
+
+def _resolve_statement(dialect: DialectName, *, by_person: bool, with_data: bool) -> Update:
+    """The UPDATE that records a decision of a pending interrupt (returning the row if it can).
+
+    Parameters: ``interrupt_id``, ``interrupt_run_id``, ``decided_status``, ``decided_reason``
+    and, ``with_data``, ``decided_data`` (else the decision is SQL NULL). A person's decision
+    (``by_person``) must also arrive before the deadline.
+    """
+    now = db_now(dialect)
+    conditions = [
+        interrupts.c.id == bindparam("interrupt_id", type_=interrupts.c.id.type),
+        interrupts.c.run_id == bindparam("interrupt_run_id", type_=interrupts.c.run_id.type),
+        interrupts.c.status == _PENDING,
+    ]
+    if by_person:
+        conditions.append(interrupts.c.expires_at > now)
+    decision = bindparam("decided_data", type_=interrupts.c.decision.type) if with_data else null()
+    decide = (
+        update(interrupts)
+        .where(*conditions)
+        .values(
+            status=bindparam("decided_status", type_=interrupts.c.status.type),
+            reason=bindparam("decided_reason", type_=interrupts.c.reason.type),
+            decision=decision,
+            resolved_at=now,
+        )
+    )
+    return decide.returning(*interrupts.c) if supports_update_returning(dialect) else decide
 
 
 def _check_replay(row: RowMapping, run_id: RunId, key: str, action: str) -> Interrupt:

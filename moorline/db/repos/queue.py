@@ -17,21 +17,29 @@ re-evaluated after a lock wait, and two claimers then take the same run.
    backlog thus delays another tenant of the same lane and priority by at most one run per
    slot. Priority still dominates: fairness applies between equal priorities.
 2. On PostgreSQL and MariaDB, *lock the tenant rows* of the allotted tenants, in id order (no
-   deadlock between claimers), then count each tenant's ``running`` runs again and keep only
-   as many candidates as that fresh count leaves free. Every claimer of a tenant holds that
+   deadlock between claimers). One statement then reads, for each allotted tenant, its
+   ``running`` count again and its next runs (one index range per tenant, ``UNION ALL``),
+   locking those runs ``FOR UPDATE SKIP LOCKED`` with the eligibility predicate on the rows
+   being locked. It starts once the tenant locks are granted, so under READ COMMITTED its count
+   sees every claim the previous lock holder committed; every claimer of a tenant holds that
    lock from its count to its commit, so counts and claims of one tenant are serialised and
    the cap holds at every commit, under any number of claimers. The count is of live rows,
    not a counter, so a dead worker's runs stop counting the moment the reaper takes them back.
-   The allotment covers twice the batch, leaving spare candidates for runs a concurrent
-   claimer took while this one waited. On SQLite, ``BEGIN IMMEDIATE`` holds the database's
-   single write lock for the whole claim, so the first count is already exact. Then *read
-   each allotted tenant's next runs* (one index range per tenant, ``UNION ALL``) and order
-   them by the same key.
-3. ``SELECT … FOR UPDATE SKIP LOCKED`` the chosen runs (server databases), then ``UPDATE``
-   exactly those ids with the eligibility predicate repeated; SQLite updates with
-   ``RETURNING``. The claim sets ``running``, ``attempt + 1`` (the fencing token), the owner,
-   ``lease_expires_at`` from database time, ``started_at`` the first time, and appends one
-   ``started`` event per run in the same transaction.
+   The allotment covers twice the batch (no tenant more than the batch), leaving spare
+   candidates for slots a concurrent claimer took while this one waited. On SQLite, ``BEGIN
+   IMMEDIATE`` holds the database's single write lock for the whole claim, so the first count
+   is already exact and the allotment fits every tenant's free slots and the batch: all the
+   runs the per-tenant reads find are claimed, so those reads are the claim UPDATE's own
+   subquery. Candidates are ordered by the same key as the allotment and taken up to each
+   tenant's free slots.
+3. The servers ``UPDATE`` exactly the locked ids (no predicate is needed on rows this
+   transaction holds) with the database time the locking read returned, and build the claimed
+   rows from the locked ones, so MariaDB needs no re-read; SQLite's UPDATE repeats the
+   eligibility predicate on each row and returns the claimed rows (``RETURNING``). The claim
+   sets ``running``, ``attempt + 1`` (the fencing token), the owner, ``lease_expires_at`` from
+   database time, ``started_at`` the first time, and appends one ``started`` event per run in
+   the same transaction, with one ``INSERT … SELECT`` that reads each run's next ``seq``
+   itself.
 
 Claims are not wrapped in ``with_retry``: a commit whose acknowledgement was lost would be
 repeated as a second batch, orphaning the first until its leases expire.
@@ -40,10 +48,11 @@ repeated as a second batch, orphaning the first until its leases expire.
 import functools
 import heapq
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
@@ -51,7 +60,6 @@ from sqlalchemy import (
     ColumnElement,
     CompoundSelect,
     Integer,
-    Row,
     RowMapping,
     Select,
     String,
@@ -81,7 +89,7 @@ from moorline.db.repos.events import EVENT_FAILED as EVENT_FAILED
 from moorline.db.repos.events import EVENT_RECLAIMED as EVENT_RECLAIMED
 from moorline.db.repos.events import EVENT_RELEASED as EVENT_RELEASED
 from moorline.db.repos.events import EVENT_STARTED as EVENT_STARTED
-from moorline.db.repos.events import append_events_txn
+from moorline.db.repos.events import append_events_txn, events_from_runs_statement
 from moorline.db.repos.records import Fence, Run, run_from_row
 from moorline.db.schema import leader_leases, runs, tenants
 from moorline.types import Attempt, JSONObject, RunId, RunStatus
@@ -109,6 +117,24 @@ class Claim:
 
     fence: Fence
     run: Run
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimBatch:
+    """What one claim took, and whether a tenant's cap kept eligible runs back.
+
+    Attributes:
+        claims: The runs claimed, highest priority first.
+        is_capped: Some tenant with eligible runs in the lane is at its concurrency cap after
+            this claim (or may be: a tenant whose last eligible run was just taken counts
+            too). A slot freed by one of its runs may make one claimable again.
+        began_monotonic_s: ``time.monotonic()`` once the claim's transaction had begun, before
+            its first read: every run committed before this instant was visible to it.
+    """
+
+    claims: list[Claim]
+    is_capped: bool
+    began_monotonic_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -225,6 +251,30 @@ class QueueRepo:
     ) -> list[Claim]:
         """Claim up to ``limit`` runs of ``lane`` for ``owner``, in one transaction.
 
+        The same as :meth:`claim`, returning only the claimed runs.
+        """
+        batch = await self.claim(
+            lane,
+            owner,
+            limit=limit,
+            lease_ttl_s=lease_ttl_s,
+            tenant_caps=tenant_caps,
+            default_cap=default_cap,
+        )
+        return batch.claims
+
+    async def claim(
+        self,
+        lane: str,
+        owner: str,
+        *,
+        limit: int,
+        lease_ttl_s: float,
+        tenant_caps: Mapping[str, int],
+        default_cap: int = 1,
+    ) -> ClaimBatch:
+        """Claim up to ``limit`` runs of ``lane`` for ``owner``, in one transaction.
+
         Args:
             lane: The lane to claim from.
             owner: This worker's lease owner id (unique per worker process).
@@ -235,40 +285,44 @@ class QueueRepo:
                 purpose, so a misconfigured plan under-runs instead of flooding.
 
         Returns:
-            The claimed runs, highest priority first; fewer than ``limit`` (or none) when no
-            more are eligible, or when another claimer took them first.
+            The claimed runs, highest priority first: fewer than ``limit`` (or none) when no
+            more are eligible, when tenants are at their caps, or when another claimer took
+            them first; and whether a cap kept eligible runs back.
         """
         if limit < 1:
-            return []
+            return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=time.monotonic())
         row_locks = dialects.uses_row_locks(self._dialect)
         async with self._db.write_transaction() as conn:
+            began = time.monotonic()
             waiting = await self._waiting_tenants_txn(conn, lane)
             # Under row locks the tenants' counts may change before their rows are locked
             # below; allotting twice the batch leaves spare candidates for slots a concurrent
             # claimer of the same tenant took while this one waited for the lock.
             allotted = _allot(waiting, tenant_caps, default_cap, limit * (2 if row_locks else 1))
             if not allotted:
-                return []
+                return ClaimBatch(claims=[], is_capped=bool(waiting), began_monotonic_s=began)
             plans = {tenant.tenant_id: tenant.plan for tenant in waiting}
             caps = {t: _cap_of(tenant_caps, default_cap, plans[t]) for t in allotted}
+            busy = {tenant.tenant_id: tenant.busy for tenant in waiting}
             if row_locks:
-                busy = await self._lock_and_count_txn(conn, caps)
+                claims, fresh = await self._claim_locked_txn(
+                    conn, lane, owner, allotted, caps, limit, lease_ttl_s
+                )
+                busy.update(fresh)
             else:
-                busy = {tenant.tenant_id: tenant.busy for tenant in waiting}
-            free = {t: caps[t] - busy[t] for t in caps}
-            wanted = {t: min(count, free[t]) for t, count in allotted.items() if free[t] > 0}
-            candidates = await self._next_runs_txn(conn, lane, wanted)
-            chosen = _take_in_claim_order(candidates, busy, free, limit)
-            order = {run_id: index for index, run_id in enumerate(chosen)}
-            rows = await self._claim_rows_txn(conn, lane, owner, chosen, lease_ttl_s)
-            rows.sort(key=lambda row: order[row["id"]])
-            claims = [_claim_from_row(row) for row in rows]
-            await append_events_txn(
-                conn,
-                self._dialect,
-                [(c.fence.run_id, c.fence.attempt, EVENT_STARTED, {}) for c in claims],
-            )
-        return claims
+                claims = await self._claim_serialised_txn(
+                    conn, lane, owner, allotted, caps, busy, limit, lease_ttl_s
+                )
+            if claims:
+                ids = [claim.fence.run_id for claim in claims]
+                params = {"ids": ids, "type": EVENT_STARTED, "data": {}}
+                await conn.execute(events_from_runs_statement(), params)
+        taken: Counter[str] = Counter(claim.run.tenant_id for claim in claims)
+        is_capped = any(
+            busy[t.tenant_id] + taken[t.tenant_id] >= _cap_of(tenant_caps, default_cap, t.plan)
+            for t in waiting
+        )
+        return ClaimBatch(claims=claims, is_capped=is_capped, began_monotonic_s=began)
 
     async def _waiting_tenants_txn(self, conn: AsyncConnection, lane: str) -> list[_Waiting]:
         """The tenants with eligible queued runs in ``lane``, with their next run and load.
@@ -291,99 +345,111 @@ class QueueRepo:
             if row.priority is not None
         ]
 
-    async def _lock_and_count_txn(
-        self, conn: AsyncConnection, caps: Mapping[str, int]
-    ) -> dict[str, int]:
-        """Lock the tenants' rows, then return each one's ``running`` count, read afresh.
-
-        The locks are taken in id order so two claimers never wait on each other in a cycle,
-        and held to commit, so no other claimer of these tenants counts or claims in between.
-        The count is a new statement after the lock wait: under READ COMMITTED it sees every
-        claim the previous lock holder committed.
-        """
-        tenant_ids = sorted(caps)
-        await conn.execute(_lock_tenants_statement(self._dialect), {"ids": tenant_ids})
-        counted = await conn.execute(_count_running_statement(), {"ids": tenant_ids})
-        running = {row.tenant_id: row.n for row in counted}
-        return {tenant_id: running.get(tenant_id, 0) for tenant_id in tenant_ids}
-
-    async def _next_runs_txn(
-        self, conn: AsyncConnection, lane: str, wanted: Mapping[str, int]
-    ) -> list[_Candidate]:
-        """Each tenant's next ``wanted[tenant]`` eligible runs of ``lane``, in its claim order.
-
-        One ``UNION ALL`` of per-tenant index range reads (``ix_runs_lane_tenant``), each
-        stopping after its own limit, in chunks under SQLite's limit on compound selects.
-        """
-        members = sorted(wanted.items())
-        rows: list[Row[Any]] = []
-        for offset in range(0, len(members), _UNION_CHUNK):
-            chunk = members[offset : offset + _UNION_CHUNK]
-            params: dict[str, Any] = {"lane": lane}
-            for index, (tenant_id, count) in enumerate(chunk):
-                params[f"tenant_{index}"] = tenant_id
-                params[f"count_{index}"] = count
-            rows += await conn.execute(_next_runs_statement(self._dialect, len(chunk)), params)
-        # A UNION ALL keeps no order, not even its members' own: number each tenant's runs
-        # after sorting them here.
-        rows.sort(key=lambda row: (row.tenant_id, -row.priority, row.not_before, row.id))
-        turn: Counter[str] = Counter()
-        candidates: list[_Candidate] = []
-        for row in rows:
-            turn[row.tenant_id] += 1
-            candidates.append(
-                _Candidate(
-                    run_id=row.id,
-                    tenant_id=row.tenant_id,
-                    priority=row.priority,
-                    not_before=row.not_before,
-                    turn=turn[row.tenant_id],
-                )
-            )
-        return candidates
-
-    async def _claim_rows_txn(
+    async def _claim_locked_txn(
         self,
         conn: AsyncConnection,
         lane: str,
         owner: str,
-        run_ids: list[str],
+        allotted: Mapping[str, int],
+        caps: Mapping[str, int],
+        limit: int,
         lease_ttl_s: float,
-    ) -> list[RowMapping]:
-        """Move the still-eligible runs among ``run_ids`` to ``running``; their new rows."""
-        if not run_ids:
-            return []
+    ) -> tuple[list[Claim], dict[str, int]]:
+        """Servers: lock the tenants, then count, pick, lock and claim their next runs.
+
+        The tenant rows are locked in id order, so two claimers never wait on each other in a
+        cycle, and held to commit, so no other claimer of these tenants counts or claims in
+        between. One statement then reads, for every allotted tenant, its ``running`` count
+        and its next runs, locking those (``FOR UPDATE SKIP LOCKED``). It starts after the
+        tenant locks were granted, so under READ COMMITTED its count sees every claim the
+        previous lock holder committed. The chosen runs are moved by primary key; their new
+        rows are the locked rows with the claim's changes, so no re-read is needed.
+        """
         d = self._dialect
-        params: dict[str, Any] = {"ids": run_ids, "in_lane": lane, "new_owner": owner}
-        if dialects.uses_row_locks(d):
-            # Lock by primary key alone and check eligibility on the rows as locked (a row
-            # lock returns the row's latest committed version): with the other predicates in
-            # the WHERE, a planner without statistics yet (a young table) may walk a status
-            # index through the whole backlog instead of reading the listed ids.
-            locked = await conn.execute(_lock_runs_statement(d), {"ids": run_ids})
-            params["ids"] = [
-                row.id
-                for row in locked
-                if row.status == _QUEUED
-                and row.lane == lane
-                and row.due
-                and row.cancel_requested_at is None
-            ]
-            if not params["ids"]:
-                return []
-        # On the servers the rows are held under this transaction's locks, so the UPDATE needs
-        # no predicate beyond the ids; on SQLite it repeats the eligibility predicate, checked
-        # under the database's write lock.
-        claim = _claim_statement(d, lease_ttl_s)
-        if dialects.supports_update_returning(d):
-            return list((await conn.execute(claim.returning(*runs.c), params)).mappings())
-        result = await conn.execute(claim, params)
-        # We hold every row's lock, so each must have matched; anything else is a bug worth a
-        # loud log, and the re-read below returns only what was really claimed.
-        if result.rowcount != len(params["ids"]):
-            logger.error("claimed %d of %d locked runs", result.rowcount, len(params["ids"]))
-        rows = (await conn.execute(_read_runs_statement(), {"ids": params["ids"]})).mappings()
-        return [row for row in rows if row["status"] == _RUNNING and row["lease_owner"] == owner]
+        await conn.execute(_lock_tenants_statement(d), {"ids": sorted(caps)})
+        # A tenant never gets more than the whole batch, however much it was allotted.
+        wanted = {tenant: min(count, limit) for tenant, count in allotted.items()}
+        read = await self._next_runs_txn(conn, lane, wanted, locked=True)
+        # The read's predicate holds on the rows as locked; checked again here all the same,
+        # as the old separate lock statement did, since a claim of a row that changed under
+        # it would be the double claim RELIABILITY.md §0.6 warns of.
+        rows = [row for row in read if _is_claimable(row, lane)]
+        # A tenant without candidates left is not claimed from, so its count is not needed.
+        busy = {row["tenant_id"]: row["busy"] for row in rows}
+        free = {tenant: caps[tenant] - count for tenant, count in busy.items()}
+        chosen = _take_in_claim_order(_candidates(rows), busy, free, limit)
+        if not chosen:
+            return [], busy
+        # Database time, read by the statement that locked the rows: the lease runs from a
+        # moment before the UPDATE, so it never lasts longer than ``lease_ttl_s``.
+        now: datetime = min(row["db_now"] for row in rows)
+        expires = now + timedelta(seconds=lease_ttl_s)
+        params = {"ids": chosen, "new_owner": owner, "claimed_at": now, "expires_at": expires}
+        result = await conn.execute(_claim_locked_statement(), params)
+        # Every chosen row is locked by this transaction and was eligible as locked.
+        if result.rowcount != len(chosen):  # pragma: no cover - would be a locking bug
+            raise AssertionError(f"claimed {result.rowcount} of {len(chosen)} locked runs")
+        by_id = {row["id"]: row for row in rows}
+        return [_claim_of(by_id[run_id], owner, now, expires) for run_id in chosen], busy
+
+    async def _claim_serialised_txn(
+        self,
+        conn: AsyncConnection,
+        lane: str,
+        owner: str,
+        allotted: Mapping[str, int],
+        caps: Mapping[str, int],
+        busy: Mapping[str, int],
+        limit: int,
+        lease_ttl_s: float,
+    ) -> list[Claim]:
+        """SQLite: read and claim the allotted runs in one ``UPDATE … RETURNING``.
+
+        Under ``BEGIN IMMEDIATE`` the counts of the waiting read are exact, so the allotment
+        never exceeds a tenant's free slots nor, in all, the batch: every run the per-tenant
+        reads find is claimed. They are therefore the UPDATE's own subquery, and the UPDATE
+        repeats the eligibility predicate on each row. The claimed rows are put in claim order
+        afterwards.
+        """
+        free = {t: caps[t] - busy[t] for t in caps}
+        wanted = sorted((t, min(count, free[t])) for t, count in allotted.items() if free[t] > 0)
+        claimed: list[RowMapping] = []
+        for offset in range(0, len(wanted), _UNION_CHUNK):
+            chunk = wanted[offset : offset + _UNION_CHUNK]
+            params: dict[str, Any] = {"in_lane": lane, "new_owner": owner}
+            for index, (tenant_id, count) in enumerate(chunk):
+                params[f"tenant_{index}"] = tenant_id
+                params[f"count_{index}"] = count
+            stmt = _claim_next_statement(self._dialect, len(chunk), lease_ttl_s)
+            claimed += (await conn.execute(stmt, params)).mappings()
+        order = _take_in_claim_order(_candidates(claimed), busy, free, limit)
+        if len(order) != len(claimed):  # pragma: no cover - the allotment fits the batch
+            raise AssertionError(f"claimed {len(claimed)} runs for a batch of {len(order)}")
+        by_id = {row["id"]: row for row in claimed}
+        return [_claim_from_row(by_id[run_id]) for run_id in order]
+
+    async def _next_runs_txn(
+        self, conn: AsyncConnection, lane: str, wanted: Mapping[str, int], *, locked: bool
+    ) -> list[RowMapping]:
+        """Each tenant's next ``wanted[tenant]`` eligible runs of ``lane``.
+
+        One ``UNION ALL`` of per-tenant index range reads (``ix_runs_lane_tenant``), each
+        stopping after its own limit, in chunks under SQLite's limit on compound selects.
+        ``locked``: whole rows, each tenant's fresh ``busy`` count and the database time
+        (``db_now``) beside them, locked ``FOR UPDATE SKIP LOCKED``; otherwise the columns the
+        claim order needs.
+        """
+        members = sorted(wanted.items())
+        rows: list[RowMapping] = []
+        for offset in range(0, len(members), _UNION_CHUNK):
+            chunk = members[offset : offset + _UNION_CHUNK]
+            params: dict[str, Any] = {"in_lane": lane}
+            for index, (tenant_id, count) in enumerate(chunk):
+                params[f"tenant_{index}"] = tenant_id
+                params[f"count_{index}"] = count
+            stmt = _next_runs_statement(self._dialect, len(chunk), locked)
+            rows += (await conn.execute(stmt, params)).mappings()
+        return rows
 
     # --- leases -----------------------------------------------------------------------------
 
@@ -889,64 +955,70 @@ def _lock_tenants_statement(d: DialectName) -> Select[Any]:
 
 
 @functools.cache
-def _count_running_statement() -> Select[Any]:
-    ids = _id_list()
-    return (
-        select(runs.c.tenant_id, func.count().label("n"))
-        .where(runs.c.tenant_id.in_(ids), runs.c.status == _RUNNING)
-        .group_by(runs.c.tenant_id)
-    )
+def _next_runs_statement(
+    d: DialectName, tenants_count: int, locked: bool
+) -> Select[Any] | CompoundSelect[Any]:
+    """Each of ``tenants_count`` tenants' next ``count_<i>`` eligible runs of ``lane``.
 
-
-@functools.cache
-def _next_runs_statement(d: DialectName, tenants_count: int) -> Select[Any] | CompoundSelect[Any]:
-    """Each of ``tenants_count`` tenants' next ``count_<i>`` eligible runs of ``lane``."""
-    lane = bindparam("lane", type_=String())
+    ``locked``: the whole rows, locked ``FOR UPDATE SKIP LOCKED`` (the lock sits in each
+    member's own sub-select, where PostgreSQL and MariaDB allow it under a ``UNION``), with
+    the tenant's ``running`` count (``busy``) and the database time (``db_now``) beside them.
+    The eligibility predicate is on the rows being locked, so a row another transaction
+    changed is checked again as locked (RELIABILITY.md §0.6).
+    """
+    # Not "lane": an UPDATE (SQLite's claim) reserves column names for its SET clause.
+    lane = bindparam("in_lane", type_=String())
 
     def next_of(index: int) -> Select[Any]:
+        tenant = bindparam(f"tenant_{index}", type_=String())
+        columns = (
+            runs.c if locked else (runs.c.id, runs.c.tenant_id, runs.c.priority, runs.c.not_before)
+        )
         nxt = (
-            select(runs.c.id, runs.c.tenant_id, runs.c.priority, runs.c.not_before)
+            select(*columns)
             .where(runs.c.status == _QUEUED, runs.c.lane == lane)
-            .where(runs.c.tenant_id == bindparam(f"tenant_{index}", type_=String()))
+            .where(runs.c.tenant_id == tenant)
             .where(runs.c.not_before <= db_now(d))
+            # Never set on a queued run (a cancel ends one at once); kept so that no path
+            # to ``queued`` can ever hand a cancelled run to a worker.
+            .where(runs.c.cancel_requested_at.is_(None))
             .order_by(runs.c.priority.desc(), runs.c.not_before, runs.c.id)
             .limit(bindparam(f"count_{index}", type_=Integer()))
-            .subquery()
         )
-        return select(nxt)
+        if not locked:
+            return select(nxt.subquery())
+        held = dialects.lock_rows_skip_locked(nxt, d).subquery()
+        load = runs.alias()
+        busy = (
+            select(func.count())
+            .select_from(load)
+            .where(load.c.tenant_id == tenant, load.c.status == _RUNNING)
+            .scalar_subquery()
+        )
+        return select(held, busy.label("busy"), db_now(d).label("db_now"))
 
     members = [next_of(index) for index in range(tenants_count)]
     return members[0] if len(members) == 1 else union_all(*members)
 
 
 @functools.cache
-def _lock_runs_statement(d: DialectName) -> Select[Any]:
-    due = case((runs.c.not_before <= db_now(d), 1), else_=0).label("due")
-    ids = _id_list()
-    lockable = select(runs.c.id, runs.c.status, runs.c.lane, runs.c.cancel_requested_at, due).where(
-        runs.c.id.in_(ids)
-    )
-    return dialects.lock_rows_skip_locked(lockable, d)
+def _claim_next_statement(d: DialectName, tenants_count: int, lease_ttl_s: float) -> Update:
+    """SQLite's claim: the allotted tenants' next runs, read and claimed by one statement.
 
-
-@functools.cache
-def _claim_statement(d: DialectName, lease_ttl_s: float) -> Update:
-    ids = _id_list()
-    target: ColumnElement[bool] = runs.c.id.in_(ids)
-    if not dialects.uses_row_locks(d):
-        target = and_(
-            target,
-            runs.c.status == _QUEUED,
-            runs.c.lane == bindparam("in_lane", type_=String()),
-            runs.c.not_before <= db_now(d),
-            # Never set on a queued run (a cancel ends one at once); kept here so that no
-            # path to ``queued`` can ever hand a cancelled run to a worker.
-            runs.c.cancel_requested_at.is_(None),
-        )
+    The eligibility predicate is repeated on the rows being updated, checked under the write
+    lock; every column of the claimed rows is returned.
+    """
+    chosen = _next_runs_statement(d, tenants_count, False).subquery()
     now = db_now(d)
     return (
         update(runs)
-        .where(target)
+        .where(
+            runs.c.id.in_(select(chosen.c.id)),
+            runs.c.status == _QUEUED,
+            runs.c.lane == bindparam("in_lane", type_=String()),
+            runs.c.not_before <= now,
+            runs.c.cancel_requested_at.is_(None),
+        )
         .values(
             status=_RUNNING,
             attempt=runs.c.attempt + 1,
@@ -955,12 +1027,31 @@ def _claim_statement(d: DialectName, lease_ttl_s: float) -> Update:
             started_at=func.coalesce(runs.c.started_at, now),
             updated_at=now,
         )
+        .returning(*runs.c)
     )
 
 
 @functools.cache
-def _read_runs_statement() -> Select[Any]:
-    return select(runs).where(runs.c.id.in_(_id_list()))
+def _claim_locked_statement() -> Update:
+    """The servers' claim of rows this transaction holds locked: by primary key alone.
+
+    No predicate beyond the ids: the rows were eligible as locked and nobody else can change
+    them before commit. With more predicates, a planner without statistics yet (a young
+    table) may walk a status index through the whole backlog instead of reading the ids.
+    """
+    claimed_at = bindparam("claimed_at", type_=runs.c.updated_at.type)
+    return (
+        update(runs)
+        .where(runs.c.id.in_(_id_list()))
+        .values(
+            status=_RUNNING,
+            attempt=runs.c.attempt + 1,
+            lease_owner=bindparam("new_owner", type_=String()),
+            lease_expires_at=bindparam("expires_at", type_=runs.c.lease_expires_at.type),
+            started_at=func.coalesce(runs.c.started_at, claimed_at),
+            updated_at=claimed_at,
+        )
+    )
 
 
 def _cap_of(caps: Mapping[str, int], default_cap: int, plan: str) -> int:
@@ -1026,3 +1117,52 @@ def _claim_from_row(row: RowMapping) -> Claim:
     if owner is None:  # pragma: no cover - the claim statement always sets it
         raise AssertionError(f"claimed run {run.run_id} has no lease owner")
     return Claim(fence=Fence(run_id=run.run_id, attempt=run.attempt, owner=owner), run=run)
+
+
+def _is_claimable(row: RowMapping, lane: str) -> bool:
+    """Whether a run's locked row is still eligible: queued in ``lane``, due, not cancelled."""
+    return (
+        row["status"] == _QUEUED
+        and row["lane"] == lane
+        and row["not_before"] <= row["db_now"]
+        and row["cancel_requested_at"] is None
+    )
+
+
+def _claim_of(row: RowMapping, owner: str, now: datetime, expires: datetime) -> Claim:
+    """The claim of a run whose locked row ``row`` the claim UPDATE has just changed."""
+    run = run_from_row(row)
+    claimed = replace(
+        run,
+        status=RunStatus.RUNNING,
+        attempt=Attempt(run.attempt + 1),
+        lease_owner=owner,
+        lease_expires_at=expires,
+        started_at=run.started_at if run.started_at is not None else now,
+        updated_at=now,
+    )
+    fence = Fence(run_id=claimed.run_id, attempt=claimed.attempt, owner=owner)
+    return Claim(fence=fence, run=claimed)
+
+
+def _candidates(rows: Sequence[RowMapping]) -> list[_Candidate]:
+    """The rows read for a claim, each numbered by its turn in its tenant's claim order."""
+    # A UNION ALL keeps no order, not even its members' own: number each tenant's runs
+    # after sorting them here.
+    ordered = sorted(
+        rows, key=lambda row: (row["tenant_id"], -row["priority"], row["not_before"], row["id"])
+    )
+    turn: Counter[str] = Counter()
+    candidates: list[_Candidate] = []
+    for row in ordered:
+        turn[row["tenant_id"]] += 1
+        candidates.append(
+            _Candidate(
+                run_id=row["id"],
+                tenant_id=row["tenant_id"],
+                priority=row["priority"],
+                not_before=row["not_before"],
+                turn=turn[row["tenant_id"]],
+            )
+        )
+    return candidates

@@ -17,17 +17,127 @@ wait (PostgreSQL and MariaDB under READ COMMITTED; SQLite serialises writers any
 many processes consume at once, ``used`` never passes the limit and no two of them are told
 they took the same last unit. A counter in the database never needs an expiry; a new day is a
 new row, and old rows are the usage history.
+
+:func:`take_units_txn` takes several units at once inside a caller's write transaction: the
+:class:`~moorline.dispatch.submit.Submitter` takes the units of a whole batch of runs
+(:class:`QuotaClaim`) in the transaction that stores them, so a unit and its run are committed,
+or rolled back, together.
 """
 
+import functools
 from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import Integer, Update, bindparam, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import ColumnElement
 
-from moorline.db.dialects import DialectName, increment_below, insert_or_lock_existing
+from moorline.db.dialects import (
+    DialectName,
+    db_now,
+    increment_below,
+    insert_or_lock_existing,
+    lock_rows,
+    supports_update_returning,
+)
 from moorline.db.manager import DatabaseManager
 from moorline.db.schema import quota_usage
-from moorline.types import TenantId
+from moorline.types import JSONObject, TenantId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuotaClaim:
+    """The daily-quota unit a run needs to be queued, and what to store when there is none.
+
+    Attributes:
+        day: The UTC day the unit is counted on, ``YYYY-MM-DD``.
+        limit: Units the tenant may take that day.
+        refusal: The ``error`` of the run when the quota is used up: the run is then stored
+            ``rate_limited``.
+    """
+
+    day: str
+    limit: int
+    refusal: JSONObject
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """What :func:`take_units_txn` took.
+
+    Attributes:
+        units: Units taken, ``0`` to the number wanted.
+        now: The database's time, read by the same statement where the dialect returns it from
+            an UPDATE (SQLite, PostgreSQL) and the common case applied; None otherwise. A
+            caller that needs the time too saves a statement.
+    """
+
+    units: int
+    now: datetime | None = None
+
+
+async def take_units_txn(
+    conn: AsyncConnection,
+    dialect: DialectName,
+    tenant_id: TenantId,
+    day: str,
+    *,
+    limit: int,
+    wanted: int,
+) -> Taken:
+    """Take up to ``wanted`` units of ``day`` without passing ``limit``, in ``conn``'s transaction.
+
+    The common case is one statement: ``used + wanted <= limit`` is the UPDATE's own predicate,
+    so it is re-checked on the locked row after any lock wait. Otherwise (the day's first use,
+    or the quota nearly used up) the row is created unless it exists, read under its lock and
+    given what is left. The row stays locked until the transaction ends, so concurrent takers
+    of one tenant's day queue, and what one took is what the others see.
+
+    Returns:
+        The units taken (they are the caller's once its transaction commits, and were never
+        taken if it rolls back), with the database's time when the statement could read it.
+    """
+    if wanted < 1 or limit < 1:
+        return Taken(0)
+    params = {"b_tenant_id": tenant_id, "b_day": day, "b_wanted": wanted, "b_limit": limit}
+    result = await conn.execute(_take_all_statement(dialect), params)
+    if supports_update_returning(dialect):
+        now = result.scalar_one_or_none()
+        if now is not None:
+            return Taken(wanted, now)
+    elif result.rowcount == 1:
+        return Taken(wanted)
+    row = _row(tenant_id, day)
+    counter = quota_usage.c.used
+    keys = {"tenant_id": tenant_id, "day": day}
+    await conn.execute(insert_or_lock_existing(quota_usage, dialect, "used").values(**keys, used=0))
+    used: int = (await conn.execute(lock_rows(select(counter).where(row), dialect))).scalar_one()
+    taken = max(0, min(wanted, limit - used))
+    if taken:
+        await conn.execute(update(quota_usage).where(row).values(used=counter + taken))
+    return Taken(taken)
+
+
+@functools.cache
+def _take_all_statement(dialect: DialectName) -> Update:
+    """``used += b_wanted`` unless that passes ``b_limit``; returning the database time if it can.
+
+    Built once per dialect with bound parameters, so SQLAlchemy derives its cache key once
+    instead of walking a new statement per batch.
+    """
+    counter = quota_usage.c.used
+    wanted = bindparam("b_wanted", type_=Integer)
+    stmt = (
+        update(quota_usage)
+        .where(
+            quota_usage.c.tenant_id == bindparam("b_tenant_id"),
+            quota_usage.c.day == bindparam("b_day"),
+            counter + wanted <= bindparam("b_limit", type_=Integer),
+        )
+        .values(used=counter + wanted)
+    )
+    return stmt.returning(db_now(dialect)) if supports_update_returning(dialect) else stmt
 
 
 class QuotasRepo:

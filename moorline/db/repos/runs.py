@@ -14,10 +14,11 @@ whose rowcount (or returned ids) is checked:
 * **enqueue** — ``pending → queued`` (:meth:`RunsRepo.enqueue`) or ``pending → rate_limited``
   (:meth:`RunsRepo.mark_rate_limited`), each conditional on the run still being ``pending``, so
   two API processes deciding about one run move it once.
-* **finish** — :meth:`RunsRepo.finish_many` ends attempts under their fences (``Fence.clause()``),
-  several in one transaction. A worker whose lease was taken over matches no row and writes
-  nothing, not even an event. A run whose cancel is recorded ends ``cancelled`` whatever its
-  attempt's outcome: the request wins over a success, a failure or a retry not yet written.
+* **finish** — :meth:`RunsRepo.finish_many` ends attempts under their fences (run, attempt,
+  owner, ``running``), several in one transaction, one UPDATE per kind of ending. A worker whose
+  lease was taken over matches no row and writes nothing, not even an event. A run whose cancel
+  is recorded ends ``cancelled`` whatever its attempt's outcome: the request wins over a
+  success, a failure or a retry not yet written.
 * **cancel** — :meth:`RunsRepo.request_cancel` records a tenant's cancel under the run's row
   lock: a run nobody executes (``pending``, ``queued``) ends ``cancelled`` in that same
   transaction; a ``running`` one keeps its lease with ``cancel_requested_at`` set, which its
@@ -25,29 +26,33 @@ whose rowcount (or returned ids) is checked:
   heartbeat. From then on no step starts (``StepsRepo.start`` refuses), no claim takes the
   run, and the reaper and a shutdown release end it ``cancelled`` instead of requeueing it.
 
-Times come from the database clock only. Inserts and finishes read it once per transaction and
-bind the value (rather than calling the SQL function per row), which keeps one clock reading per
-batch and lets aiomysql send a batch as one multi-row INSERT.
+Times come from the database clock only. Inserts and finishes read it once per transaction (a
+finish in the statement that locks its rows) and bind the value (rather than calling the SQL
+function per row), which keeps one clock reading per batch and lets aiomysql send a batch as one
+multi-row INSERT.
 """
 
+import functools
 import hashlib
 import json
 import logging
 import math
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, TypeAlias
 
 from sqlalchemy import (
     ColumnElement,
+    Select,
+    String,
     Update,
     and_,
     bindparam,
+    case,
     func,
     insert,
-    literal,
     null,
     select,
     tuple_,
@@ -67,7 +72,9 @@ from moorline.db.repos.events import (
     EVENT_SUCCEEDED,
     EVENT_TIMED_OUT,
     append_events_txn,
+    events_from_runs_statement,
 )
+from moorline.db.repos.quotas import QuotaClaim, take_units_txn
 from moorline.db.repos.records import Fence, Run, run_from_row
 from moorline.db.schema import runs, tenants
 from moorline.errors import (
@@ -92,6 +99,9 @@ _ACTIVE = (_PENDING, _QUEUED, RunStatus.RUNNING.value)
 
 # Ids per IN list; far below every backend's bound-parameter limit (asyncpg: 32,767).
 _IN_CHUNK = 1000
+
+_INSERT_RUNS = insert(runs)
+"""One statement object for every batch: SQLAlchemy derives its cache key once."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -249,14 +259,29 @@ class RunsRepo:
         """
         return await self._insert(new, RunStatus.PENDING)
 
-    async def submit_many(self, new: Sequence[NewRun]) -> list[Run]:
+    async def submit_many(
+        self, new: Sequence[NewRun], *, quotas: Sequence[QuotaClaim | None] | None = None
+    ) -> list[Run]:
         """Store ``new`` as ``queued`` runs with one ``queued`` event each, in one transaction.
 
         The same as :meth:`insert_pending` followed by :meth:`enqueue`, in one transaction; the
         rows are inserted ``queued`` directly, since nothing can see them ``pending`` anyway.
 
+        With ``quotas``, a run with a :class:`~moorline.db.repos.quotas.QuotaClaim` is queued
+        only if it gets a unit of its tenant's daily quota, taken in the same transaction
+        (:func:`~moorline.db.repos.quotas.take_units_txn`; the batch's runs in the order
+        given); one that gets none is stored ``rate_limited`` with the claim's ``refusal`` as
+        its error, without its idempotency key and without events, as
+        :meth:`insert_rate_limited` stores it. Units and runs commit together: a batch that
+        fails takes no unit.
+
+        Args:
+            new: The runs to store.
+            quotas: One claim (or None: no quota to take) per run of ``new``, in its order.
+
         Returns:
-            The runs as stored (status ``queued``), in the order given.
+            The runs as stored (``queued``, or ``rate_limited`` when refused by the quota), in
+            the order given.
 
         Raises:
             IdempotencyConflict: as for :meth:`insert_pending`; nothing was written.
@@ -265,14 +290,22 @@ class RunsRepo:
             Conflict: as for :meth:`insert_pending`; nothing was written.
             InvalidInput: as for :meth:`insert_pending`; nothing was written.
         """
-        return await self._insert(new, RunStatus.QUEUED)
+        if quotas is not None and len(quotas) != len(new):
+            raise ValueError(f"{len(quotas)} quota claims for {len(new)} runs")
+        return await self._insert(new, RunStatus.QUEUED, quotas)
 
-    async def _insert(self, new: Sequence[NewRun], status: RunStatus) -> list[Run]:
+    async def _insert(
+        self,
+        new: Sequence[NewRun],
+        status: RunStatus,
+        quotas: Sequence[QuotaClaim | None] | None = None,
+    ) -> list[Run]:
         if not new:
             return []
         rows = [_row_of(item) for item in new]
         _check_unique_within(new, rows)
         ids = [RunId(row["id"]) for row in rows]
+        claims = {} if quotas is None else _claims_by_run(ids, new, quotas)
         tries = 0
 
         async def write() -> list[Run]:
@@ -280,20 +313,28 @@ class RunsRepo:
             tries += 1
             try:
                 async with self._db.write_transaction() as conn:
-                    return await self._insert_txn(conn, rows, status)
+                    return await self._insert_txn(conn, rows, status, claims)
             except IntegrityError as exc:
                 # The transaction is rolled back; find out which rule the batch broke.
                 return await self._explain(exc, new, ids, is_retry=tries > 1)
 
         # Retried on a lost connection: the run ids are fixed above, so a retry after a commit
-        # whose acknowledgement was lost finds them stored (see _explain) and stores nothing twice.
+        # whose acknowledgement was lost finds them stored (see _explain) and stores nothing twice
+        # (its units are rolled back with its failed insert).
         return await self._db.with_retry(write)
 
     async def _insert_txn(
-        self, conn: AsyncConnection, rows: Sequence[dict[str, Any]], status: RunStatus
+        self,
+        conn: AsyncConnection,
+        rows: Sequence[dict[str, Any]],
+        status: RunStatus,
+        claims: dict[str, tuple[TenantId, QuotaClaim]],
     ) -> list[Run]:
-        await self._check_conversations_txn(conn, rows)
-        now = await _db_now_txn(conn, self._dialect)
+        refusals, now = await self._take_units_txn(conn, claims)
+        admitted = [row for row in rows if row["id"] not in refusals]
+        await self._check_conversations_txn(conn, admitted)
+        if now is None:
+            now = await _db_now_txn(conn, self._dialect)
         params = [
             {
                 **{key: value for key, value in row.items() if key != "delay_s"},
@@ -305,18 +346,53 @@ class RunsRepo:
             # In tenant order: each row's foreign-key check locks its tenant's row (shared), and
             # claims lock tenant rows in id order too, so the two never wait on each other in a
             # cycle on MariaDB.
-            for row in sorted(rows, key=lambda row: (row["tenant_id"], row["id"]))
+            for row in sorted(admitted, key=lambda row: (row["tenant_id"], row["id"]))
         ]
-        await conn.execute(insert(runs), params)
-        ids = [RunId(row["id"]) for row in rows]
-        if status is RunStatus.QUEUED:
-            queued: list[_EventItem] = [(run_id, Attempt(0), EVENT_QUEUED, {}) for run_id in ids]
+        refused = [
+            _refused_values(row, refusals[row["id"]], now)
+            for row in sorted(rows, key=lambda row: (row["tenant_id"], row["id"]))
+            if row["id"] in refusals
+        ]
+        # Two statements when both kinds are there: one executemany needs one set of columns.
+        for values in (params, refused):
+            if values:
+                await conn.execute(_INSERT_RUNS, values)
+        queued_ids = [RunId(row["id"]) for row in admitted]
+        if status is RunStatus.QUEUED and queued_ids:
+            queued: list[_EventItem] = [
+                (run_id, Attempt(0), EVENT_QUEUED, {}) for run_id in queued_ids
+            ]
             await append_events_txn(conn, self._dialect, queued, now=now, new_runs=True)
         # Every column is known here (the times are the database time read above), so the runs
         # are built rather than read back: one round trip less per batch. The contract tests
         # check they equal what a read returns on every backend.
-        by_id = {param["id"]: param for param in params}
-        return [_run_of(by_id[run_id]) for run_id in ids]
+        by_id = {param["id"]: _run_of(param) for param in params}
+        by_id.update((values["id"], _refused_run(values)) for values in refused)
+        return [by_id[row["id"]] for row in rows]
+
+    async def _take_units_txn(
+        self, conn: AsyncConnection, claims: dict[str, tuple[TenantId, QuotaClaim]]
+    ) -> tuple[dict[str, JSONObject], datetime | None]:
+        """Take the claimed quota units.
+
+        Returns:
+            The refusal of each run that got no unit, by run id; and the database's time if a
+            quota statement read it (one statement less for the batch).
+        """
+        groups: dict[tuple[TenantId, str, int], list[str]] = {}
+        for run_id, (tenant_id, claim) in claims.items():
+            groups.setdefault((tenant_id, claim.day, claim.limit), []).append(run_id)
+        refusals: dict[str, JSONObject] = {}
+        now: datetime | None = None
+        # In (tenant, day) order, so two batches lock the counters they share in one order.
+        for (tenant_id, day, limit), run_ids in sorted(groups.items()):
+            taken = await take_units_txn(
+                conn, self._dialect, tenant_id, day, limit=limit, wanted=len(run_ids)
+            )
+            now = now or taken.now
+            for run_id in run_ids[taken.units :]:
+                refusals[run_id] = claims[run_id][1].refusal
+        return refusals, now
 
     async def _check_conversations_txn(
         self, conn: AsyncConnection, rows: Sequence[dict[str, Any]]
@@ -531,8 +607,11 @@ class RunsRepo:
     async def finish_many(self, outcomes: Sequence[Outcome]) -> list[bool]:
         """Record how attempts ended, each under its fence, all in one transaction.
 
-        Each outcome is one UPDATE conditional on its fence, its rowcount checked; its event is
-        written only when it applied:
+        The runs' rows are locked first (with the database time read beside them), and an
+        outcome applies only when its fence holds on its row. The applied outcomes of one
+        kind are written by one UPDATE carrying every one of their fences, its rowcount
+        checked, and their events by one ``INSERT … SELECT`` (``retrying``: one multi-row
+        INSERT); an outcome that did not apply writes nothing:
 
         * :class:`Succeeded` → ``succeeded`` with ``output`` (``error`` cleared), event
           ``succeeded``;
@@ -566,12 +645,10 @@ class RunsRepo:
         async def write() -> list[bool]:
             applied = [False] * len(outcomes)
             async with self._db.write_transaction() as conn:
-                running = await self._lock_running_txn(conn, outcomes)
+                running, now = await self._lock_running_txn(conn, outcomes)
                 if not running:
                     return applied
-                now = await _db_now_txn(conn, self._dialect)
-                by_kind: dict[str, list[dict[str, Any]]] = {}
-                appended: list[_EventItem] = []
+                groups: dict[str, list[_Finish]] = {}
                 for index, outcome in enumerate(outcomes):
                     fence = outcome.fence
                     held = running.get(fence.run_id)
@@ -583,59 +660,71 @@ class RunsRepo:
                     del running[fence.run_id]
                     if held.is_cancel_requested:
                         outcome = Stopped(fence=fence, status=RunStatus.CANCELLED)
-                    kind, row_params, event = _finish_params(outcome, now, held.started_at)
-                    by_kind.setdefault(kind, []).append(row_params)
-                    appended.append((fence.run_id, fence.attempt, *event))
+                    finish = _finish_of(outcome, now, held.started_at)
+                    groups.setdefault(finish.kind, []).append(finish)
                     applied[index] = True
-                for kind, params in by_kind.items():
-                    # One executemany per kind. The rows are locked (or, on SQLite, the whole
-                    # database is), so every fence found holding above still holds here.
-                    result = await conn.execute(_FINISH_STATEMENTS[kind](now), params)
-                    if result.rowcount not in (-1, len(params)):
-                        raise AssertionError(
-                            f"finish {kind}: {result.rowcount} of {len(params)} locked runs changed"
-                        )
-                await append_events_txn(conn, self._dialect, appended, now=now)
+                for kind, group in groups.items():
+                    for offset in range(0, len(group), _FINISH_CHUNK):
+                        chunk = group[offset : offset + _FINISH_CHUNK]
+                        await self._finish_group_txn(conn, kind, chunk, now)
             return applied
 
         return await self._db.with_retry(write)
 
+    async def _finish_group_txn(
+        self, conn: AsyncConnection, kind: str, group: Sequence["_Finish"], now: datetime
+    ) -> None:
+        """End ``group`` (outcomes of one kind) with one UPDATE, then append their events.
+
+        The UPDATE carries every fence and its rowcount is checked; the rows are locked (or,
+        on SQLite, the whole database is), so every fence found holding still holds here.
+        """
+        stmt, params = _finish_statement(kind, group, now)
+        result = await conn.execute(stmt, params)
+        if result.rowcount != len(group):  # pragma: no cover - would be a locking bug
+            raise AssertionError(f"finish {kind}: {result.rowcount} of {len(group)} locked runs")
+        from_error = kind in _EVENT_DATA_IS_ERROR
+        if from_error or kind in _EVENT_DATA:
+            # The event's data is the same for every run of the group, or is the error the
+            # UPDATE just stored: one INSERT … SELECT reads each run's next seq itself.
+            ids = [finish.fence.run_id for finish in group]
+            params = {"ids": ids, "type": kind, "data": _EVENT_DATA.get(kind)}
+            await conn.execute(events_from_runs_statement(data_from_error=from_error), params)
+            return
+        items = [(f.fence.run_id, f.fence.attempt, kind, f.event_data) for f in group]
+        await append_events_txn(conn, self._dialect, items, now=now)
+
     async def _lock_running_txn(
         self, conn: AsyncConnection, outcomes: Sequence[Outcome]
-    ) -> dict[str, _Held]:
-        """Lock the outcomes' runs; the ones still running, with what finishing needs.
+    ) -> tuple[dict[str, _Held], datetime]:
+        """Lock the outcomes' runs; the ones still running, and the time to finish them at.
 
         Server databases lock the rows (``FOR UPDATE``, in id order so two batches never
         deadlock) and read their latest committed version after any wait; SQLite's ``BEGIN
         IMMEDIATE`` already holds the only write lock. Either way a fence found holding on
         these rows cannot be broken before this transaction commits. Each outcome's fence is
         compared by the caller: two outcomes of one run may carry different fences.
+
+        The database time comes with the rows, saving a round trip; on a server it may be
+        read before a wait for a row lock, which only makes the finish look that much
+        earlier.
         """
         run_ids = sorted({outcome.fence.run_id for outcome in outcomes})
         running: dict[str, _Held] = {}
+        now: datetime | None = None
         for offset in range(0, len(run_ids), _IN_CHUNK):
             chunk = run_ids[offset : offset + _IN_CHUNK]
-            stmt = (
-                select(
-                    runs.c.id,
-                    runs.c.attempt,
-                    runs.c.lease_owner,
-                    runs.c.started_at,
-                    runs.c.cancel_requested_at,
-                )
-                .where(runs.c.id.in_(chunk), runs.c.status == RunStatus.RUNNING.value)
-                .order_by(runs.c.id)
-            )
-            if dialects.uses_row_locks(self._dialect):
-                stmt = stmt.with_for_update()
-            for row in await conn.execute(stmt):
+            for row in await conn.execute(_lock_running_statement(self._dialect), {"ids": chunk}):
+                now = row.db_now if now is None else min(now, row.db_now)
                 running[row.id] = _Held(
                     row.attempt,
                     row.lease_owner,
                     row.started_at,
                     row.cancel_requested_at is not None,
                 )
-        return running
+        if now is None:
+            now = await _db_now_txn(conn, self._dialect)
+        return running, now
 
     # --- cancel -----------------------------------------------------------------------------
 
@@ -806,6 +895,37 @@ def _run_of(values: dict[str, Any]) -> Run:
     )
 
 
+def _claims_by_run(
+    ids: Sequence[RunId], new: Sequence[NewRun], quotas: Sequence[QuotaClaim | None]
+) -> dict[str, tuple[TenantId, QuotaClaim]]:
+    """Each claimed run's tenant and claim, by run id, in the batch's order."""
+    return {
+        run_id: (item.tenant_id, claim)
+        for run_id, item, claim in zip(ids, new, quotas, strict=True)
+        if claim is not None
+    }
+
+
+def _refused_values(row: dict[str, Any], error: JSONObject, now: datetime) -> dict[str, Any]:
+    """The ``runs`` values of a run the quota refused (see :meth:`RunsRepo.submit_many`)."""
+    values = {key: value for key, value in row.items() if key != "delay_s"}
+    return {
+        **values,
+        # The key names an accepted trigger: the client may retry with it once the quota resets.
+        "idempotency_key": None,
+        "status": RunStatus.RATE_LIMITED.value,
+        "error": error,
+        "not_before": now,
+        "created_at": now,
+        "updated_at": now,
+        "finished_at": now,
+    }
+
+
+def _refused_run(values: dict[str, Any]) -> Run:
+    return replace(_run_of(values), error=values["error"], finished_at=values["finished_at"])
+
+
 def _check_unique_within(new: Sequence[NewRun], rows: Sequence[dict[str, Any]]) -> None:
     """Refuse a batch that collides with itself, before anything is written."""
     keys = [(item.tenant_id, item.idempotency_key) for item in new if item.idempotency_key]
@@ -829,134 +949,158 @@ def _is_stored_as(
     ]
 
 
-_FENCED = and_(
-    runs.c.id == bindparam("b_id"),
-    runs.c.attempt == bindparam("b_attempt"),
-    runs.c.lease_owner == bindparam("b_owner"),
-    runs.c.status == RunStatus.RUNNING.value,
-)
 _CLEARED = {"lease_owner": None, "lease_expires_at": None}
 
+_FINISH_CHUNK = 256
+"""Outcomes per finish UPDATE: a few bound parameters each, far below every backend's limit."""
 
-def _succeeded_statement(now: datetime) -> Update:
-    return (
-        update(runs)
-        .where(_FENCED)
-        .values(
-            **_CLEARED,
-            updated_at=now,
-            status=RunStatus.SUCCEEDED.value,
-            output=bindparam("b_output", type_=runs.c.output.type),
-            error=null(),
-            finished_at=now,
-            elapsed_time=bindparam("b_elapsed"),
-        )
-    )
-
-
-def _retrying_statement(now: datetime) -> Update:
-    return (
-        update(runs)
-        .where(_FENCED)
-        .values(
-            **_CLEARED,
-            updated_at=now,
-            status=_QUEUED,
-            not_before=bindparam("b_not_before", type_=runs.c.not_before.type),
-            error=bindparam("b_error", type_=runs.c.error.type),
-        )
-    )
-
-
-def _failed_statement(now: datetime) -> Update:
-    return (
-        update(runs)
-        .where(_FENCED)
-        .values(
-            **_CLEARED,
-            updated_at=now,
-            status=RunStatus.FAILED.value,
-            error=bindparam("b_error", type_=runs.c.error.type),
-            finished_at=now,
-            elapsed_time=bindparam("b_elapsed"),
-        )
-    )
-
-
-def _cancelled_statement(now: datetime) -> Update:
-    return (
-        update(runs)
-        .where(_FENCED)
-        .values(
-            **_CLEARED,
-            updated_at=now,
-            status=RunStatus.CANCELLED.value,
-            # Set by request_cancel; a cancel signalled through the RuntimeStore alone is
-            # dated here, so every cancelled run has the time its cancel was recorded.
-            cancel_requested_at=func.coalesce(
-                runs.c.cancel_requested_at, literal(now, runs.c.cancel_requested_at.type)
-            ),
-            finished_at=now,
-            elapsed_time=bindparam("b_elapsed"),
-        )
-    )
-
-
-def _timed_out_statement(now: datetime) -> Update:
-    return (
-        update(runs)
-        .where(_FENCED)
-        .values(
-            **_CLEARED,
-            updated_at=now,
-            status=RunStatus.TIMED_OUT.value,
-            error=bindparam("b_error", type_=runs.c.error.type),
-            finished_at=now,
-            elapsed_time=bindparam("b_elapsed"),
-        )
-    )
-
-
-_FINISH_STATEMENTS: dict[str, Callable[[datetime], Update]] = {
-    EVENT_SUCCEEDED: _succeeded_statement,
-    EVENT_RETRYING: _retrying_statement,
-    EVENT_FAILED: _failed_statement,
-    EVENT_CANCELLED: _cancelled_statement,
-    EVENT_TIMED_OUT: _timed_out_statement,
+_EVENT_DATA: dict[str, JSONObject] = {
+    EVENT_SUCCEEDED: {},
+    EVENT_CANCELLED: {"reason": "cancelled"},
 }
+"""The event data of the kinds whose event data is the same for every run."""
+
+_EVENT_DATA_IS_ERROR = frozenset({EVENT_FAILED, EVENT_TIMED_OUT})
+"""The kinds whose event data is the error their UPDATE stores in the run's row.
+
+Only ``retrying`` (its data carries the delay) needs per-event parameters.
+"""
 
 
-def _finish_params(
-    outcome: Outcome, now: datetime, started_at: datetime
-) -> tuple[str, dict[str, Any], tuple[str, JSONObject]]:
-    """Which statement an applied ``outcome`` uses, its parameters, and its event."""
-    fence = outcome.fence
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Finish:
+    """One applied outcome: its fence, the kind of finish, its per-run values and event data."""
+
+    fence: Fence
+    kind: str
+    values: dict[str, Any]
+    """Per-run column values: ``output``, ``error``, ``elapsed_time``, ``not_before``."""
+    event_data: JSONObject
+
+
+_FINISH_VALUES: dict[str, dict[str, Any]] = {
+    EVENT_SUCCEEDED: {"status": RunStatus.SUCCEEDED.value, "error": null()},
+    EVENT_RETRYING: {"status": _QUEUED},
+    EVENT_FAILED: {"status": RunStatus.FAILED.value},
+    EVENT_CANCELLED: {"status": RunStatus.CANCELLED.value},
+    EVENT_TIMED_OUT: {"status": RunStatus.TIMED_OUT.value},
+}
+"""The columns a kind sets to the same value on every run (besides the lease and times)."""
+
+_PER_RUN: dict[str, tuple[str, ...]] = {
+    EVENT_SUCCEEDED: ("output", "elapsed_time"),
+    EVENT_RETRYING: ("not_before", "error"),
+    EVENT_FAILED: ("error", "elapsed_time"),
+    EVENT_CANCELLED: ("elapsed_time",),
+    EVENT_TIMED_OUT: ("error", "elapsed_time"),
+}
+"""The columns a kind sets per run, from :attr:`_Finish.values`."""
+
+
+def _size_class(count: int) -> int:
+    """The next power of two: finish statements are built (and cached) per size class."""
+    return 1 << max(0, count - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=64)
+def _finish_update(kind: str, size: int) -> Update:
+    """The UPDATE ending up to ``size`` runs the same way, each under its fence.
+
+    The fences are one row-value ``IN`` list (``id IN`` beside it lets every backend find the
+    rows by primary key); the per-run values are ``CASE id WHEN …`` over ``size`` slots, of
+    which the unused ones name no run. One statement for a whole batch: MariaDB's driver sends
+    an ``executemany`` of UPDATEs as one round trip per row.
+    """
+    ids = [bindparam(f"id_{index}", type_=String()) for index in range(size)]
+    values: dict[str, Any] = {**_CLEARED, **_FINISH_VALUES[kind]}
+    for column in _PER_RUN[kind]:
+        whens = {
+            run_id: bindparam(f"{column}_{index}", type_=runs.c[column].type)
+            for index, run_id in enumerate(ids)
+        }
+        values[column] = case(whens, value=runs.c.id)
+    values["updated_at"] = bindparam("now", type_=runs.c.updated_at.type)
+    if kind != EVENT_RETRYING:
+        values["finished_at"] = values["updated_at"]
+    if kind == EVENT_CANCELLED:
+        # Set by request_cancel; a cancel signalled through the RuntimeStore alone is dated
+        # here, so every cancelled run has the time its cancel was recorded.
+        values["cancel_requested_at"] = func.coalesce(
+            runs.c.cancel_requested_at, values["updated_at"]
+        )
+    fenced = and_(
+        runs.c.id.in_(bindparam("fence_ids", expanding=True)),
+        tuple_(runs.c.id, runs.c.attempt, runs.c.lease_owner).in_(
+            bindparam("fences", expanding=True)
+        ),
+        runs.c.status == RunStatus.RUNNING.value,
+    )
+    return update(runs).where(fenced).values(**values)
+
+
+def _finish_statement(
+    kind: str, group: Sequence[_Finish], now: datetime
+) -> tuple[Update, dict[str, Any]]:
+    """The UPDATE ending ``group`` (one kind) at ``now``, and its parameters."""
+    size = _size_class(len(group))
     params: dict[str, Any] = {
-        "b_id": fence.run_id,
-        "b_attempt": fence.attempt,
-        "b_owner": fence.owner,
+        "now": now,
+        "fence_ids": [f.fence.run_id for f in group],
+        "fences": [(f.fence.run_id, f.fence.attempt, f.fence.owner) for f in group],
     }
+    columns = _PER_RUN[kind]
+    for index in range(size):
+        finish = group[index] if index < len(group) else None
+        # An unused slot names no run (NULL never equals an id) and sets nothing.
+        params[f"id_{index}"] = None if finish is None else finish.fence.run_id
+        for column in columns:
+            params[f"{column}_{index}"] = None if finish is None else finish.values[column]
+    return _finish_update(kind, size), params
+
+
+def _finish_of(outcome: Outcome, now: datetime, started_at: datetime) -> _Finish:
+    """How an applied ``outcome`` ends its run at ``now``: kind, column values, event data."""
+    fence = outcome.fence
     elapsed_s = max(0.0, (now - started_at).total_seconds())
     if isinstance(outcome, Succeeded):
-        params.update(b_output=outcome.output, b_elapsed=elapsed_s)
-        return EVENT_SUCCEEDED, params, (EVENT_SUCCEEDED, {})
+        values: dict[str, Any] = {"output": outcome.output, "elapsed_time": elapsed_s}
+        return _Finish(fence=fence, kind=EVENT_SUCCEEDED, values=values, event_data={})
     if isinstance(outcome, Stopped):
-        params.update(b_elapsed=elapsed_s)
         if outcome.status is RunStatus.CANCELLED:
-            return EVENT_CANCELLED, params, (EVENT_CANCELLED, {"reason": "cancelled"})
+            values = {"elapsed_time": elapsed_s}
+            data: JSONObject = {"reason": "cancelled"}
+            return _Finish(fence=fence, kind=EVENT_CANCELLED, values=values, event_data=data)
         error: JSONObject = outcome.error if outcome.error is not None else {"reason": "timeout"}
-        params.update(b_error=error)
-        return EVENT_TIMED_OUT, params, (EVENT_TIMED_OUT, error)
+        values = {"error": error, "elapsed_time": elapsed_s}
+        return _Finish(fence=fence, kind=EVENT_TIMED_OUT, values=values, event_data=error)
     if outcome.retry_delay_s is not None:
         delay_s = max(0.0, outcome.retry_delay_s)
-        params.update(b_not_before=now + timedelta(seconds=delay_s), b_error=outcome.error)
-        return (
-            EVENT_RETRYING,
-            params,
-            (EVENT_RETRYING, {"delay_s": delay_s, "error": outcome.error}),
+        values = {"not_before": now + timedelta(seconds=delay_s), "error": outcome.error}
+        data = {"delay_s": delay_s, "error": outcome.error}
+        return _Finish(fence=fence, kind=EVENT_RETRYING, values=values, event_data=data)
+    values = {"error": outcome.error, "elapsed_time": elapsed_s}
+    return _Finish(fence=fence, kind=EVENT_FAILED, values=values, event_data=outcome.error)
+
+
+@functools.cache
+def _lock_running_statement(dialect: DialectName) -> Select[Any]:
+    """The running runs among ``ids`` (locked on the servers), with the database time."""
+    stmt = (
+        select(
+            runs.c.id,
+            runs.c.attempt,
+            runs.c.lease_owner,
+            runs.c.started_at,
+            runs.c.cancel_requested_at,
+            db_now(dialect).label("db_now"),
         )
-    params.update(b_error=outcome.error, b_elapsed=elapsed_s)
-    return EVENT_FAILED, params, (EVENT_FAILED, outcome.error)
+        .where(
+            runs.c.id.in_(bindparam("ids", expanding=True)),
+            runs.c.status == RunStatus.RUNNING.value,
+        )
+        .order_by(runs.c.id)
+    )
+    return stmt.with_for_update() if dialects.uses_row_locks(dialect) else stmt
 
 
 async def _db_now_txn(conn: AsyncConnection, dialect: DialectName) -> datetime:

@@ -25,6 +25,18 @@ has no recorded cancel, and raises :class:`CancelRequested` otherwise: no step s
 cancel is recorded, whatever the RuntimeStore said. Finishing a step that was already running
 stays allowed, so its result is kept.
 
+**The engine's path: one statement a transition.** ``ctx.step`` knows the steps its attempt
+saw recorded (loaded once per attempt), so a step it has not seen is started with
+:meth:`StepsRepo.insert_new`: one ``INSERT … SELECT … FROM runs WHERE <fence> AND no cancel``
+that locks the run's row like the ``UPDATE`` above (``FOR NO KEY UPDATE`` / ``FOR UPDATE``,
+SQLite's write lock) and inserts nothing when the fence or the cancel check fails; a row that
+exists after all (a key the database compares as equal to another) is left to :meth:`start`.
+Finishing is one ``UPDATE steps … WHERE … AND EXISTS (<the fenced run row, locked>)``. Both
+wait for a lock another writer of the run holds and then test the fence on what it committed
+(PostgreSQL re-checks a locked row's predicate, and locking reads on InnoDB read the latest
+version), so they are exactly as fenced as the two-statement form; only when they write
+nothing does the transaction go on to find out why.
+
 Every public method is idempotent, so each is wrapped in ``with_retry``: a checkpoint whose
 commit acknowledgement was lost is retried and finds its own write (RELIABILITY.md E6).
 """
@@ -33,15 +45,28 @@ import builtins
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import RowMapping, and_, insert, null, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Insert,
+    RowMapping,
+    Update,
+    and_,
+    bindparam,
+    insert,
+    literal,
+    null,
+    select,
+    update,
+)
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import DialectName, db_now
+from moorline.db.dialects import DialectName, db_now, lock_rows
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Fence, Step
 from moorline.db.schema import runs, steps
 from moorline.errors import MoorlineError, TransitionRejected
-from moorline.types import Attempt, JSONValue, RunId, StepStatus
+from moorline.types import Attempt, JSONValue, RunId, RunStatus, StepStatus
 
 _RUNNING = StepStatus.RUNNING.value
 _SUCCEEDED = StepStatus.SUCCEEDED.value
@@ -185,12 +210,86 @@ async def hold_fence_txn(
     raise LeaseLost(fence, action)
 
 
+def fence_by_parameters() -> ColumnElement[bool]:
+    """:meth:`Fence.clause` with the fence as the bound parameters of :func:`fence_parameters`.
+
+    For statements built once and executed with the fence's values: building a statement costs
+    more than a round trip to SQLite.
+    """
+    return and_(
+        runs.c.id == bindparam("fence_run_id", type_=runs.c.id.type),
+        runs.c.attempt == bindparam("fence_attempt", type_=runs.c.attempt.type),
+        runs.c.lease_owner == bindparam("fence_owner", type_=runs.c.lease_owner.type),
+        runs.c.status == RunStatus.RUNNING.value,
+    )
+
+
+def fence_parameters(fence: Fence) -> dict[str, Any]:
+    """The values of :func:`fence_by_parameters`' bound parameters for ``fence``."""
+    return {
+        "fence_run_id": fence.run_id,
+        "fence_attempt": fence.attempt,
+        "fence_owner": fence.owner,
+    }
+
+
+def _insert_new_statement(dialect: DialectName) -> Insert:
+    """``INSERT INTO steps … SELECT … FROM runs WHERE <fence> AND no cancel`` (locked).
+
+    Parameters: the fence's, ``step_key``, ``step_function`` and ``step_call_hash``.
+    """
+    source = select(
+        runs.c.id,
+        bindparam("step_key", type_=steps.c.key.type),
+        literal(_RUNNING, steps.c.status.type),
+        runs.c.attempt,
+        bindparam("step_function", type_=steps.c.function.type),
+        bindparam("step_call_hash", type_=steps.c.call_hash.type),
+        db_now(dialect),
+    ).where(fence_by_parameters(), runs.c.cancel_requested_at.is_(None))
+    return insert(steps).from_select(
+        ["run_id", "key", "status", "attempt", "function", "call_hash", "started_at"],
+        lock_rows(source, dialect),
+    )
+
+
+def _finish_statement(dialect: DialectName, status: StepStatus) -> Update:
+    """``UPDATE steps … WHERE <running under the attempt> AND EXISTS (<fenced run, locked>)``.
+
+    Parameters: the fence's, ``step_key``, and ``step_output`` (succeeded) or ``step_error``
+    (failed).
+    """
+    fenced_run = lock_rows(select(runs.c.id).where(fence_by_parameters()), dialect)
+    values: dict[str, Any] = (
+        {"output": bindparam("step_output", type_=steps.c.output.type), "error": None}
+        if status is StepStatus.SUCCEEDED
+        # The output stays SQL NULL: start() cleared it when this attempt took the step.
+        else {"error": bindparam("step_error", type_=steps.c.error.type)}
+    )
+    return (
+        update(steps)
+        .where(
+            steps.c.run_id == bindparam("fence_run_id", type_=runs.c.id.type),
+            steps.c.key == bindparam("step_key", type_=steps.c.key.type),
+            steps.c.attempt == bindparam("fence_attempt", type_=runs.c.attempt.type),
+            steps.c.status == _RUNNING,
+            fenced_run.exists(),
+        )
+        .values(status=status.value, finished_at=db_now(dialect), **values)
+    )
+
+
 class StepsRepo:
     """Step checkpoints of runs, every write fenced by the run's attempt."""
 
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
         self._dialect: DialectName = db.dialect
+        self._insert_new = _insert_new_statement(self._dialect)
+        self._finishes = {
+            status: _finish_statement(self._dialect, status)
+            for status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
+        }
 
     async def get(self, run_id: RunId, key: str) -> Step | None:
         """The step ``key`` of ``run_id``, or None when it never started."""
@@ -240,6 +339,51 @@ class StepsRepo:
                     conn, self._dialect, fence, f"step {key!r}", refuse_cancelled=True
                 )
                 return await self._start_txn(conn, fence, key, function, call_hash)
+
+        return await self._db.with_retry(attempt)
+
+    async def insert_new(self, fence: Fence, key: str, function: str, call_hash: str) -> bool:
+        """Begin step ``key``, which the caller has not seen recorded, in one fenced statement.
+
+        The engine's fast :meth:`start` for a step its attempt has not seen: an ``INSERT …
+        SELECT`` from the run's locked row (see the module docstring), with no read before it
+        and none after.
+
+        Args:
+            fence: The attempt's fence.
+            key: The step key, unique within the run.
+            function: The step function's registered name (persisted; not ``__qualname__``).
+            call_hash: SHA-256 hex of the function name and its arguments.
+
+        Returns:
+            True: the step is now ``running`` under this attempt; call the function. False: a
+            row with this key exists (the database compares ``key`` as equal to a recorded
+            one, or this attempt's own insert committed unacknowledged); nothing was written,
+            and :meth:`start` decides.
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+            CancelRequested: The run's cancel is recorded; nothing was written.
+        """
+        parameters = {
+            **fence_parameters(fence),
+            "step_key": key,
+            "step_function": function,
+            "step_call_hash": call_hash,
+        }
+
+        async def attempt() -> bool:
+            try:
+                async with self._db.write_transaction() as conn:
+                    if (await conn.execute(self._insert_new, parameters)).rowcount == 1:
+                        return True
+                    # Nothing inserted: the fence or the cancel check failed; say which.
+                    await hold_fence_txn(
+                        conn, self._dialect, fence, f"step {key!r}", refuse_cancelled=True
+                    )
+                    return False  # pragma: no cover - a fence that failed cannot hold again
+            except IntegrityError:
+                return False
 
         return await self._db.with_retry(attempt)
 
@@ -315,7 +459,13 @@ class StepsRepo:
             StepNotRunning: The step is not running under this attempt (never started, taken
                 over, or already finished with another outcome).
         """
-        await self._finish(fence, key, StepStatus.SUCCEEDED, {"output": output, "error": None})
+        await self._finish(
+            fence,
+            key,
+            StepStatus.SUCCEEDED,
+            {"output": output, "error": None},
+            {"step_output": output},
+        )
 
     async def fail(self, fence: Fence, key: str, error: str) -> None:
         """Record that step ``key`` raised ``error`` in this attempt.
@@ -328,28 +478,28 @@ class StepsRepo:
             StepNotRunning: The step is not running under this attempt.
         """
         # The output stays SQL NULL: start() cleared it when this attempt took the step.
-        await self._finish(fence, key, StepStatus.FAILED, {"error": error})
+        await self._finish(fence, key, StepStatus.FAILED, {"error": error}, {"step_error": error})
 
     async def _finish(
-        self, fence: Fence, key: str, status: StepStatus, values: dict[str, Any]
+        self,
+        fence: Fence,
+        key: str,
+        status: StepStatus,
+        values: dict[str, Any],
+        outcome: dict[str, Any],
     ) -> None:
+        """Record ``status`` with ``values`` (``outcome``: the same, as statement parameters)."""
         action = f"{status.value} of step {key!r}"
+        # One statement: the step's own conditions, and the fence on the run's locked row.
+        stmt = self._finishes[status]
+        parameters = {**fence_parameters(fence), "step_key": key, **outcome}
 
         async def attempt() -> None:
             async with self._db.write_transaction() as conn:
-                await hold_fence_txn(conn, self._dialect, fence, action)
-                result = await conn.execute(
-                    update(steps)
-                    .where(
-                        steps.c.run_id == fence.run_id,
-                        steps.c.key == key,
-                        steps.c.attempt == fence.attempt,
-                        steps.c.status == _RUNNING,
-                    )
-                    .values(status=status.value, finished_at=db_now(self._dialect), **values)
-                )
-                if result.rowcount == 1:
+                if (await conn.execute(stmt, parameters)).rowcount == 1:
                     return
+                # Nothing written: a stale fence, or a step not running under this attempt.
+                await hold_fence_txn(conn, self._dialect, fence, action)
                 found = await _select_step_txn(conn, fence.run_id, key)
                 if found is not None and _is_recorded(found, fence, status, values):
                     return

@@ -5,12 +5,27 @@ hex digest is stored, with its first :data:`PREFIX_LENGTH` characters so listing
 apart; the key itself is returned once, when it is created, and never again. Authentication
 hashes the presented key and looks the digest up: the unique index does the comparison, so no
 secret is compared in Python and unknown and revoked keys cost the same work.
+
+An API process authenticates every request, so it may keep what a lookup found for a few seconds
+(``auth_ttl_s``; the API uses :data:`AUTH_CACHE_TTL_S`), keyed by the digest, never the key. The
+staleness bound is the TTL: a key revoked, or a plan changed, through *another* repository (the
+CLI, another API process) still authenticates here, under its old plan, for at most that long; a
+change made through this repository takes effect here at once (its entries are dropped, and a
+lookup that began before the change does not store what it read). Only keys that authenticated
+are kept: an unknown or revoked key is looked up every time, so a new key works at once and
+unknown and revoked keys still cost the same. The cache is hand-written rather than
+:class:`~moorline.concurrency.TTLCache` because that one serves a stale value when a reload
+fails or answers nothing, which for credentials would stretch the bound without limit.
 """
 
+import asyncio
 import builtins
 import hashlib
 import secrets
+import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from sqlalchemy import RowMapping, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -31,6 +46,12 @@ KEY_BYTES = 32
 PREFIX_LENGTH = 8
 PLAN_LENGTH = 64
 DEFAULT_LIST_LIMIT = 100
+
+AUTH_CACHE_TTL_S = 5.0
+"""Seconds an API process trusts a key it authenticated: its bound on honouring a key revoked,
+or a plan changed, by another process (RELIABILITY.md I5 asks for at most 60)."""
+AUTH_CACHE_ENTRIES = 10_000
+"""Authenticated keys kept at most; beyond that the least recently read is dropped."""
 
 
 class TenantExists(Conflict):
@@ -53,12 +74,41 @@ def hash_api_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
 
 
+@dataclass(frozen=True, slots=True)
+class _Known:
+    """What an authenticated key's lookup found, and until when it is trusted."""
+
+    tenant: Tenant
+    key_id: str
+    fresh_until: float
+
+
 class TenantsRepo:
     """Tenants, their plans and their API keys."""
 
-    def __init__(self, db: DatabaseManager) -> None:
+    def __init__(
+        self,
+        db: DatabaseManager,
+        *,
+        auth_ttl_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Wire the repository to its database.
+
+        Args:
+            db: The database.
+            auth_ttl_s: Seconds :meth:`authenticate` trusts a key it found (see the module
+                docstring); 0 looks every key up.
+            clock: Monotonic clock in seconds, replaceable in tests.
+        """
         self._db = db
         self._dialect: DialectName = db.dialect
+        self._auth_ttl_s = auth_ttl_s
+        self._clock = clock
+        self._known: dict[str, _Known] = {}
+        self._lookups: dict[str, asyncio.Future[_Known | None]] = {}
+        # Bumped by every change made here: a lookup that began before it stores nothing.
+        self._generation = 0
 
     async def create(self, name: str, plan: str) -> tuple[Tenant, str]:
         """Create a tenant and its first API key, in one transaction.
@@ -148,27 +198,78 @@ class TenantsRepo:
                 result = await conn.execute(stmt)
             return result.rowcount == 1
 
-        return await self._db.with_retry(revoke)
+        try:
+            return await self._db.with_retry(revoke)
+        finally:
+            # Even when the outcome is unknown (an error): trust nothing read before it.
+            self._forget(lambda known: known.key_id == key_id)
 
     async def authenticate(self, api_key: str) -> Tenant | None:
         """The tenant an unrevoked ``api_key`` belongs to, or None.
 
         The key is hashed and the digest looked up, whatever its shape: malformed, unknown
-        and revoked keys all do the same work and get the same answer.
+        and revoked keys all do the same work and get the same answer. With ``auth_ttl_s``, a
+        key found is trusted that long, and concurrent lookups of one key share one read.
         """
         digest = hash_api_key(api_key)
+        if self._auth_ttl_s <= 0:
+            found = await self._look_up(digest)
+            return None if found is None else found.tenant
+        known = self._known.get(digest)
+        if known is not None and self._clock() < known.fresh_until:
+            return known.tenant
+        lookup = self._lookups.get(digest)
+        if lookup is None:
+            lookup = asyncio.ensure_future(self._look_up_and_keep(digest, self._generation))
+            self._lookups[digest] = lookup
+            lookup.add_done_callback(self._lookup_done(digest))
+        # Shielded: a caller that goes away does not cancel the read others wait for.
+        found = await asyncio.shield(lookup)
+        return None if found is None else found.tenant
+
+    async def _look_up_and_keep(self, digest: str, generation: int) -> _Known | None:
+        found = await self._look_up(digest)
+        if generation != self._generation:
+            return found  # a change made here since the read began: answer, keep nothing
+        self._known.pop(digest, None)
+        if found is not None:
+            self._known[digest] = found
+            if len(self._known) > AUTH_CACHE_ENTRIES:
+                del self._known[next(iter(self._known))]
+        return found
+
+    def _lookup_done(self, digest: str) -> Callable[[asyncio.Future[_Known | None]], None]:
+        def done(lookup: asyncio.Future[_Known | None]) -> None:
+            if self._lookups.get(digest) is lookup:
+                del self._lookups[digest]
+            if not lookup.cancelled():
+                lookup.exception()  # retrieved: every waiter may have gone away
+
+        return done
+
+    async def _look_up(self, digest: str) -> _Known | None:
         stmt = (
-            select(tenants)
+            select(tenants, api_keys.c.id.label("key_id"))
             .join(api_keys, api_keys.c.tenant_id == tenants.c.id)
             .where(api_keys.c.key_hash == digest, api_keys.c.revoked_at.is_(None))
         )
 
-        async def read() -> Tenant | None:
+        async def read() -> _Known | None:
             async with self._db.connect() as conn:
                 row = (await conn.execute(stmt)).mappings().first()
-            return None if row is None else _tenant_from_row(row)
+            if row is None:
+                return None
+            fresh_until = self._clock() + self._auth_ttl_s
+            return _Known(_tenant_from_row(row), row["key_id"], fresh_until)
 
         return await self._db.with_retry(read)
+
+    def _forget(self, matches: Callable[[_Known], bool]) -> None:
+        """Drop the kept keys that ``matches``; lookups already running keep nothing."""
+        self._generation += 1
+        self._lookups.clear()
+        for digest in [digest for digest, known in self._known.items() if matches(known)]:
+            del self._known[digest]
 
     async def get(self, tenant_id: TenantId) -> Tenant | None:
         """The tenant with this id, or None."""
@@ -228,7 +329,10 @@ class TenantsRepo:
                 result = await conn.execute(stmt)
             return result.rowcount == 1
 
-        return await self._db.with_retry(change)
+        try:
+            return await self._db.with_retry(change)
+        finally:
+            self._forget(lambda known: known.tenant.tenant_id == tenant_id)
 
 
 async def _insert_key_txn(conn: AsyncConnection, dialect: DialectName, tenant_id: str) -> str:

@@ -1,0 +1,110 @@
+"""One attempt's step checkpoints: what its run recorded, read once, and the attempt's writes.
+
+``ctx.step`` asks :class:`Checkpoints` whether to call a step's function or replay its output.
+The attempt reads its run's steps once, at its first step (a first attempt has none to read),
+and notes its own writes, so:
+
+* a step read ``succeeded`` for the same call is replayed without a database trip;
+* a step it has never seen is started by one fenced statement
+  (:meth:`~moorline.db.repos.steps.StepsRepo.insert_new`);
+* everything else (a step in flight at a crash, a failed step, a changed call, a key the
+  database compares as equal to another, a key replayed twice) goes through
+  :meth:`~moorline.db.repos.steps.StepsRepo.start`, which decides under the run's row lock.
+
+Outputs are kept only until their step is replayed, and the attempt's own outputs not at all: a
+long run holds its steps' keys, not every result it ever produced.
+
+What was read stays true while the attempt holds its lease: only the holder writes the run's
+steps, and a finished step is never overwritten. Once the lease is lost, the next write (any
+new step, any finish) raises ``LeaseLost``; replays until then write nothing and return what
+was recorded, as they would have anyway.
+"""
+
+from dataclasses import dataclass
+
+from moorline.db.repos.records import Fence
+from moorline.db.repos.steps import StepsRepo
+from moorline.types import JSONValue, StepStatus
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recorded:
+    """A step read ``succeeded`` at the attempt's first step, kept until it is replayed."""
+
+    function: str
+    call_hash: str
+    output: JSONValue
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Started:
+    """What :meth:`Checkpoints.start` decided.
+
+    Attributes:
+        replay: The step already succeeded for this call: return ``output``, do not call the
+            function. Otherwise the step is running under this attempt: call it.
+        output: The recorded output of a replay.
+    """
+
+    replay: bool
+    output: JSONValue = None
+
+
+RUN = Started(replay=False)
+
+
+class Checkpoints:
+    """The step checkpoints of one attempt (see the module docstring)."""
+
+    def __init__(self, fence: Fence, steps: StepsRepo) -> None:
+        self._fence = fence
+        self._steps = steps
+        # The first claim of a run comes before any of its steps: there is nothing to read.
+        # (Were it wrong, insert_new would find the row and start() would decide.)
+        self._keys: set[str] | None = set() if fence.attempt == 1 else None
+        """Keys of the run's steps that have a row, as far as this attempt knows."""
+        self._replays: dict[str, Recorded] = {}
+
+    async def start(self, key: str, function: str, call_hash: str) -> Started:
+        """Start step ``key`` for this call, or find it already succeeded for it.
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+            CancelRequested: The run's cancel is recorded; nothing was written.
+            StepMismatch: The step already succeeded for a different call.
+        """
+        keys = await self._recorded_keys()
+        if key not in keys:
+            if await self._steps.insert_new(self._fence, key, function, call_hash):
+                keys.add(key)
+                return RUN
+        elif (recorded := self._replays.get(key)) is not None and (
+            recorded.function,
+            recorded.call_hash,
+        ) == (function, call_hash):
+            del self._replays[key]
+            return Started(replay=True, output=recorded.output)
+        started = await self._steps.start(self._fence, key, function, call_hash)
+        keys.add(key)
+        return Started(replay=True, output=started.step.output) if started.replay else RUN
+
+    async def succeed(self, key: str, output: JSONValue) -> None:
+        """Record that step ``key`` (running under this attempt) returned ``output``."""
+        await self._steps.succeed(self._fence, key, output)
+
+    async def fail(self, key: str, error: str) -> None:
+        """Record that step ``key`` (running under this attempt) raised ``error``."""
+        await self._steps.fail(self._fence, key, error)
+
+    async def _recorded_keys(self) -> set[str]:
+        if self._keys is None:
+            recorded = await self._steps.list(self._fence.run_id)
+            self._keys = {step.key for step in recorded}
+            self._replays = {
+                step.key: Recorded(
+                    function=step.function, call_hash=step.call_hash, output=step.output
+                )
+                for step in recorded
+                if step.status is StepStatus.SUCCEEDED
+            }
+        return self._keys
