@@ -138,26 +138,33 @@ async def test_clients_that_go_away_mid_request_lose_no_unit(
     async with make_api(**deployment.settings) as api:
         caller = await api.tenant("sandbox")
         requests: list[asyncio.Future[Any]] = []
+        stop = asyncio.Event()
 
         async def send() -> None:
             # Paced rather than all at once: a batch of admissions stores every run sent with
             # it in one transaction, so clients sent together would all be answered together,
-            # before any of them could go away mid-request.
-            for i in range(QUOTA * 2):
+            # before any of them could go away mid-request. Sent until the clients have gone
+            # (at least twice the quota), so that some request is always in flight.
+            i = 0
+            while not stop.is_set() or i < QUOTA * 2:
                 trigger = api.trigger(caller, input={"message": str(i)})
                 requests.append(asyncio.ensure_future(trigger))
+                i += 1
                 await asyncio.sleep(0.002)
 
         sending = asyncio.ensure_future(send())
 
-        async def some_admitted() -> bool:
+        async def admitting_with_some_in_flight() -> bool:
             usage = await api.client.get("/v1/usage", headers=caller.headers)
-            return bool(usage.json()["used_today"] >= 5)
+            # Read after the await, and acted on with no await in between: the requests seen
+            # in flight here are still in flight when they are cancelled.
+            return bool(usage.json()["used_today"] >= 5) and any(not r.done() for r in requests)
 
-        await wait_for(some_admitted, message="the first admissions")
+        await wait_for(admitting_with_some_in_flight, message="admissions with some in flight")
         gone = [request for request in requests if not request.done()][::2]
         for request in gone:
             request.cancel()
+        stop.set()
         await sending
         await asyncio.gather(*requests, return_exceptions=True)
         assert any(request.cancelled() for request in gone)
