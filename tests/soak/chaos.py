@@ -293,7 +293,9 @@ class Soak:
             "idempotency_key": f"soak-{index}",
         }
         deadline = time.monotonic() + 60
+        answers: list[str] = []
         while True:
+            began = time.monotonic()
             try:
                 response = await client.post(
                     "/v1/workflows/soak/runs",
@@ -304,12 +306,33 @@ class Soak:
                     self.run_ids[f"soak-{index}"] = response.json()["run_id"]
                     return
                 assert response.status_code >= 500, response.text
-            except httpx.TransportError:
-                pass
+                answer = f"{response.status_code} {response.text[:200]}"
+            except httpx.TransportError as exc:
+                answer = f"{type(exc).__name__}: {exc}"
+            answers.append(
+                f"+{began - deadline + 60:.1f}s ({time.monotonic() - began:.1f}s) {answer}"
+            )
             self.result.submit_retries += 1
             if time.monotonic() > deadline:
-                raise AssertionError(f"submission soak-{index} refused for 60 s")
+                raise AssertionError(self.refused(index, answers))
             await asyncio.sleep(0.2)
+
+    def refused(self, index: int, answers: list[str]) -> str:
+        """Why submission ``index`` gave up: its answers, the API's state and its last errors."""
+        api = "running" if self.api is not None and self.api.poll() is None else "exited"
+        log = (self.folder / "api.log").read_text(errors="replace").splitlines()
+        problems = [line for line in log if " WARNING " in line or " ERROR " in line]
+        return "\n".join(
+            [
+                f"submission soak-{index} refused for 60 s; the API process has {api}",
+                f"its {len(answers)} answers (seconds since its first try, duration):",
+                *(f"  {answer}" for answer in answers[-12:]),
+                f"the API's last warnings and errors ({len(problems)} in all):",
+                *(f"  {line[:300]}" for line in problems[-25:]),
+                "the API log's last lines:",
+                *(f"  {line[:300]}" for line in log[-15:]),
+            ]
+        )
 
     async def load(
         self, client: httpx.AsyncClient, keys: list[str], rate: float, first: int
