@@ -67,6 +67,8 @@ ADMIN_TOKEN = "soak-admin-token"
 WORKERS = 3
 SENTINEL = 0
 """Index of the worker that is never killed (the memory sentinel)."""
+IN_FLIGHT = 64
+"""Most submissions out at once (see :meth:`Soak.submit_one`), within httpx's connections."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,7 @@ class Soak:
         )
         self.slots: list[subprocess.Popen[bytes]] = []
         self.run_ids: dict[str, str] = {}
+        self.in_flight = asyncio.Semaphore(IN_FLIGHT)
         self.rss: dict[str, list[tuple[float, int]]] = {}
         self.loading = True
 
@@ -287,28 +290,38 @@ class Soak:
         return keys
 
     async def submit_one(self, client: httpx.AsyncClient, key: str, index: int) -> None:
-        """Submit run ``index`` until the API accepts it; the idempotency key makes retries safe."""
+        """Submit run ``index`` until the API accepts it; the idempotency key makes retries safe.
+
+        At most :data:`IN_FLIGHT` requests are out at once; the others wait here, in order.
+        Handing httpx thousands of requests for its 100 connections instead (a backlog after
+        a Redis restart at 30 triggers/s) makes its pool's bookkeeping quadratic: this process
+        then spends its CPU assigning requests to connections and sends none (seen in CI,
+        where coverage slows this process several times). The 60 s a submission may be
+        refused count from its first request actually sent.
+        """
         body = {
             "input": {"steps": self.config.steps, "step_s": self.config.step_s},
             "idempotency_key": f"soak-{index}",
         }
-        deadline = time.monotonic() + 60
+        deadline: float | None = None
         answers: list[str] = []
         while True:
-            began = time.monotonic()
-            try:
-                response = await client.post(
-                    "/v1/workflows/soak/runs",
-                    json=body,
-                    headers={"Authorization": f"Bearer {key}"},
-                )
-                if response.status_code in (200, 202):
-                    self.run_ids[f"soak-{index}"] = response.json()["run_id"]
-                    return
-                assert response.status_code >= 500, response.text
-                answer = f"{response.status_code} {response.text[:200]}"
-            except httpx.TransportError as exc:
-                answer = f"{type(exc).__name__}: {exc}"
+            async with self.in_flight:
+                began = time.monotonic()
+                deadline = deadline or began + 60
+                try:
+                    response = await client.post(
+                        "/v1/workflows/soak/runs",
+                        json=body,
+                        headers={"Authorization": f"Bearer {key}"},
+                    )
+                    if response.status_code in (200, 202):
+                        self.run_ids[f"soak-{index}"] = response.json()["run_id"]
+                        return
+                    assert response.status_code >= 500, response.text
+                    answer = f"{response.status_code} {response.text[:200]}"
+                except httpx.TransportError as exc:
+                    answer = f"{type(exc).__name__}: {exc}"
             answers.append(
                 f"+{began - deadline + 60:.1f}s ({time.monotonic() - began:.1f}s) {answer}"
             )
@@ -514,7 +527,8 @@ class Soak:
             self.start_api()
             self.slots = [self.workers.start() for _ in range(WORKERS)]
             base = f"http://127.0.0.1:{self.api_port}"
-            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            limits = httpx.Limits(max_connections=IN_FLIGHT, max_keepalive_connections=IN_FLIGHT)
+            async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as client:
                 await self.wait_serving(client)
                 keys = await self.tenant_keys(client)
                 self.result.drain_rate = await self.calibrate(client, keys)
