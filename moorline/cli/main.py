@@ -9,23 +9,16 @@ The command tree is built by :func:`build_cli` on each call rather than held in 
 """
 
 import asyncio
-import signal
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+import importlib
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
-import uvicorn
-from fastapi import FastAPI
 from rich.console import Console
 from rich.text import Text
+from typer.core import TyperGroup
 
-from moorline.api.app import create_app
-from moorline.api.deps import Services
-from moorline.api.guards import redact
-from moorline.cli import client_commands
-from moorline.cli.banner import start_banner
-from moorline.cli.bench import bench
+from moorline.api.redaction import redact
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.dispatch.lanes import resolve_lanes
@@ -39,8 +32,62 @@ from moorline.settings import Settings, load_settings
 from moorline.worker.process import install_stop_signals, run_worker_process
 
 EXIT_ERROR = 1
-EXIT_STARTUP_FAILED = 3  # as uvicorn.run: the server never started (port taken, lifespan error)
 EXIT_INTERRUPTED = 130
+
+LAZY_COMMANDS: dict[str, str] = {
+    "serve": "moorline.cli.serve",
+    "bench": "moorline.cli.bench",
+    "tenants": "moorline.cli.client_commands",
+    "submit": "moorline.cli.client_commands",
+    "status": "moorline.cli.client_commands",
+    "cancel": "moorline.cli.client_commands",
+    "approve": "moorline.cli.client_commands",
+    "deny": "moorline.cli.client_commands",
+    "inject": "moorline.cli.client_commands",
+    "runs": "moorline.cli.client_commands",
+}
+"""Commands whose module is imported only when they run (or help lists them), by name.
+
+Each module has ``register(cli)``, which adds exactly the commands listed here for it. They
+import what a worker never needs: the API, FastAPI and uvicorn (``serve``), the HTTP client
+(the client commands), the benchmarks and Rich's progress bars (``bench``). ``worker`` and
+``db upgrade`` stay in this module: a worker process pays only for what it runs, which is most
+of its start-up time on a loaded machine (the fault tests start dozens of them).
+"""
+
+
+HELP_ORDER = (
+    "serve",
+    "worker",
+    "bench",
+    "db",
+    "tenants",
+    "submit",
+    "status",
+    "cancel",
+    "approve",
+    "deny",
+    "inject",
+    "runs",
+)
+"""The order ``moorline --help`` lists the commands in (as before they were lazy)."""
+
+
+class LazyCommands(TyperGroup):
+    """The top-level command group: ``LAZY_COMMANDS`` are built on first lookup."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        names = dict.fromkeys([*super().list_commands(ctx), *LAZY_COMMANDS])
+        return sorted(names, key=lambda name: HELP_ORDER.index(name))
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
+            module = importlib.import_module(LAZY_COMMANDS[cmd_name])
+            extra = typer.Typer(rich_markup_mode="markdown")
+            module.register(extra)
+            for name, command in typer.main.get_group(extra).commands.items():
+                self.add_command(command, name)
+        return super().get_command(ctx, cmd_name)
 
 
 def build_cli() -> typer.Typer:
@@ -53,16 +100,14 @@ def build_cli() -> typer.Typer:
         pretty_exceptions_enable=False,
         # Markdown joins a docstring's wrapped lines into paragraphs and shows `code` as code.
         rich_markup_mode="markdown",
+        cls=LazyCommands,
     )
-    cli.command("serve")(serve)
     cli.command("worker")(worker)
-    cli.command("bench")(bench)
     db_cli = typer.Typer(
         help="Manage the database schema.", no_args_is_help=True, rich_markup_mode="markdown"
     )
     db_cli.command("upgrade")(db_upgrade)
     cli.add_typer(db_cli, name="db")
-    client_commands.register(cli)
     return cli
 
 
@@ -129,141 +174,6 @@ async def _upgrade(settings: Settings) -> tuple[str, str | None]:
         return db.display_url, await upgrade(db)
     finally:
         await db.dispose()
-
-
-# --- moorline serve --------------------------------------------------------------------------
-
-
-def serve(
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port to listen on.")] = 8000,
-    app: Annotated[
-        str | None,
-        typer.Option(
-            "--app",
-            metavar="MODULE:ATTR",
-            help="The Moorline app whose workflows may be triggered; the API only validates "
-            "inputs against it (default MOORLINE_APP, else the bundled example app).",
-            show_default=False,
-        ),
-    ] = None,
-    workers: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            help="In-process worker loops beside the API (0: none; the reaper runs anyway).",
-        ),
-    ] = 1,
-) -> None:
-    """Serve the HTTP API v1 until SIGTERM or Ctrl-C.
-
-    Start fails with one line when the database schema is behind the code: run
-    `moorline db upgrade` first (SQLite databases are created on the spot). At start it
-    prints where the API and its docs are and how to create a first tenant (see
-    `moorline.cli.banner` for the admin token it may generate).
-    """
-    settings = load_settings()
-    configure_logging(settings)
-    application = load_app(app or settings.app)
-    started = asyncio.run(_serve(settings, application, host=host, port=port, loops=workers))
-    if not started:
-        raise typer.Exit(EXIT_STARTUP_FAILED)
-
-
-async def _serve(
-    settings: Settings, app: Moorline, *, host: str, port: int, loops: int = 1
-) -> bool:
-    """Run the API server, the reaper and ``loops`` worker loops; whether the server started.
-
-    (uvicorn has logged why when it did not.)
-    """
-    db = DatabaseManager(settings)
-    try:
-        await db.initialize()
-    except BaseException:
-        await db.dispose()
-        raise
-    banner = start_banner(settings, host=host, port=port, database=db.display_url)
-    if banner.settings is not settings:
-        # A generated admin token: log lines must blank it like a configured one.
-        settings = banner.settings
-        configure_logging(settings)
-    # From here the app's lifespan disposes the database when the server stops.
-    api = create_app(settings, db, workflows=app)
-    _run_workers_with_the_api(api, settings, app, loops)
-    # log_config=None: uvicorn's loggers (its access log too) go through our root handler, so
-    # they share MOORLINE_LOG_FORMAT and its redaction (a key someone put in a URL, refused
-    # with 400, must not land in the access log).
-    server = uvicorn.Server(
-        uvicorn.Config(api, host=host, port=port, lifespan="on", log_config=None)
-    )
-    Console(soft_wrap=True, highlight=False).print("\n".join(banner.lines), markup=False)
-    with _shutdown_signals_end_cleanly():
-        await server.serve()
-    return server.started
-
-
-def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, loops: int) -> None:
-    """Run the reaper and ``loops`` worker loops inside the API's lifespan.
-
-    They start after the API's services and stop (running runs get the grace period, then are
-    released) before those close, and they share the API's RuntimeStore and wake-ups, so a
-    trigger wakes a worker of this process at once and a cancel or a message reaches it
-    without Redis.
-    """
-    services: Services = api.state.services
-    lanes = default_lane_slots(resolve_plans(settings))
-    serving = api.router.lifespan_context
-
-    @asynccontextmanager
-    async def with_workers(application: FastAPI) -> AsyncIterator[None]:
-        async with serving(application):
-            await services.waiter.start()
-            stop = asyncio.Event()
-            workers = asyncio.create_task(
-                run_worker_process(
-                    settings,
-                    app,
-                    services.db,
-                    lanes=lanes,
-                    stop=stop,
-                    notifier=services.notifier,
-                    waiter=services.waiter,
-                    store=services.store,
-                    loops=loops,
-                    metrics=services.metrics,
-                ),
-                name="workers",
-            )
-            try:
-                yield
-            finally:
-                stop.set()
-                await workers
-
-    api.router.lifespan_context = with_workers
-
-
-@contextmanager
-def _shutdown_signals_end_cleanly() -> Iterator[None]:
-    """Make a graceful SIGTERM/SIGINT shutdown end the process with status 0.
-
-    uvicorn handles both signals while it serves, shuts down gracefully, then re-raises the
-    signal so the previous handler runs. With the default handlers that would kill the process
-    by SIGTERM (status -15) or raise KeyboardInterrupt after a clean stop; this no-op handler,
-    in place only around ``server.serve()``, lets the re-raised signal land harmlessly.
-    """
-    handled = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, _ignore_after_shutdown) for sig in handled}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _ignore_after_shutdown(signum: int, frame: object) -> None:
-    del signum, frame  # the server has already shut down gracefully
 
 
 # --- moorline worker -------------------------------------------------------------------------
