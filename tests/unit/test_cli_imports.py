@@ -1,14 +1,16 @@
-"""What ``moorline worker`` imports: the fault and soak tests start dozens of worker processes.
+"""What a ``moorline`` command imports: the fault, soak and end-to-end tests start dozens.
 
 The API, FastAPI, uvicorn, the HTTP client and the benchmarks cost a worker over a second of
-CPU at start (a third of its start-up), for nothing it runs. ``moorline.cli.main`` imports the
-commands that need them only when they run (``LAZY_COMMANDS``).
+CPU at start (a third of its start-up), for nothing it runs; the database layer and the engine
+cost a client command as much. ``moorline.cli.main`` imports a command's module only when it
+runs (``LAZY_COMMANDS``), and the ``moorline`` package its public names on first use.
 """
 
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import typer
 
 from moorline.cli.main import HELP_ORDER, LAZY_COMMANDS, build_cli
@@ -26,26 +28,46 @@ NOT_FOR_A_WORKER = (
     "moorline.cli.client_commands",
     "rich.progress",
 )
+NOT_FOR_A_CLIENT = (
+    "sqlalchemy",
+    "moorline.db",
+    "moorline.engine",
+    "moorline.worker",
+    "fastapi",
+    "uvicorn",
+    "moorline.benchmarks",
+    "moorline.cli.worker",
+    "moorline.cli.serve",
+)
 
 PROBE = """
-import sys
-from moorline.cli.main import main
+import runpy, sys
+sys.argv = ["moorline", {command!r}, "--help"]
 try:
-    main(["worker", "--help"])
+    runpy.run_module("moorline", run_name="__main__")
 except SystemExit:
     pass
 print("imported:" + ",".join(name for name in {names!r} if name in sys.modules))
 """
 
 
-def test_the_worker_command_imports_no_api_client_or_benchmarks() -> None:
-    # A fresh interpreter: this one has imported everything the other tests use.
-    probe = PROBE.format(names=NOT_FOR_A_WORKER)
+@pytest.mark.parametrize(
+    ("command", "says", "not_imported"),
+    [
+        ("worker", "Claim and execute runs", NOT_FOR_A_WORKER),
+        ("status", "Show a run", NOT_FOR_A_CLIENT),
+    ],
+)
+def test_a_command_imports_only_what_it_runs(
+    command: str, says: str, not_imported: tuple[str, ...]
+) -> None:
+    # A fresh interpreter (as `python -m moorline`): this one has imported everything.
+    probe = PROBE.format(command=command, names=not_imported)
     done = subprocess.run(
         [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert "Claim and execute runs" in done.stdout  # the help ran
+    assert says in done.stdout  # the help ran
     assert done.stdout.splitlines()[-1] == "imported:"
 
 
