@@ -11,23 +11,22 @@
   :func:`parse_json` before FastAPI validates it: malformed JSON is 400 ``invalid_json``
   (FastAPI would say 422), nesting deeper than :data:`MAX_JSON_DEPTH` is 400 too, and text no
   database can store (NUL, lone surrogates) is 422 ``invalid_request``.
-- :func:`redact` blanks anything that looks like an API key or a credential parameter; the
-  log formatter (:mod:`moorline.observability.logs`) applies it to every line, such as the
-  access-log line of a refused ``?api_key=`` request.
+- :func:`redact` (from :mod:`moorline.api.redaction`) blanks anything that looks like an API
+  key or a credential parameter; the log formatter (:mod:`moorline.observability.logs`)
+  applies it to every line, such as the access-log line of a refused ``?api_key=`` request.
 """
 
 import json
-import re
 from collections.abc import Callable, Coroutine
 from typing import Any
-from urllib.parse import parse_qsl
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moorline.api.errors import error_response
-from moorline.db.repos.tenants import KEY_PREFIX
+from moorline.api.redaction import has_credentials as has_credentials  # re-exported: it lived
+from moorline.api.redaction import redact as redact  # here, as redact did
 from moorline.errors import (
     BodyTooLarge,
     CredentialsInQuery,
@@ -39,31 +38,6 @@ from moorline.types import JSONValue
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a JSON body may have."""
-
-CREDENTIAL_PARAMETERS = frozenset(
-    {"api_key", "apikey", "key", "token", "access_token", "auth", "authorization", "admin_token"}
-)
-"""Query parameters that only ever carry a credential; their presence is refused."""
-
-_KEY = re.compile(r"(?<![A-Za-z0-9])" + re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]{32,}")
-_CREDENTIAL_ASSIGNMENT = re.compile(
-    r"\b(" + "|".join(sorted(CREDENTIAL_PARAMETERS)) + r")=[^&\s\"']+", re.IGNORECASE
-)
-REDACTED = "[redacted]"
-
-
-def has_credentials(query_string: str) -> bool:
-    """Whether a query string carries an API key or a credential parameter."""
-    if _KEY.search(query_string):
-        return True
-    pairs = parse_qsl(query_string, keep_blank_values=True)
-    return any(name.lower() in CREDENTIAL_PARAMETERS or _KEY.search(v) for name, v in pairs)
-
-
-def redact(text: str) -> str:
-    """``text`` with API keys and credential query parameters blanked."""
-    text = _KEY.sub(KEY_PREFIX + REDACTED, text)
-    return _CREDENTIAL_ASSIGNMENT.sub(lambda match: f"{match.group(1)}={REDACTED}", text)
 
 
 class RequestGuard:

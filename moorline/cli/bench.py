@@ -25,6 +25,11 @@ from moorline.benchmarks.suite import (
 from moorline.errors import ConfigError
 
 
+def register(cli: typer.Typer) -> None:
+    """Add ``bench`` to the ``moorline`` command tree."""
+    cli.command("bench")(bench)
+
+
 def bench(
     benchmarks: Annotated[
         str,

@@ -287,7 +287,9 @@ async def test_a_decision_taken_while_no_worker_lives_is_applied_after_a_restart
 ) -> None:
     tenant = await tenants.new(PLAN)
     permissions = InterruptsRepo(db)
+    workers.measured = False  # the first worker is killed: see Workers.measured
     first = workers.start()
+    workers.measured = True
     [run_id] = await submit(RunsRepo(db), [tenant], "approve_then_act", [{}])
 
     async def asking() -> list[Interrupt]:

@@ -9,6 +9,8 @@ lease is taken, tenant caps hold throughout.
 import asyncio
 import random
 import signal
+import sqlite3
+import subprocess
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -16,7 +18,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
+from sqlalchemy.engine import make_url
 
 from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
@@ -110,6 +113,60 @@ async def reclaimed_at(db: DatabaseManager, run_id: str, attempt: int) -> dateti
             )
         ).scalar_one()
     return value
+
+
+async def others_hold_write_locks(db: DatabaseManager) -> bool:
+    """Whether a connection other than the test's holds a write lock.
+
+    SQLite: whether its one write lock is taken (a ``BEGIN IMMEDIATE`` that cannot wait).
+    The servers: whether another session of this database is in a transaction that has
+    written or locked rows (PostgreSQL gives such a transaction an id).
+    """
+    if db.dialect == "sqlite":
+        probe = sqlite3.connect(str(make_url(db.urls[0]).database), timeout=0)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return False
+        except sqlite3.OperationalError as exc:
+            assert "locked" in str(exc), exc
+            return True
+        finally:
+            probe.close()
+    query = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND pid <> pg_backend_pid() AND backend_xid IS NOT NULL"
+        if db.dialect == "postgresql"
+        else "SELECT count(*) FROM information_schema.innodb_trx "
+        "WHERE trx_mysql_thread_id <> CONNECTION_ID() "
+        "AND (trx_rows_locked > 0 OR trx_rows_modified > 0 OR trx_tables_locked > 0)"
+    )
+    async with db.connect() as conn:
+        return bool((await conn.execute(text(query))).scalar_one())
+
+
+async def pause_between_transactions(db: DatabaseManager, proc: subprocess.Popen[bytes]) -> None:
+    """SIGSTOP ``proc`` at an instant it holds no write lock, retrying until one is found.
+
+    A process stopped inside a transaction keeps its locks until it is continued: on SQLite
+    the database's one write lock, so no other process can write at all (a successor
+    starting then dies with "database is locked" after ``busy_timeout``); on the servers
+    the lock of the row it was updating, which the reaper's reclaim would wait on. Neither
+    a lease nor a fence can take back a lock from a stopped process: what this test proves
+    is what happens to a worker paused mid-run, between its writes, which is nearly always
+    where a pause lands (its transactions last milliseconds).
+    """
+
+    async def stopped_between_transactions() -> bool:
+        proc.send_signal(signal.SIGSTOP)
+        if not await others_hold_write_locks(db):
+            return True
+        proc.send_signal(signal.SIGCONT)
+        return False
+
+    await wait_for(
+        stopped_between_transactions, timeout_s=30, message="a pause between transactions"
+    )
 
 
 async def test_kill_9_at_random_loses_and_doubles_nothing(
@@ -209,7 +266,7 @@ async def test_a_worker_paused_past_its_lease_writes_nothing_and_stops(
 
     await wait_for(held_by_paused, timeout_s=30, message="the first worker to claim the run")
     workers.start()
-    paused.send_signal(signal.SIGSTOP)
+    await pause_between_transactions(db, paused)
     stopped_at = time.monotonic()
 
     async def finished_by_successor() -> bool:
@@ -245,12 +302,15 @@ async def test_a_worker_paused_past_its_lease_writes_nothing_and_stops(
 async def test_a_run_that_kills_its_worker_every_time_fails_after_max_attempts(
     db: DatabaseManager, tenants: Tenants, workers: Workers
 ) -> None:
+    workers.measured = False  # each one dies by os._exit, which writes no coverage data
     tenant = await tenants.new(PLAN)
     [run_id] = await submit(RunsRepo(db), [tenant], "kills_its_worker", [{}], max_attempts=3)
-    workers.start()
 
     async def failed_while_respawning() -> bool:
-        if not workers.alive():
+        # Two alive at all times: when a claim kills one, the other is already serving and
+        # reaps and reclaims the run once the lease expires, instead of the run waiting for
+        # a replacement to start (several seconds on a loaded machine, for each attempt).
+        while len(workers.alive()) < 2:
             workers.start()
         return (await statuses(db, [run_id]))[run_id][0] in TERMINAL
 

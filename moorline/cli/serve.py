@@ -1,0 +1,166 @@
+"""``moorline serve``: the HTTP API, the reaper and in-process worker loops in one process.
+
+Loaded only when ``serve`` is the command run (see ``moorline.cli.main.LAZY_COMMANDS``): the
+API, FastAPI and uvicorn cost a worker process over a second of start-up it has no use for.
+"""
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Annotated
+
+import typer
+import uvicorn
+from fastapi import FastAPI
+from rich.console import Console
+
+from moorline.api.app import create_app
+from moorline.api.deps import Services
+from moorline.cli.banner import start_banner
+from moorline.cli.main import configure_logging
+from moorline.db.manager import DatabaseManager
+from moorline.engine.loader import load_app
+from moorline.engine.registry import Moorline
+from moorline.plans import default_lane_slots, resolve_plans
+from moorline.settings import Settings, load_settings
+from moorline.worker.process import run_worker_process
+
+EXIT_STARTUP_FAILED = 3  # as uvicorn.run: the server never started (port taken, lifespan error)
+
+
+def register(cli: typer.Typer) -> None:
+    """Add ``serve`` to the ``moorline`` command tree."""
+    cli.command("serve")(serve)
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port to listen on.")] = 8000,
+    app: Annotated[
+        str | None,
+        typer.Option(
+            "--app",
+            metavar="MODULE:ATTR",
+            help="The Moorline app whose workflows may be triggered; the API only validates "
+            "inputs against it (default MOORLINE_APP, else the bundled example app).",
+            show_default=False,
+        ),
+    ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="In-process worker loops beside the API (0: none; the reaper runs anyway).",
+        ),
+    ] = 1,
+) -> None:
+    """Serve the HTTP API v1 until SIGTERM or Ctrl-C.
+
+    Start fails with one line when the database schema is behind the code: run
+    `moorline db upgrade` first (SQLite databases are created on the spot). At start it
+    prints where the API and its docs are and how to create a first tenant (see
+    `moorline.cli.banner` for the admin token it may generate).
+    """
+    settings = load_settings()
+    configure_logging(settings)
+    application = load_app(app or settings.app)
+    started = asyncio.run(_serve(settings, application, host=host, port=port, loops=workers))
+    if not started:
+        raise typer.Exit(EXIT_STARTUP_FAILED)
+
+
+async def _serve(
+    settings: Settings, app: Moorline, *, host: str, port: int, loops: int = 1
+) -> bool:
+    """Run the API server, the reaper and ``loops`` worker loops; whether the server started.
+
+    (uvicorn has logged why when it did not.)
+    """
+    db = DatabaseManager(settings)
+    try:
+        await db.initialize()
+    except BaseException:
+        await db.dispose()
+        raise
+    banner = start_banner(settings, host=host, port=port, database=db.display_url)
+    if banner.settings is not settings:
+        # A generated admin token: log lines must blank it like a configured one.
+        settings = banner.settings
+        configure_logging(settings)
+    # From here the app's lifespan disposes the database when the server stops.
+    api = create_app(settings, db, workflows=app)
+    _run_workers_with_the_api(api, settings, app, loops)
+    # log_config=None: uvicorn's loggers (its access log too) go through our root handler, so
+    # they share MOORLINE_LOG_FORMAT and its redaction (a key someone put in a URL, refused
+    # with 400, must not land in the access log).
+    server = uvicorn.Server(
+        uvicorn.Config(api, host=host, port=port, lifespan="on", log_config=None)
+    )
+    Console(soft_wrap=True, highlight=False).print("\n".join(banner.lines), markup=False)
+    with _shutdown_signals_end_cleanly():
+        await server.serve()
+    return server.started
+
+
+def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, loops: int) -> None:
+    """Run the reaper and ``loops`` worker loops inside the API's lifespan.
+
+    They start after the API's services and stop (running runs get the grace period, then are
+    released) before those close, and they share the API's RuntimeStore and wake-ups, so a
+    trigger wakes a worker of this process at once and a cancel or a message reaches it
+    without Redis.
+    """
+    services: Services = api.state.services
+    lanes = default_lane_slots(resolve_plans(settings))
+    serving = api.router.lifespan_context
+
+    @asynccontextmanager
+    async def with_workers(application: FastAPI) -> AsyncIterator[None]:
+        async with serving(application):
+            await services.waiter.start()
+            stop = asyncio.Event()
+            workers = asyncio.create_task(
+                run_worker_process(
+                    settings,
+                    app,
+                    services.db,
+                    lanes=lanes,
+                    stop=stop,
+                    notifier=services.notifier,
+                    waiter=services.waiter,
+                    store=services.store,
+                    loops=loops,
+                    metrics=services.metrics,
+                ),
+                name="workers",
+            )
+            try:
+                yield
+            finally:
+                stop.set()
+                await workers
+
+    api.router.lifespan_context = with_workers
+
+
+@contextmanager
+def _shutdown_signals_end_cleanly() -> Iterator[None]:
+    """Make a graceful SIGTERM/SIGINT shutdown end the process with status 0.
+
+    uvicorn handles both signals while it serves, shuts down gracefully, then re-raises the
+    signal so the previous handler runs. With the default handlers that would kill the process
+    by SIGTERM (status -15) or raise KeyboardInterrupt after a clean stop; this no-op handler,
+    in place only around ``server.serve()``, lets the re-raised signal land harmlessly.
+    """
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _ignore_after_shutdown) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ignore_after_shutdown(signum: int, frame: object) -> None:
+    del signum, frame  # the server has already shut down gracefully

@@ -1,0 +1,83 @@
+"""``moorline worker``: claim and execute runs (and run the reaper loop) until stopped."""
+
+import asyncio
+from typing import Annotated
+
+import typer
+
+from moorline.cli.main import configure_logging
+from moorline.db.manager import DatabaseManager
+from moorline.dispatch.lanes import resolve_lanes
+from moorline.dispatch.wakeups import make_wakeups
+from moorline.engine.loader import load_app
+from moorline.engine.registry import Moorline
+from moorline.plans import default_lane_slots, resolve_plans
+from moorline.settings import Settings, load_settings
+from moorline.worker.process import install_stop_signals, run_worker_process
+
+
+def register(cli: typer.Typer) -> None:
+    """Add ``worker`` to the ``moorline`` command tree."""
+    cli.command("worker")(worker)
+
+
+def worker(
+    app: Annotated[
+        str | None,
+        typer.Option(
+            "--app",
+            metavar="MODULE:ATTR",
+            help="The Moorline app with your workflows (default MOORLINE_APP, else the "
+            "bundled example app).",
+            show_default=False,
+        ),
+    ] = None,
+    lanes: Annotated[
+        str | None,
+        typer.Option(
+            "--lanes",
+            metavar="LANE=SLOTS,...",
+            help="Lanes to serve and slots in each (default: every plan's lane with its "
+            "plan's slots).",
+            show_default=False,
+        ),
+    ] = None,
+    grace: Annotated[
+        float,
+        typer.Option(min=0, help="Seconds running runs may finish after SIGTERM before release."),
+    ] = 30.0,
+) -> None:
+    """Claim and execute runs until SIGTERM (graceful) or a second Ctrl-C (immediate).
+
+    Every worker also runs the reaper loop; only the elected leader acts.
+    """
+    settings = load_settings()
+    configure_logging(settings)
+    application = load_app(app or settings.app)
+    served = resolve_lanes(lanes, default_lane_slots(resolve_plans(settings)))
+    asyncio.run(_work(settings, application, served, grace))
+
+
+async def _work(settings: Settings, app: Moorline, lanes: dict[str, int], grace_s: float) -> None:
+    db = DatabaseManager(settings)
+    try:
+        await db.initialize()
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        notifier, waiter = make_wakeups(settings, db)
+        await waiter.start()
+        try:
+            await run_worker_process(
+                settings,
+                app,
+                db,
+                lanes=lanes,
+                stop=stop,
+                notifier=notifier,
+                waiter=waiter,
+                grace_s=grace_s,
+            )
+        finally:
+            await waiter.close()
+    finally:
+        await db.dispose()
