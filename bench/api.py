@@ -3,10 +3,18 @@
 Starts a real ``moorline serve --workers 0`` (API and reaper, no worker loop, so nothing but
 admission competes with the triggers) on a fresh database, creates a tenant whose plan never
 binds (rate limit and quota far above the load), then has ``C`` concurrent clients, in this
-process, each send ``POST /v1/workflows/echo/runs`` through ``moorline.Client`` one after
-another until ``--triggers`` are accepted. Latency is measured at the client, request sent to
-response parsed. Each (backend, C) is measured ``--rounds`` times after a warm-up; the table
-shows the median of the rounds with min and max.
+process, each send ``POST /v1/workflows/echo/runs`` one after another until ``--triggers`` are
+accepted. Latency is measured at the client, request sent to response parsed. Each (backend, C)
+is measured ``--rounds`` times after a warm-up; the table shows the median of the rounds with
+min and max.
+
+``--client`` chooses what sends the requests. ``raw`` (the default): one kept-alive HTTP/1.1
+connection per concurrent client, a request written as bytes and the answer's status, headers
+and JSON body read back (anything but 202 fails the benchmark). ``moorline``: the product's
+``moorline.Client`` (httpx), the whole client path. On a machine whose cores the client shares
+with the server, httpx's CPU per request (about as much as the server's, on two cores) is a
+large part of what the latency measures; ``raw`` takes most of it away, so the figures are the
+server's.
 
 Backends: ``sqlite`` (a file, no Redis) and ``postgresql`` (with Redis, a fresh key prefix).
 Targets (issue 5): at 8 clients p50 <= 5 ms and p99 <= 20 ms; at 64 clients >= 800
@@ -20,11 +28,13 @@ the rounds: steadier than latency on a busy machine, and they tell which side is
 to find the trigger path's hot spots.
 
     .venv/bin/python bench/api.py [--triggers 2000] [--warmup 200] [--rounds 3]
-        [--clients 8,64] [--backends sqlite,postgresql] [--profile DIR]
+        [--clients 8,64] [--backends sqlite,postgresql] [--client raw|moorline]
+        [--profile DIR]
 """
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -33,11 +43,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+from urllib.parse import urlsplit
 
 import httpx
 from common import on_fresh_database, percentile, summary
@@ -154,22 +165,70 @@ async def wait_ready(url: str, process: asyncio.subprocess.Process, log: IO[byte
             await asyncio.sleep(0.1)
 
 
-async def trigger_round(client: Client, clients: int, triggers: int, server_pid: int) -> Round:
-    """``triggers`` accepted triggers sent by ``clients`` concurrent loops."""
+TRIGGER_PATH = "/v1/workflows/echo/runs"
+TRIGGER_BODY = b'{"input":{"message":"bench"}}'
+
+Send = Callable[[], Awaitable[None]]
+"""One trigger, sent and its answer read; the loops of a round each get one."""
+
+
+class RawConnection:
+    """One kept-alive HTTP/1.1 connection that sends the same trigger again and again."""
+
+    def __init__(self, url: str, api_key: str) -> None:
+        parts = urlsplit(url)
+        self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
+        self._request = (
+            f"POST {TRIGGER_PATH} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(TRIGGER_BODY)}\r\n\r\n"
+        ).encode() + TRIGGER_BODY
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def trigger(self) -> None:
+        """Send the trigger and read its answer.
+
+        Raises:
+            RuntimeError: the answer is not 202 with a run id.
+        """
+        if self._streams is None:
+            self._streams = await asyncio.open_connection(self._host, self._port)
+        reader, writer = self._streams
+        writer.write(self._request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        length = 0
+        for line in header_lines:
+            name, _, value = line.partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        body = await reader.readexactly(length)
+        if status_line.split(" ", 2)[1] != "202" or "run_id" not in json.loads(body):
+            raise RuntimeError(f"trigger answered {status_line}: {body[:300]!r}")
+
+    async def close(self) -> None:
+        if self._streams is not None:
+            writer = self._streams[1]
+            writer.close()
+            await writer.wait_closed()
+
+
+async def trigger_round(senders: list[Send], triggers: int, server_pid: int) -> Round:
+    """``triggers`` accepted triggers sent by one concurrent loop per sender."""
     cpu_before, client_before = cpu_seconds(server_pid), time.process_time()
     remaining = triggers
     latencies: list[float] = []
 
-    async def loop() -> None:
+    async def loop(send: Send) -> None:
         nonlocal remaining
         while remaining > 0:
             remaining -= 1
             started = time.perf_counter()
-            await client.trigger("echo", {"message": "bench"})
+            await send()
             latencies.append((time.perf_counter() - started) * 1000)
 
     started = time.perf_counter()
-    await asyncio.gather(*(loop() for _ in range(clients)))
+    await asyncio.gather(*(loop(send) for send in senders))
     elapsed = time.perf_counter() - started
     return Round(
         latencies_ms=latencies,
@@ -183,12 +242,25 @@ async def measure(server: Server, args: argparse.Namespace) -> dict[int, list[Ro
     async with Client(server.url, admin_token=ADMIN_TOKEN) as admin:
         tenant = await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")
     results: dict[int, list[Round]] = {}
-    async with Client(server.url, tenant.api_key, timeout_s=60.0) as client:
+    async with AsyncExitStack() as stack:
         for clients in args.clients:
-            await trigger_round(client, clients, args.warmup, server.pid)
+            if args.client == "moorline":
+                client = await stack.enter_async_context(
+                    Client(server.url, tenant.api_key, timeout_s=60.0)
+                )
+
+                async def send(client: Client = client) -> None:
+                    await client.trigger("echo", {"message": "bench"})
+
+                senders: list[Send] = [send] * clients
+            else:
+                connections = [RawConnection(server.url, tenant.api_key) for _ in range(clients)]
+                for connection in connections:
+                    stack.push_async_callback(connection.close)
+                senders = [connection.trigger for connection in connections]
+            await trigger_round(senders, args.warmup, server.pid)
             results[clients] = [
-                await trigger_round(client, clients, args.triggers, server.pid)
-                for _ in range(args.rounds)
+                await trigger_round(senders, args.triggers, server.pid) for _ in range(args.rounds)
             ]
     return results
 
@@ -257,12 +329,19 @@ async def main() -> None:
     parser.add_argument(
         "--backends", type=lambda text: text.split(","), default=["sqlite", "postgresql"]
     )
+    parser.add_argument(
+        "--client",
+        choices=["raw", "moorline"],
+        default="raw",
+        help="raw: one kept-alive HTTP/1.1 connection per client; moorline: moorline.Client.",
+    )
     parser.add_argument("--profile", type=Path, default=None, help="Directory for cProfile.")
     args = parser.parse_args()
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     print(
-        f"{args.triggers} triggers per round, median (min, max) of {args.rounds} rounds; "
+        f"{args.triggers} triggers per round, {args.client} client, "
+        f"median (min, max) of {args.rounds} rounds; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
