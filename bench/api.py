@@ -16,7 +16,9 @@ with the server, httpx's CPU per request (about as much as the server's, on two 
 large part of what the latency measures; ``raw`` takes most of it away, so the figures are the
 server's.
 
-Backends: ``sqlite`` (a file, no Redis) and ``postgresql`` (with Redis, a fresh key prefix).
+Backends: ``sqlite`` (a file, no Redis) and ``postgresql`` (with Redis, a fresh key prefix);
+``floor`` measures :func:`floor_app`, the same route with nothing behind it, the least a
+trigger can cost through uvicorn and FastAPI on this machine.
 Targets (issue 5): at 8 clients p50 <= 5 ms and p99 <= 20 ms; at 64 clients >= 800
 triggers/s, on SQLite; the same p50 on PostgreSQL + Redis.
 
@@ -47,7 +49,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -112,24 +114,31 @@ class Server:
 
 
 @asynccontextmanager
-async def serving(settings: dict[str, str], profile: Path | None) -> AsyncIterator[Server]:
-    """A ``moorline serve --workers 0`` process with ``settings``: its URL and pid."""
+async def serving(
+    settings: dict[str, str], profile: Path | None, *, floor: bool = False
+) -> AsyncIterator[Server]:
+    """A ``moorline serve --workers 0`` process with ``settings``: its URL and pid.
+
+    With ``floor``, uvicorn serving :func:`floor_app` instead, with what ``serve`` runs
+    (uvloop, httptools, an access log line per request, here uvicorn's own format).
+    """
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
     env.update(settings)
     profiler = [] if profile is None else ["-m", "cProfile", "-o", str(profile)]
-    command = [sys.executable, *profiler, "-m", "moorline"]
+    command = [sys.executable, *profiler]
+    if floor:
+        command += ["-m", "uvicorn", "api:floor_app", "--factory"]
+        command += ["--app-dir", str(SOURCE_ROOT / "bench")]
+        command += ["--loop", "uvloop", "--http", "httptools", "--port", str(port)]
+    else:
+        command += ["-m", "moorline", "serve", "--port", str(port), "--workers", "0"]
     # The server's log goes to a file: a pipe nobody reads fills up (64 KiB of access log
     # lines) and then blocks the server's event loop on its next log write.
     log = tempfile.TemporaryFile()
     process = await asyncio.create_subprocess_exec(
         *command,
-        "serve",
-        "--port",
-        str(port),
-        "--workers",
-        "0",
         env=env,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=log,
@@ -238,15 +247,51 @@ async def trigger_round(senders: list[Send], triggers: int, server_pid: int) -> 
     )
 
 
-async def measure(server: Server, args: argparse.Namespace) -> dict[int, list[Round]]:
-    async with Client(server.url, admin_token=ADMIN_TOKEN) as admin:
-        tenant = await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")
+def floor_app() -> Any:
+    """The floor: an app with the trigger's route, body and answer, and nothing behind them.
+
+    What the HTTP server, FastAPI and pydantic cost per trigger on this machine, measured by
+    the same client (``--backends floor``): no authentication, admission or database.
+    """
+    from fastapi import FastAPI
+    from pydantic import BaseModel, Field
+
+    class Body(BaseModel):
+        input: dict[str, Any] = Field(default_factory=dict)
+        idempotency_key: str | None = None
+
+    class Accepted(BaseModel):
+        run_id: str
+        workflow: str
+        status: str
+
+    app = FastAPI()
+
+    @app.get("/readyz")
+    async def ready() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(TRIGGER_PATH.replace("echo", "{workflow}"), status_code=202)
+    async def trigger(workflow: str, body: Body) -> Accepted:
+        return Accepted(run_id=str(uuid.uuid4()), workflow=workflow, status="queued")
+
+    return app
+
+
+async def measure(
+    server: Server, args: argparse.Namespace, *, floor: bool = False
+) -> dict[int, list[Round]]:
+    api_key = "none"
+    if not floor:
+        async with Client(server.url, admin_token=ADMIN_TOKEN) as admin:
+            tenant = await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")
+        api_key = tenant.api_key
     results: dict[int, list[Round]] = {}
     async with AsyncExitStack() as stack:
         for clients in args.clients:
             if args.client == "moorline":
                 client = await stack.enter_async_context(
-                    Client(server.url, tenant.api_key, timeout_s=60.0)
+                    Client(server.url, api_key, timeout_s=60.0)
                 )
 
                 async def send(client: Client = client) -> None:
@@ -254,7 +299,7 @@ async def measure(server: Server, args: argparse.Namespace) -> dict[int, list[Ro
 
                 senders: list[Send] = [send] * clients
             else:
-                connections = [RawConnection(server.url, tenant.api_key) for _ in range(clients)]
+                connections = [RawConnection(server.url, api_key) for _ in range(clients)]
                 for connection in connections:
                     stack.push_async_callback(connection.close)
                 senders = [connection.trigger for connection in connections]
@@ -266,6 +311,10 @@ async def measure(server: Server, args: argparse.Namespace) -> dict[int, list[Ro
 
 
 async def run_backend(backend: str, args: argparse.Namespace, root: Path) -> dict[int, list[Round]]:
+    if backend == "floor":
+        async with serving({}, None, floor=True) as server:
+            return await measure(server, args, floor=True)
+
     async def on(url: str) -> dict[int, list[Round]]:
         settings = {
             "MOORLINE_DATABASE_URL": url,
@@ -303,7 +352,7 @@ async def delete_keys(prefix: str) -> None:
 
 
 def report(backend: str, results: dict[int, list[Round]]) -> None:
-    label = "sqlite" if backend == "sqlite" else "postgresql+redis"
+    label = {"sqlite": "sqlite", "floor": "floor (no app)"}.get(backend, "postgresql+redis")
     for clients, rounds in results.items():
         p50 = [r.percentile(0.50) for r in rounds]
         p99 = [r.percentile(0.99) for r in rounds]
