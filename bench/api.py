@@ -200,7 +200,9 @@ class RawConnection:
         Raises:
             RuntimeError: the answer is not 202 with a run id.
         """
-        if self._streams is None:
+        if self._streams is None or self._streams[0].at_eof():
+            # Not yet open, or closed by the server after its keep-alive timeout (idle between
+            # two rounds).
             self._streams = await asyncio.open_connection(self._host, self._port)
         reader, writer = self._streams
         writer.write(self._request)
