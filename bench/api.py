@@ -3,12 +3,22 @@
 Starts a real ``moorline serve --workers 0`` (API and reaper, no worker loop, so nothing but
 admission competes with the triggers) on a fresh database, creates a tenant whose plan never
 binds (rate limit and quota far above the load), then has ``C`` concurrent clients, in this
-process, each send ``POST /v1/workflows/echo/runs`` through ``moorline.Client`` one after
-another until ``--triggers`` are accepted. Latency is measured at the client, request sent to
-response parsed. Each (backend, C) is measured ``--rounds`` times after a warm-up; the table
-shows the median of the rounds with min and max.
+process, each send ``POST /v1/workflows/echo/runs`` one after another until ``--triggers`` are
+accepted. Latency is measured at the client, request sent to response parsed. Each (backend, C)
+is measured ``--rounds`` times after a warm-up; the table shows the median of the rounds with
+min and max.
 
-Backends: ``sqlite`` (a file, no Redis) and ``postgresql`` (with Redis, a fresh key prefix).
+``--client`` chooses what sends the requests. ``raw`` (the default): one kept-alive HTTP/1.1
+connection per concurrent client, a request written as bytes and the answer's status, headers
+and JSON body read back (anything but 202 fails the benchmark). ``moorline``: the product's
+``moorline.Client`` (httpx), the whole client path. On a machine whose cores the client shares
+with the server, httpx's CPU per request (about as much as the server's, on two cores) is a
+large part of what the latency measures; ``raw`` takes most of it away, so the figures are the
+server's.
+
+Backends: ``sqlite`` (a file, no Redis) and ``postgresql`` (with Redis, a fresh key prefix);
+``floor`` measures :func:`floor_app`, the same route with nothing behind it, the least a
+trigger can cost through uvicorn and FastAPI on this machine.
 Targets (issue 5): at 8 clients p50 <= 5 ms and p99 <= 20 ms; at 64 clients >= 800
 triggers/s, on SQLite; the same p50 on PostgreSQL + Redis.
 
@@ -20,11 +30,13 @@ the rounds: steadier than latency on a busy machine, and they tell which side is
 to find the trigger path's hot spots.
 
     .venv/bin/python bench/api.py [--triggers 2000] [--warmup 200] [--rounds 3]
-        [--clients 8,64] [--backends sqlite,postgresql] [--profile DIR]
+        [--clients 8,64] [--backends sqlite,postgresql] [--client raw|moorline]
+        [--profile DIR]
 """
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -33,11 +45,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+from urllib.parse import urlsplit
 
 import httpx
 from common import on_fresh_database, percentile, summary
@@ -101,24 +114,31 @@ class Server:
 
 
 @asynccontextmanager
-async def serving(settings: dict[str, str], profile: Path | None) -> AsyncIterator[Server]:
-    """A ``moorline serve --workers 0`` process with ``settings``: its URL and pid."""
+async def serving(
+    settings: dict[str, str], profile: Path | None, *, floor: bool = False
+) -> AsyncIterator[Server]:
+    """A ``moorline serve --workers 0`` process with ``settings``: its URL and pid.
+
+    With ``floor``, uvicorn serving :func:`floor_app` instead, with what ``serve`` runs
+    (uvloop, httptools, an access log line per request, here uvicorn's own format).
+    """
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
     env.update(settings)
     profiler = [] if profile is None else ["-m", "cProfile", "-o", str(profile)]
-    command = [sys.executable, *profiler, "-m", "moorline"]
+    command = [sys.executable, *profiler]
+    if floor:
+        command += ["-m", "uvicorn", "api:floor_app", "--factory"]
+        command += ["--app-dir", str(SOURCE_ROOT / "bench")]
+        command += ["--loop", "uvloop", "--http", "httptools", "--port", str(port)]
+    else:
+        command += ["-m", "moorline", "serve", "--port", str(port), "--workers", "0"]
     # The server's log goes to a file: a pipe nobody reads fills up (64 KiB of access log
     # lines) and then blocks the server's event loop on its next log write.
     log = tempfile.TemporaryFile()
     process = await asyncio.create_subprocess_exec(
         *command,
-        "serve",
-        "--port",
-        str(port),
-        "--workers",
-        "0",
         env=env,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=log,
@@ -154,22 +174,72 @@ async def wait_ready(url: str, process: asyncio.subprocess.Process, log: IO[byte
             await asyncio.sleep(0.1)
 
 
-async def trigger_round(client: Client, clients: int, triggers: int, server_pid: int) -> Round:
-    """``triggers`` accepted triggers sent by ``clients`` concurrent loops."""
+TRIGGER_PATH = "/v1/workflows/echo/runs"
+TRIGGER_BODY = b'{"input":{"message":"bench"}}'
+
+Send = Callable[[], Awaitable[None]]
+"""One trigger, sent and its answer read; the loops of a round each get one."""
+
+
+class RawConnection:
+    """One kept-alive HTTP/1.1 connection that sends the same trigger again and again."""
+
+    def __init__(self, url: str, api_key: str) -> None:
+        parts = urlsplit(url)
+        self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
+        self._request = (
+            f"POST {TRIGGER_PATH} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(TRIGGER_BODY)}\r\n\r\n"
+        ).encode() + TRIGGER_BODY
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def trigger(self) -> None:
+        """Send the trigger and read its answer.
+
+        Raises:
+            RuntimeError: the answer is not 202 with a run id.
+        """
+        if self._streams is None or self._streams[0].at_eof():
+            # Not yet open, or closed by the server after its keep-alive timeout (idle between
+            # two rounds).
+            self._streams = await asyncio.open_connection(self._host, self._port)
+        reader, writer = self._streams
+        writer.write(self._request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        length = 0
+        for line in header_lines:
+            name, _, value = line.partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        body = await reader.readexactly(length)
+        if status_line.split(" ", 2)[1] != "202" or "run_id" not in json.loads(body):
+            raise RuntimeError(f"trigger answered {status_line}: {body[:300]!r}")
+
+    async def close(self) -> None:
+        if self._streams is not None:
+            writer = self._streams[1]
+            writer.close()
+            await writer.wait_closed()
+
+
+async def trigger_round(senders: list[Send], triggers: int, server_pid: int) -> Round:
+    """``triggers`` accepted triggers sent by one concurrent loop per sender."""
     cpu_before, client_before = cpu_seconds(server_pid), time.process_time()
     remaining = triggers
     latencies: list[float] = []
 
-    async def loop() -> None:
+    async def loop(send: Send) -> None:
         nonlocal remaining
         while remaining > 0:
             remaining -= 1
             started = time.perf_counter()
-            await client.trigger("echo", {"message": "bench"})
+            await send()
             latencies.append((time.perf_counter() - started) * 1000)
 
     started = time.perf_counter()
-    await asyncio.gather(*(loop() for _ in range(clients)))
+    await asyncio.gather(*(loop(send) for send in senders))
     elapsed = time.perf_counter() - started
     return Round(
         latencies_ms=latencies,
@@ -179,21 +249,74 @@ async def trigger_round(client: Client, clients: int, triggers: int, server_pid:
     )
 
 
-async def measure(server: Server, args: argparse.Namespace) -> dict[int, list[Round]]:
-    async with Client(server.url, admin_token=ADMIN_TOKEN) as admin:
-        tenant = await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")
+def floor_app() -> Any:
+    """The floor: an app with the trigger's route, body and answer, and nothing behind them.
+
+    What the HTTP server, FastAPI and pydantic cost per trigger on this machine, measured by
+    the same client (``--backends floor``): no authentication, admission or database.
+    """
+    from fastapi import FastAPI
+    from pydantic import BaseModel, Field
+
+    class Body(BaseModel):
+        input: dict[str, Any] = Field(default_factory=dict)
+        idempotency_key: str | None = None
+
+    class Accepted(BaseModel):
+        run_id: str
+        workflow: str
+        status: str
+
+    app = FastAPI()
+
+    @app.get("/readyz")
+    async def ready() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(TRIGGER_PATH.replace("echo", "{workflow}"), status_code=202)
+    async def trigger(workflow: str, body: Body) -> Accepted:
+        return Accepted(run_id=str(uuid.uuid4()), workflow=workflow, status="queued")
+
+    return app
+
+
+async def measure(
+    server: Server, args: argparse.Namespace, *, floor: bool = False
+) -> dict[int, list[Round]]:
+    api_key = "none"
+    if not floor:
+        async with Client(server.url, admin_token=ADMIN_TOKEN) as admin:
+            tenant = await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")
+        api_key = tenant.api_key
     results: dict[int, list[Round]] = {}
-    async with Client(server.url, tenant.api_key, timeout_s=60.0) as client:
+    async with AsyncExitStack() as stack:
         for clients in args.clients:
-            await trigger_round(client, clients, args.warmup, server.pid)
+            if args.client == "moorline":
+                client = await stack.enter_async_context(
+                    Client(server.url, api_key, timeout_s=60.0)
+                )
+
+                async def send(client: Client = client) -> None:
+                    await client.trigger("echo", {"message": "bench"})
+
+                senders: list[Send] = [send] * clients
+            else:
+                connections = [RawConnection(server.url, api_key) for _ in range(clients)]
+                for connection in connections:
+                    stack.push_async_callback(connection.close)
+                senders = [connection.trigger for connection in connections]
+            await trigger_round(senders, args.warmup, server.pid)
             results[clients] = [
-                await trigger_round(client, clients, args.triggers, server.pid)
-                for _ in range(args.rounds)
+                await trigger_round(senders, args.triggers, server.pid) for _ in range(args.rounds)
             ]
     return results
 
 
 async def run_backend(backend: str, args: argparse.Namespace, root: Path) -> dict[int, list[Round]]:
+    if backend == "floor":
+        async with serving({}, None, floor=True) as server:
+            return await measure(server, args, floor=True)
+
     async def on(url: str) -> dict[int, list[Round]]:
         settings = {
             "MOORLINE_DATABASE_URL": url,
@@ -231,7 +354,7 @@ async def delete_keys(prefix: str) -> None:
 
 
 def report(backend: str, results: dict[int, list[Round]]) -> None:
-    label = "sqlite" if backend == "sqlite" else "postgresql+redis"
+    label = {"sqlite": "sqlite", "floor": "floor (no app)"}.get(backend, "postgresql+redis")
     for clients, rounds in results.items():
         p50 = [r.percentile(0.50) for r in rounds]
         p99 = [r.percentile(0.99) for r in rounds]
@@ -257,12 +380,19 @@ async def main() -> None:
     parser.add_argument(
         "--backends", type=lambda text: text.split(","), default=["sqlite", "postgresql"]
     )
+    parser.add_argument(
+        "--client",
+        choices=["raw", "moorline"],
+        default="raw",
+        help="raw: one kept-alive HTTP/1.1 connection per client; moorline: moorline.Client.",
+    )
     parser.add_argument("--profile", type=Path, default=None, help="Directory for cProfile.")
     args = parser.parse_args()
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     print(
-        f"{args.triggers} triggers per round, median (min, max) of {args.rounds} rounds; "
+        f"{args.triggers} triggers per round, {args.client} client, "
+        f"median (min, max) of {args.rounds} rounds; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )

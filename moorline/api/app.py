@@ -94,6 +94,9 @@ def create_app(
         lifespan=lifespan,
         # A JSON body without a Content-Type is still JSON; JSONBodyRoute refuses other types.
         strict_content_type=False,
+        # FastAPI's OpenTelemetry hooks, unused (Moorline's metrics are Prometheus, /metrics),
+        # otherwise ask the OpenTelemetry providers on every request whether they are set up.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = settings
     app.state.db = db

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from moorline.admission.admit import Admitted, Trigger
@@ -138,10 +138,13 @@ async def trigger_run(
     workflow: Annotated[str, Path(max_length=200, description="A registered workflow.")],
     body: RunCreate,
     caller: CallerDep,
-    services: ServicesDep,
+    request: Request,
     response: Response,
 ) -> RunAccepted:
     """Start a run: 202 when admitted, 200 for a repeated idempotency key."""
+    # The services off the request, not through ServicesDep: the hot path, where each
+    # dependency FastAPI solves per request counts (see moorline.api.deps.tenant_caller).
+    services: Services = request.app.state.services
     definition = services.workflows.get(workflow)
     admitted = await services.admission.admit(
         Trigger(
