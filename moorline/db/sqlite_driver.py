@@ -26,9 +26,10 @@ statement crosses:
   open and does not cross.
 
 A write transaction of one statement is thus two crossings (statement, commit) instead of
-about ten, or one when it commits with its statement. No maintained async SQLite driver for SQLAlchemy offers this, which is why it is
-written here; it plugs in through ``create_async_engine(async_creator=...)``, SQLAlchemy's
-documented hook for supplying the driver connection.
+about ten, or one when it commits with its statement. No maintained async SQLite driver for
+SQLAlchemy offers this, which is why it is written here; it plugs in through
+``create_async_engine(async_creator=...)``, SQLAlchemy's documented hook for supplying the
+driver connection.
 """
 
 import sqlite3
