@@ -246,32 +246,13 @@ class DatabaseManager:
         """
         params = {} if parameters is None else dict(parameters)
         if self.dialect == "sqlite":
-            return await self._sqlite_write_statement(statement, params)
-        async with self._autocommit_connect() as conn:
-            return (await conn.execute(statement, params)).rowcount
-
-    @asynccontextmanager
-    async def _autocommit_connect(self) -> AsyncIterator[AsyncConnection]:
+            async with self._sqlite_writer, self.engine.connect() as conn:
+                return await conn.run_sync(_sqlite_write_statement, statement, params)
         if self._autocommit_engine is not None:
             async with self._autocommit_engine.connect() as conn:
-                yield conn
-            return
+                return await conn.run_sync(_execute_for_rowcount, statement, params)
         async with self.engine.connect() as conn:
-            # asyncpg: client-side only; the pool resets it (also client-side) on return.
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-            yield conn
-
-    async def _sqlite_write_statement(self, statement: Executable, params: dict[str, Any]) -> int:
-        async with self._sqlite_writer, self.engine.connect() as conn:
-            driver = (await conn.get_raw_connection()).driver_connection
-            await conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
-            async with conn.begin():
-                if isinstance(driver, sqlite_driver.Connection):
-                    # BEGIN (held back), the statement and COMMIT in one crossing; the
-                    # commit below then finds no transaction open and does not cross.
-                    driver.commit_with_next_statement()
-                # (``:memory:`` has SQLAlchemy's own aiosqlite connection: three crossings.)
-                return (await conn.execute(statement, params)).rowcount
+            return await conn.run_sync(_autocommit_write_statement, statement, params)
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
@@ -346,3 +327,33 @@ class DatabaseManager:
         await self.engine.dispose()
         if self._autocommit_engine is not None:
             await self._autocommit_engine.dispose()
+
+
+# The bodies of write_statement, each run as one greenlet (``run_sync``): every awaited call of
+# the async API is a greenlet switch of its own, and a one-statement write made eight of them.
+
+
+def _sqlite_write_statement(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
+    conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+    driver = conn.connection.driver_connection
+    with conn.begin():
+        if isinstance(driver, sqlite_driver.Connection):
+            # BEGIN (held back), the statement and COMMIT in one crossing; the commit below
+            # then finds no transaction open and does not cross.
+            driver.commit_with_next_statement()
+        # (``:memory:`` has SQLAlchemy's own aiosqlite connection: three crossings.)
+        return conn.execute(statement, params).rowcount
+
+
+def _autocommit_write_statement(
+    conn: Connection, statement: Executable, params: dict[str, Any]
+) -> int:
+    # PostgreSQL's shared pool. asyncpg switches client-side only, and the pool switches the
+    # connection back (client-side too) when it returns.
+    conn.execution_options(isolation_level="AUTOCOMMIT")
+    return _execute_for_rowcount(conn, statement, params)
+
+
+def _execute_for_rowcount(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
+    # On a connection in autocommit: the statement commits as it ends.
+    return conn.execute(statement, params).rowcount
