@@ -10,16 +10,26 @@
 
 ``session()`` only opens and closes. Repository methods own their (short) transactions through
 :meth:`DatabaseManager.transaction` (writes) and :meth:`DatabaseManager.connect` (reads).
+
+A write that is one statement, decided by that statement alone (the fenced step start and
+finish), goes through :meth:`DatabaseManager.write_statement` instead: the statement is its own
+transaction, sent the cheapest way each backend has. On PostgreSQL and MariaDB that is
+autocommit: one round trip instead of ``BEGIN``, the statement and ``COMMIT``. PostgreSQL's
+pooled connections switch to autocommit and back without a round trip (asyncpg's transaction
+mode is client-side), so they serve it from the one pool; aiomysql's switch costs three round
+trips each way, so MariaDB gets a second pool whose connections stay in autocommit. On SQLite
+``BEGIN IMMEDIATE``, the statement and ``COMMIT`` cross to the connection's thread once
+(:meth:`moorline.db.sqlite_driver.Connection.commit_with_next_statement`).
 """
 
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from sqlalchemy import event
+from sqlalchemy import Executable, event
 from sqlalchemy.dialects.sqlite.aiosqlite import SQLiteDialect_aiosqlite
 from sqlalchemy.engine import Connection, ExceptionContext, make_url
 from sqlalchemy.ext.asyncio import (
@@ -85,6 +95,10 @@ class DatabaseManager:
             "sqlite" if "sqlite" in drivers else "postgresql" if "postgres" in drivers else "mysql"
         )
         self.engine = self._create_engine()
+        # MariaDB/MySQL: connections that stay in autocommit, for write_statement.
+        self._autocommit_engine = (
+            self._create_server_engine(autocommit=True) if self.dialect == "mysql" else None
+        )
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         # SQLite has one writer at a time. Queueing this process's writers here, in order,
         # replaces a pile-up in SQLite's busy handler, which sleeps up to 100 ms between
@@ -101,10 +115,15 @@ class DatabaseManager:
         url = self.urls[0]
         if driver_of(url) == "sqlite":
             return self._create_sqlite_engine(url)
+        return self._create_server_engine(autocommit=False)
+
+    def _create_server_engine(self, *, autocommit: bool) -> AsyncEngine:
+        """A pool over the failover targets; with ``autocommit`` its connections stay there."""
         s = self._settings
         dialect_url = (
             "postgresql+asyncpg://" if self.targets[0].driver == "postgres" else "mysql+aiomysql://"
         )
+        isolation = write_isolation_level(self.dialect)
         engine = create_async_engine(
             dialect_url,
             async_creator=make_failover_creator(self.targets),
@@ -113,8 +132,19 @@ class DatabaseManager:
             pool_timeout=s.db_pool_timeout,
             pool_recycle=int(s.db_pool_recycle),
             pool_pre_ping=s.db_pool_pre_ping,
-            isolation_level=write_isolation_level(self.dialect),
+            isolation_level="AUTOCOMMIT" if autocommit else isolation,
         )
+
+        if autocommit and isolation is not None:
+
+            @event.listens_for(engine.sync_engine, "connect")
+            def _read_committed(dbapi_connection: Any, _record: Any) -> None:
+                # Autocommit replaces the engine's isolation level, and each statement is a
+                # transaction of the session's level: make that READ COMMITTED too, so a
+                # statement behaves as it would in write_transaction().
+                cursor = dbapi_connection.cursor()
+                cursor.execute(f"SET SESSION TRANSACTION ISOLATION LEVEL {isolation}")
+                cursor.close()
 
         @event.listens_for(engine.sync_engine, "handle_error")
         def _discard_read_only(context: ExceptionContext) -> None:
@@ -199,6 +229,31 @@ class DatabaseManager:
         async with self.transaction() as conn:
             yield conn
 
+    async def write_statement(
+        self, statement: Executable, parameters: Mapping[str, Any] | None = None
+    ) -> int:
+        """Run one write ``statement`` as a transaction of its own; return its rowcount.
+
+        For a write that one statement decides entirely (its conditions, its locks): the
+        statement commits as it ends, sent the cheapest way the backend has (see the module
+        docstring), so it costs one round trip or thread crossing instead of two or three.
+        It is exactly as atomic and as isolated as the same statement alone in
+        :meth:`write_transaction`: one statement is one transaction either way, READ COMMITTED
+        on the servers and under the write lock on SQLite.
+
+        A caller that must look further when nothing matched does so in a transaction of its
+        own afterwards: this one has committed by then.
+        """
+        params = {} if parameters is None else dict(parameters)
+        if self.dialect == "sqlite":
+            async with self._sqlite_writer, self.engine.connect() as conn:
+                return await conn.run_sync(_sqlite_write_statement, statement, params)
+        if self._autocommit_engine is not None:
+            async with self._autocommit_engine.connect() as conn:
+                return await conn.run_sync(_execute_for_rowcount, statement, params)
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(_autocommit_write_statement, statement, params)
+
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
         """An ORM session that is only opened and closed here; callers own transactions."""
@@ -240,6 +295,13 @@ class DatabaseManager:
                 delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
+    @property
+    def engines(self) -> tuple[AsyncEngine, ...]:
+        """Every engine this manager sends statements through (MariaDB: two, else one)."""
+        if self._autocommit_engine is None:
+            return (self.engine,)
+        return (self.engine, self._autocommit_engine)
+
     def pool_usage(self) -> tuple[int, int]:
         """(connections checked out now, connections the pool keeps) in this process."""
         pool = self.engine.sync_engine.pool
@@ -263,3 +325,35 @@ class DatabaseManager:
     async def dispose(self) -> None:
         """Close every pooled connection."""
         await self.engine.dispose()
+        if self._autocommit_engine is not None:
+            await self._autocommit_engine.dispose()
+
+
+# The bodies of write_statement, each run as one greenlet (``run_sync``): every awaited call of
+# the async API is a greenlet switch of its own, and a one-statement write made eight of them.
+
+
+def _sqlite_write_statement(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
+    conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+    driver = conn.connection.driver_connection
+    with conn.begin():
+        if isinstance(driver, sqlite_driver.Connection):
+            # BEGIN (held back), the statement and COMMIT in one crossing; the commit below
+            # then finds no transaction open and does not cross.
+            driver.commit_with_next_statement()
+        # (``:memory:`` has SQLAlchemy's own aiosqlite connection: three crossings.)
+        return conn.execute(statement, params).rowcount
+
+
+def _autocommit_write_statement(
+    conn: Connection, statement: Executable, params: dict[str, Any]
+) -> int:
+    # PostgreSQL's shared pool. asyncpg switches client-side only, and the pool switches the
+    # connection back (client-side too) when it returns.
+    conn.execution_options(isolation_level="AUTOCOMMIT")
+    return _execute_for_rowcount(conn, statement, params)
+
+
+def _execute_for_rowcount(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
+    # On a connection in autocommit: the statement commits as it ends.
+    return conn.execute(statement, params).rowcount

@@ -19,12 +19,17 @@ statement crosses:
   so nothing holds a lock or a read snapshot, and the object is dropped;
 - ``BEGIN …`` is held back and sent in the same crossing as the transaction's first
   statement (or dropped, when the transaction ends before any statement);
-- a rollback with no transaction open (the pool's reset after a commit) does not cross.
+- a rollback with no transaction open (the pool's reset after a commit) does not cross;
+- a transaction that is one statement by construction (``DatabaseManager.write_statement``)
+  can ask for its ``COMMIT`` to go with that statement too
+  (:meth:`Connection.commit_with_next_statement`); SQLAlchemy's commit then finds nothing
+  open and does not cross.
 
 A write transaction of one statement is thus two crossings (statement, commit) instead of
-about ten. No maintained async SQLite driver for SQLAlchemy offers this, which is why it is
-written here; it plugs in through ``create_async_engine(async_creator=...)``, SQLAlchemy's
-documented hook for supplying the driver connection.
+about ten, or one when it commits with its statement. No maintained async SQLite driver for
+SQLAlchemy offers this, which is why it is written here; it plugs in through
+``create_async_engine(async_creator=...)``, SQLAlchemy's documented hook for supplying the
+driver connection.
 """
 
 import sqlite3
@@ -62,29 +67,42 @@ class _Cursor(aiosqlite.Cursor):
             self._owner.hold_begin(sql)
             self._rows = []
             return self
-        begin = self._owner.take_begin()
+        begin, commit = self._owner.take_begin(), self._owner.take_commit()
         params: Any = [] if parameters is None else parameters
-        self._rows = await self._owner.cross(self._run, begin, sql, params, many=False)
+        self._rows = await self._owner.cross(self._run, begin, sql, params, commit, many=False)
         return self
 
     async def executemany(self, sql: str, parameters: Iterable[Iterable[Any]]) -> "_Cursor":
         """Run ``sql`` for each parameter set, in one crossing (``BEGIN`` held back)."""
-        begin = self._owner.take_begin()
-        self._rows = await self._owner.cross(self._run, begin, sql, parameters, many=True)
+        begin, commit = self._owner.take_begin(), self._owner.take_commit()
+        self._rows = await self._owner.cross(self._run, begin, sql, parameters, commit, many=True)
         return self
 
-    def _run(self, begin: str | None, sql: str, parameters: Any, *, many: bool) -> list[Any]:
+    def _run(
+        self, begin: str | None, sql: str, parameters: Any, commit: bool, *, many: bool
+    ) -> list[Any]:
         # On the connection's thread.
+        connection = self._owner._conn
         raw = self._raw
         if raw is None:
-            raw = self._raw = self._owner._conn.cursor()
+            raw = self._raw = connection.cursor()
         if begin is not None:
             raw.execute(begin)
-        if many:
-            raw.executemany(sql, parameters)
-        else:
-            raw.execute(sql, parameters)
-        return raw.fetchall() if raw.description is not None else []
+        try:
+            if many:
+                raw.executemany(sql, parameters)
+            else:
+                raw.execute(sql, parameters)
+            rows = raw.fetchall() if raw.description is not None else []
+        except BaseException:
+            if commit and connection.in_transaction:
+                # What SQLAlchemy's rollback would do next, which then finds nothing open.
+                connection.rollback()
+            raise
+        if commit and connection.in_transaction:
+            # rowcount and lastrowid are the cursor's: the commit leaves them as they are.
+            connection.commit()
+        return rows
 
     async def fetchone(self) -> sqlite3.Row | None:
         """The next buffered row, or None."""
@@ -154,6 +172,7 @@ class Connection(aiosqlite.Connection):
         # Like SQLAlchemy's own aiosqlite connect: the thread must not keep the process alive.
         self._thread.daemon = True
         self._held_begin: str | None = None
+        self._commit_next = False
 
     async def cross(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the connection's thread and return its result."""
@@ -169,20 +188,33 @@ class Connection(aiosqlite.Connection):
         begin, self._held_begin = self._held_begin, None
         return begin
 
+    def commit_with_next_statement(self) -> None:
+        """Commit (or, on error, roll back) the transaction in the next statement's crossing.
+
+        For a transaction that is that one statement: whatever follows it in the transaction
+        would run outside it, so only ``DatabaseManager.write_statement`` asks for this.
+        """
+        self._commit_next = True
+
+    def take_commit(self) -> bool:
+        """Whether the statement about to cross must commit its transaction."""
+        commit, self._commit_next = self._commit_next, False
+        return commit
+
     def cursor(self) -> _OpenCursor:  # type: ignore[override]
         """A cursor, without a crossing (its sqlite3 cursor comes with its first statement)."""
         return _OpenCursor(_Cursor(self))
 
     async def commit(self) -> None:
         """Commit the open transaction; no crossing when none is open (no statement ran)."""
-        self._held_begin = None
+        self._held_begin, self._commit_next = None, False
         if not self._is_in_transaction():
             return
         await super().commit()
 
     async def rollback(self) -> None:
         """Roll back the open transaction; no crossing when none is open."""
-        self._held_begin = None
+        self._held_begin, self._commit_next = None, False
         if not self._is_in_transaction():
             return
         await super().rollback()

@@ -26,9 +26,11 @@ def data_statements(db: DatabaseManager, table: str) -> Iterator[list[str]]:
         if _DATA_STATEMENT.match(statement) and name.search(statement):
             seen.append(statement)
 
-    engine = db.engine.sync_engine
-    event.listen(engine, "before_cursor_execute", record)
+    engines = [engine.sync_engine for engine in db.engines]
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", record)
     try:
         yield seen
     finally:
-        event.remove(engine, "before_cursor_execute", record)
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", record)

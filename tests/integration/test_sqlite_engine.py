@@ -248,3 +248,56 @@ async def test_an_error_in_the_first_statement_rolls_the_transaction_back(
     async with sqlite_db.connect() as conn:
         result = await conn.stream(text("SELECT id FROM counter ORDER BY id"))
         assert [row.id async for row in result] == [1, 2, 3]
+
+
+async def test_a_write_statement_commits_with_its_statement_in_one_crossing(
+    sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
+) -> None:
+    changed = await sqlite_db.write_statement(
+        text("UPDATE counter SET n = n + :by WHERE id = 1"), {"by": 5}
+    )
+    assert changed == 1
+    # BEGIN IMMEDIATE, the statement and COMMIT went together; SQLAlchemy's commit and the
+    # pool's reset found nothing open.
+    assert crossings == ["_run"]
+    other = raw_connection(db_path)
+    try:
+        assert other.execute("SELECT n FROM counter").fetchone() == (5,)
+        other.execute("BEGIN IMMEDIATE")  # the write lock is free: nothing left open
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+    assert await sqlite_db.write_statement(text("UPDATE counter SET n = 0 WHERE id = 99")) == 0
+
+
+async def test_a_failed_write_statement_rolls_back_in_its_crossing(
+    sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
+) -> None:
+    with pytest.raises(IntegrityError):
+        await sqlite_db.write_statement(text("INSERT INTO counter (id, n) VALUES (1, 5)"))
+    assert crossings == ["_run"]
+    other = raw_connection(db_path)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+    # The connection goes on: the next writers find no transaction left open on it.
+    assert await sqlite_db.write_statement(text("INSERT INTO counter (id, n) VALUES (2, 2)")) == 1
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(text("UPDATE counter SET n = n + 1"))
+    async with sqlite_db.connect() as conn:
+        rows = await conn.execute(text("SELECT id, n FROM counter ORDER BY id"))
+        assert rows.all() == [(1, 1), (2, 3)]
+
+
+async def test_a_write_statement_on_an_in_memory_database() -> None:
+    manager = DatabaseManager(Settings(database_url="sqlite+aiosqlite:///:memory:"))
+    try:
+        async with manager.transaction() as conn:
+            await conn.execute(text("CREATE TABLE t (v INTEGER)"))
+        assert await manager.write_statement(text("INSERT INTO t (v) VALUES (1)")) == 1
+        async with manager.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM t"))).scalar_one() == 1
+    finally:
+        await manager.dispose()

@@ -34,8 +34,11 @@ exists after all (a key the database compares as equal to another) is left to :m
 Finishing is one ``UPDATE steps … WHERE … AND EXISTS (<the fenced run row, locked>)``. Both
 wait for a lock another writer of the run holds and then test the fence on what it committed
 (PostgreSQL re-checks a locked row's predicate, and locking reads on InnoDB read the latest
-version), so they are exactly as fenced as the two-statement form; only when they write
-nothing does the transaction go on to find out why.
+version), so they are exactly as fenced as the two-statement form. Each is sent as a
+transaction of its own (:meth:`~moorline.db.manager.DatabaseManager.write_statement`: autocommit
+on the servers, one thread crossing on SQLite); only when it writes nothing does a second
+transaction find out why, which is safe because what it looks for never changes back: a lost
+fence stays lost, a recorded cancel stays recorded, a finished step stays finished.
 
 Every public method is idempotent, so each is wrapped in ``with_retry``: a checkpoint whose
 commit acknowledgement was lost is retried and finds its own write (RELIABILITY.md E6).
@@ -374,16 +377,17 @@ class StepsRepo:
 
         async def attempt() -> bool:
             try:
-                async with self._db.write_transaction() as conn:
-                    if (await conn.execute(self._insert_new, parameters)).rowcount == 1:
-                        return True
-                    # Nothing inserted: the fence or the cancel check failed; say which.
-                    await hold_fence_txn(
-                        conn, self._dialect, fence, f"step {key!r}", refuse_cancelled=True
-                    )
-                    return False  # pragma: no cover - a fence that failed cannot hold again
+                if await self._db.write_statement(self._insert_new, parameters) == 1:
+                    return True
             except IntegrityError:
                 return False
+            # Nothing inserted: the fence or the cancel check failed; say which. A fence that
+            # failed never holds again (attempts only grow), nor does a cancel go away.
+            async with self._db.write_transaction() as conn:
+                await hold_fence_txn(
+                    conn, self._dialect, fence, f"step {key!r}", refuse_cancelled=True
+                )
+            return False  # pragma: no cover - a fence that failed cannot hold again
 
         return await self._db.with_retry(attempt)
 
@@ -495,10 +499,11 @@ class StepsRepo:
         parameters = {**fence_parameters(fence), "step_key": key, **outcome}
 
         async def attempt() -> None:
+            if await self._db.write_statement(stmt, parameters) == 1:
+                return
+            # Nothing written: a stale fence, or a step not running under this attempt (both
+            # final: only this attempt writes its steps while the fence holds).
             async with self._db.write_transaction() as conn:
-                if (await conn.execute(stmt, parameters)).rowcount == 1:
-                    return
-                # Nothing written: a stale fence, or a step not running under this attempt.
                 await hold_fence_txn(conn, self._dialect, fence, action)
                 found = await _select_step_txn(conn, fence.run_id, key)
                 if found is not None and _is_recorded(found, fence, status, values):
