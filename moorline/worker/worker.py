@@ -201,6 +201,8 @@ class Worker:
         self._claiming = True
         self._closing = asyncio.Event()
         self._runtime_renewal: asyncio.Task[None] | None = None
+        self.claim_transactions = 0
+        """Claims made so far, empty ones included."""
         self.claimed = 0
         self.finished = 0
 
@@ -318,6 +320,7 @@ class Worker:
                         await stop.wait()
                 continue
             failures = 0
+            self.claim_transactions += 1
             self._arm_self_fence([self._start(claim, lane) for claim in batch.claims])
             if len(batch.claims) < free and self._claiming:
                 self._wants_slot[lane] = batch.is_capped
