@@ -15,7 +15,8 @@ One :class:`Worker` per process (or per in-process loop of ``moorline serve``):
   interactive windows: :meth:`~moorline.engine.runner.Runner.renew`), which the runner
   releases once the attempt's outcome is written.
 - **Self-fencing.** Each execution also has a deadline on the monotonic clock, pushed back by
-  every successful renewal: ``last renewal + LEASE_TTL - margin``. When the database could not
+  every successful renewal: ``last renewal + LEASE_TTL - margin`` (one timer per claimed batch
+  and per renewal, shared by the executions it covers). When the database could not
   be reached in time (or the process was paused), the deadline cancels the execution before
   the lease can expire, so a worker never keeps working on a run another may have taken.
 - **Cancels.** Each execution has a ``cancel_requested`` event the runner watches besides the
