@@ -39,7 +39,7 @@ from moorline.db.migrate import upgrade
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.schema import runs
 from moorline.dispatch.submit import Submitter
-from moorline.dispatch.wakeups import LocalWakeups
+from moorline.dispatch.wakeups import BackgroundNotifier, LocalWakeups
 from moorline.engine.context import Context
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
@@ -128,11 +128,9 @@ async def latencies_ms(
     """Submit → start latencies (ms, database clock) of runs arriving at ``rate`` per second."""
     wakeups = LocalWakeups()
     await wakeups.start()
-    background: set[asyncio.Future[None]] = set()
-    submitter = Submitter(
-        RunsRepo(db),
-        on_enqueued=lambda lanes: background.add(asyncio.ensure_future(wakeups.notify(lanes))),
-    )
+    # As ``moorline serve`` wires it: the submitter's hook wakes the worker's lane.
+    notifier = BackgroundNotifier(wakeups)
+    submitter = Submitter(RunsRepo(db), on_enqueued=notifier)
     worker = make_worker(db, slots, wakeups)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
@@ -151,6 +149,7 @@ async def latencies_ms(
     stop.set()
     await task
     await submitter.close()
+    await notifier.close()
     await wakeups.close()
     run_ids = [run.run_id for run in stored]
     async with db.connect() as conn:

@@ -238,6 +238,16 @@ class ListeningWakeups(Notifier, Waiter, ABC):
         if not lanes:
             return
         self.hub.wake(lanes)
+        await self.publish(lanes)
+
+    def wake(self, lanes: Iterable[str]) -> None:
+        """Wake this process's waiters of ``lanes`` now (the local half of ``notify``)."""
+        self.hub.wake(lanes)
+
+    async def publish(self, lanes: set[str]) -> None:
+        """Tell the other processes only (the remote half of ``notify``); failures are logged."""
+        if not lanes:
+            return
         try:
             async with asyncio.timeout(self._notify_timeout_s):
                 await self._publish(sorted(lanes))
@@ -527,15 +537,26 @@ class BackgroundNotifier:
         self._sender: asyncio.Task[None] | None = None
 
     def __call__(self, lanes: set[str]) -> None:
+        notifier = self._notifier
+        if isinstance(notifier, LocalWakeups | ListeningWakeups):
+            # This process's waiters are woken here, synchronously: through the sender task
+            # they would first wait a turn of the event loop behind every ready callback.
+            notifier.wake(lanes)
+            if isinstance(notifier, LocalWakeups):
+                return
         self._pending |= lanes
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send(), name="moorline-wakeups-sender")
 
     async def _send(self) -> None:
+        notifier = self._notifier
         while self._pending:
             lanes, self._pending = self._pending, set()
             try:
-                await self._notifier.notify(lanes)
+                if isinstance(notifier, ListeningWakeups):
+                    await notifier.publish(lanes)  # its local half went out in __call__
+                else:
+                    await notifier.notify(lanes)
             except Exception:
                 logger.exception("wake-up for lanes %s failed", ", ".join(sorted(lanes)))
 

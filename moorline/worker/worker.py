@@ -15,7 +15,8 @@ One :class:`Worker` per process (or per in-process loop of ``moorline serve``):
   interactive windows: :meth:`~moorline.engine.runner.Runner.renew`), which the runner
   releases once the attempt's outcome is written.
 - **Self-fencing.** Each execution also has a deadline on the monotonic clock, pushed back by
-  every successful renewal: ``last renewal + LEASE_TTL - margin``. When the database could not
+  every successful renewal: ``last renewal + LEASE_TTL - margin`` (one timer per claimed batch
+  and per renewal, shared by the executions it covers). When the database could not
   be reached in time (or the process was paused), the deadline cancels the execution before
   the lease can expire, so a worker never keeps working on a run another may have taken.
 - **Cancels.** Each execution has a ``cancel_requested`` event the runner watches besides the
@@ -38,8 +39,9 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from sqlalchemy.exc import DBAPIError
@@ -90,9 +92,27 @@ def _ids(claim: Claim) -> tuple[str, int]:
     return claim.fence.run_id, claim.fence.attempt
 
 
+def _answered(recheck: asyncio.Event, _: "asyncio.Future[bool]") -> None:
+    """The waiter's task ended (woken or timed out): the claim loop looks again."""
+    recheck.set()
+
+
 def make_owner_id() -> str:
     """A lease owner id unique to this worker: host, process and a random suffix."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(eq=False)
+class _SelfFence:
+    """One self-fence deadline, shared by the executions one claim or one renewal extended.
+
+    A claim starts a whole batch and a heartbeat renews every lease in one statement, so
+    their deadlines coincide: one timer serves them all, instead of a timer per execution
+    armed, re-armed at each heartbeat and cancelled again at its end.
+    """
+
+    members: "set[_Execution]" = field(default_factory=set)
+    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(eq=False)
@@ -100,7 +120,8 @@ class _Execution:
     claim: Claim
     lane: str
     task: asyncio.Task[None] | None = None
-    fence_timer: asyncio.TimerHandle | None = None
+    self_fence: _SelfFence | None = None
+    """The deadline this execution is stopped at unless a renewal moves it on."""
     lost: bool = False
     """The lease is gone (or self-fenced): write nothing more for this attempt."""
     releasing: bool = False
@@ -181,6 +202,8 @@ class Worker:
         self._claiming = True
         self._closing = asyncio.Event()
         self._runtime_renewal: asyncio.Task[None] | None = None
+        self.claim_transactions = 0
+        """Claims made so far, empty ones included."""
         self.claimed = 0
         self.finished = 0
 
@@ -298,35 +321,50 @@ class Worker:
                         await stop.wait()
                 continue
             failures = 0
-            for claim in batch.claims:
-                self._start(claim, lane)
+            self.claim_transactions += 1
+            self._arm_self_fence([self._start(claim, lane) for claim in batch.claims])
             if len(batch.claims) < free and self._claiming:
                 self._wants_slot[lane] = batch.is_capped
-                await self._wait_for_work(lane, stop, batch.began_monotonic_s)
+                await self._wait_for_work(lane, batch.began_monotonic_s)
 
-    async def _wait_for_work(self, lane: str, stop: asyncio.Event, seen_before: float) -> None:
-        """Until a wake-up for ``lane``, a local recheck, ``stop``, or the slow poll.
+    async def _wait_for_work(self, lane: str, seen_before: float) -> None:
+        """Until a wake-up for ``lane``, a local recheck (``stop`` sets one), or the slow poll.
 
         Wake-ups sent before ``seen_before``, when the last claim's transaction began,
         announced runs that claim saw already: they do not count.
+
+        Everything that ends the wait sets the lane's ``recheck`` event, the waiter's answer
+        included (from its task's done callback), so the loop awaits one event: a wake-up
+        reaches the claim in three turns of the event loop, not the six that
+        ``asyncio.wait`` over a task per reason, and then collecting the cancelled ones,
+        took. Each turn is a wait behind every ready callback of a busy worker.
         """
         recheck = self._recheck[lane]
         if recheck.is_set():
             recheck.clear()
             return
-        waits: list[asyncio.Future[Any]] = [
-            asyncio.ensure_future(stop.wait()),
-            asyncio.ensure_future(recheck.wait()),
-        ]
+        woken: asyncio.Future[bool] | None = None
+        answered = partial(_answered, recheck)
         if self._waiter is not None:
-            woken = self._waiter.wait(lane, self._poll_interval_s, seen_before=seen_before)
-            waits.append(asyncio.ensure_future(woken))
+            woken = asyncio.ensure_future(
+                self._waiter.wait(lane, self._poll_interval_s, seen_before=seen_before)
+            )
+            woken.add_done_callback(answered)
         try:
-            await asyncio.wait(waits, timeout=self._poll_interval_s, return_when="FIRST_COMPLETED")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._poll_interval_s):
+                    await recheck.wait()
         finally:
-            for waiting in waits:
-                waiting.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
+            if woken is not None:
+                # Its answer no longer matters (one landing in this very turn still sets
+                # ``recheck`` later: at most one spare claim).
+                woken.remove_done_callback(answered)
+                if not woken.done():
+                    woken.cancel()
+                elif not woken.cancelled() and woken.exception() is not None:
+                    # A dead listener surfaces as from any other loop: the claim loop dies
+                    # and the worker exits non-zero instead of spinning on a broken waiter.
+                    woken.result()
             recheck.clear()
 
     def _wake_at(self, lane: str, delay_s: float) -> None:
@@ -345,12 +383,12 @@ class Worker:
             handle.cancel()
         self._retry_timers.clear()
 
-    def _start(self, claim: Claim, lane: str) -> None:
+    def _start(self, claim: Claim, lane: str) -> _Execution:
+        """Start executing ``claim``; the caller arms its self-fence with its batch's."""
         execution = _Execution(claim=claim, lane=lane)
         self._executions.add(execution)
         self._in_lane[lane] += 1
         self.claimed += 1
-        self._arm_self_fence(execution)
         run = claim.run
         # Both instants are database time: the claim set updated_at, the enqueue not_before.
         waited_s = (run.updated_at - run.not_before).total_seconds()
@@ -358,6 +396,7 @@ class Worker:
         execution.task = asyncio.create_task(
             self._execute(execution), name=f"run:{claim.fence.run_id}:{claim.fence.attempt}"
         )
+        return execution
 
     # --- one execution -----------------------------------------------------------------------
 
@@ -477,8 +516,7 @@ class Worker:
 
     def _finish(self, execution: _Execution) -> None:
         execution.finished = True
-        if execution.fence_timer is not None:
-            execution.fence_timer.cancel()
+        self._leave_self_fence(execution)
         self._executions.discard(execution)
         self._in_lane[execution.lane] -= 1
         if self._wants_slot[execution.lane]:
@@ -487,20 +525,38 @@ class Worker:
 
     # --- leases ------------------------------------------------------------------------------
 
-    def _arm_self_fence(self, execution: _Execution, renewed_at: float | None = None) -> None:
-        """Stop ``execution`` at ``renewed_at + LEASE_TTL - margin`` (loop's monotonic clock).
+    def _arm_self_fence(
+        self, executions: Iterable[_Execution], renewed_at: float | None = None
+    ) -> None:
+        """Stop ``executions`` at ``renewed_at + LEASE_TTL - margin`` (loop's monotonic clock).
 
         ``renewed_at`` is when the renewal was *sent*: the database extended the lease at some
-        instant after it, so counting from the send errs on the safe side.
+        instant after it, so counting from the send errs on the safe side. Without it, now:
+        the claim that took the leases has committed.
         """
-        if execution.fence_timer is not None:
-            execution.fence_timer.cancel()
         loop = asyncio.get_running_loop()
         since = loop.time() if renewed_at is None else renewed_at
         budget = self._lease_ttl_s * (1 - SELF_FENCE_MARGIN_FRACTION)
-        execution.fence_timer = loop.call_at(
-            since + budget, self._lose, execution, "no renewal in time (self-fenced)"
-        )
+        fence = _SelfFence()
+        for execution in executions:
+            self._leave_self_fence(execution)
+            execution.self_fence = fence
+            fence.members.add(execution)
+        if fence.members:
+            fence.timer = loop.call_at(since + budget, self._self_fenced, fence)
+
+    def _leave_self_fence(self, execution: _Execution) -> None:
+        """Take ``execution`` off its deadline; the timer goes with the deadline's last one."""
+        fence, execution.self_fence = execution.self_fence, None
+        if fence is None:
+            return
+        fence.members.discard(execution)
+        if not fence.members and fence.timer is not None:
+            fence.timer.cancel()
+
+    def _self_fenced(self, fence: _SelfFence) -> None:
+        for execution in list(fence.members):
+            self._lose(execution, "no renewal in time (self-fenced)")
 
     def _lose(self, execution: _Execution, why: str) -> None:
         if execution.lost or execution.finished:
@@ -554,6 +610,7 @@ class Worker:
             # the self-fence deadlines stop the runs if this goes on.
             logger.warning("heartbeat for %d runs failed: %r", len(held), exc)
             return
+        renewed: list[_Execution] = []
         for execution in held:
             if execution.finished:
                 # It ended while the renewal ran: its lease went with its outcome, which is
@@ -562,11 +619,12 @@ class Worker:
             fence = execution.claim.fence
             if (fence.run_id, fence.attempt) in renewal.renewed:
                 if not execution.lost:
-                    self._arm_self_fence(execution, sent)
+                    renewed.append(execution)
                 if fence.run_id in renewal.cancel_requested:
                     execution.cancel_requested.set()
             else:
                 self._lose(execution, "renewal matched no row (reclaimed, cancelled or finished)")
+        self._arm_self_fence(renewed, sent)
         # In its own task: a slow RuntimeStore must never delay the next database heartbeat.
         if self._runtime_renewal is None or self._runtime_renewal.done():
             kept = [e.claim for e in held if not (e.lost or e.finished)]

@@ -14,13 +14,14 @@ from moorline.db.repos.queue import QueueRepo, Renewal
 from moorline.db.repos.records import Fence
 from moorline.db.schema import runs
 from moorline.dispatch.retry import RetryPolicy
+from moorline.dispatch.wakeups import LocalWakeups
 from moorline.engine.context import Context
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
 from moorline.observability.metrics import Metrics
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
-from moorline.worker.worker import Worker, WorkerCrashed
+from moorline.worker.worker import Waiter, Worker, WorkerCrashed
 from tests.contract.queue_helpers import (
     Tenants,
     add_runs,
@@ -317,8 +318,10 @@ def slow_polling_worker(
     *,
     caps: Mapping[str, int] | None = None,
     retry_policy: RetryPolicy = NO_BACKOFF,
+    waiter: Waiter | None = None,
 ) -> Worker:
-    """A worker whose slow poll never comes within a test: only local reasons make it claim."""
+    """A worker whose slow poll never comes within a test: only local reasons (and the
+    ``waiter``'s wake-ups) make it claim."""
 
     async def tenant_caps() -> Mapping[str, int]:
         return caps if caps is not None else await no_caps()
@@ -330,6 +333,7 @@ def slow_polling_worker(
         lease_ttl_s=30.0,
         tenant_caps=tenant_caps,
         retry_policy=retry_policy,
+        waiter=waiter,
         poll_interval_s=60.0,
     )
 
@@ -392,3 +396,70 @@ async def test_a_run_that_ends_during_a_heartbeat_has_not_lost_its_lease(
         await asyncio.wait_for(raced.wait(), 10)
     assert (await statuses(db, [run_id]))[run_id] == ("succeeded", 1)
     assert sampled(metrics.lease_losses, "moorline_lease_losses_total", lane=lane) == 0
+
+
+async def test_runs_whose_leases_cannot_be_renewed_stop_at_their_self_fence(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every run of the claimed batch shares one self-fence deadline; when no heartbeat gets
+    # through, each of them is stopped by it and writes nothing more.
+    probe = Probe()
+    lane = unique("lane")
+    run_ids = await add_runs(db, await tenants.new(), lane, 3)
+    await set_workflow(db, run_ids, "gated")
+    metrics = Metrics()
+    worker = make_worker(db, probe, {lane: 3}, lease_ttl_s=0.9, metrics=metrics)
+
+    async def unreachable(self: QueueRepo, fences: Sequence[Fence], lease_ttl_s: float) -> Renewal:
+        raise ConnectionError("database unreachable")
+
+    monkeypatch.setattr(QueueRepo, "renew_leases", unreachable)
+    async with Running(worker):
+        await wait_for(lambda: _entered(probe, 3), message="the batch started")
+        await wait_for(lambda: _all_cancelled(probe, 3), timeout_s=5.0, message="self-fenced")
+        await wait_for(lambda: _none_in_flight(worker), message="the executions ended")
+    assert await statuses(db, run_ids) == {run_id: ("running", 1) for run_id in run_ids}
+    assert sampled(metrics.lease_losses, "moorline_lease_losses_total", lane=lane) == 3
+
+
+async def _none_in_flight(worker: Worker) -> bool:
+    return worker.in_flight == 0
+
+
+async def _all_cancelled(probe: Probe, count: int) -> bool:
+    return probe.cancelled >= count
+
+
+async def test_a_wake_up_makes_a_waiting_worker_claim_at_once(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    lane = unique("lane")
+    tenant = await tenants.new()
+    wakeups = LocalWakeups()
+    worker = slow_polling_worker(db, {lane: 2}, waiter=wakeups)
+    async with Running(worker):
+        # The lane is empty: the worker's first claim finds nothing and it waits.
+        await wait_for(lambda: _waiting(worker), message="the worker waits")
+        run_ids = await add_runs(db, tenant, lane, 1)
+        await wakeups.notify({lane})
+        await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the woken claim")
+
+
+async def _waiting(worker: Worker) -> bool:
+    return worker.claim_transactions >= 1
+
+
+async def test_a_broken_waiter_crashes_the_worker_instead_of_spinning(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    lane = unique("lane")
+
+    class Broken:
+        async def wait(
+            self, lane: str, timeout_s: float, *, seen_before: float | None = None
+        ) -> bool:
+            raise RuntimeError("listener died")
+
+    worker = slow_polling_worker(db, {lane: 1}, waiter=Broken())
+    with pytest.raises(WorkerCrashed, match="listener died"):
+        await asyncio.wait_for(worker.run(asyncio.Event()), 10)
