@@ -11,7 +11,7 @@
   :func:`parse_json` before FastAPI validates it: malformed JSON is 400 ``invalid_json``
   (FastAPI would say 422), nesting deeper than :data:`MAX_JSON_DEPTH` is 400 too, and text no
   database can store (NUL, lone surrogates) is 422 ``invalid_request``.
-- :func:`redact` (from :mod:`moorline.api.redaction`) blanks anything that looks like an API
+- :func:`~moorline.api.redaction.redact` blanks anything that looks like an API
   key or a credential parameter; the log formatter (:mod:`moorline.observability.logs`)
   applies it to every line, such as the access-log line of a refused ``?api_key=`` request.
 """
@@ -25,8 +25,7 @@ from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moorline.api.errors import error_response
-from moorline.api.redaction import has_credentials as has_credentials  # re-exported: it lived
-from moorline.api.redaction import redact as redact  # here, as redact did
+from moorline.api.redaction import has_credentials
 from moorline.errors import (
     BodyTooLarge,
     CredentialsInQuery,

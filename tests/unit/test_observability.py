@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moorline.api.guards import redact
+from moorline.api.redaction import redact
 from moorline.errors import ConfigError
 from moorline.observability.logs import bind_run, make_handler
 from moorline.observability.metrics import LaneFigures, Metrics, Snapshot, render
