@@ -1,4 +1,4 @@
-"""aiosqlite connections that cross to their thread once per statement, not three or four times.
+"""aiosqlite connections that run statements on the event loop, or cross to their thread once.
 
 aiosqlite runs every sqlite3 call on the connection's own thread and hands each result back
 to the event loop. Through SQLAlchemy's adapter one statement is four such crossings (create
@@ -26,19 +26,47 @@ statement crosses:
   open and does not cross.
 
 A write transaction of one statement is thus two crossings (statement, commit) instead of
-about ten, or one when it commits with its statement. No maintained async SQLite driver for
-SQLAlchemy offers this, which is why it is written here; it plugs in through
-``create_async_engine(async_creator=...)``, SQLAlchemy's documented hook for supplying the
-driver connection.
+about ten, or one when it commits with its statement.
+
+Once the engine has configured a connection it asks for more (:meth:`Connection.run_inline`):
+a call then runs on the event loop's own thread, with no crossing at all. A crossing is two
+thread wake-ups, and on this project's 2-core machines it costs more than the SQLite call it
+carries (tens of microseconds: WAL with ``synchronous=NORMAL`` does not sync on commit); with
+the CPUs contended, each crossing also waits for the other thread to be scheduled. Measured
+with the machine loaded, a single-run submit (four crossings) took 13.2 ms through the thread
+and 8.0 ms inline (median; ``/work/wt/tools/modes.py`` in the 2026-11-25 session note).
+Three things still cross:
+
+- the busy handler, which sleeps up to the busy timeout while another process holds the write
+  lock, must never run on the loop: an inline connection has a busy timeout of 0, and a call
+  that SQLite refuses as busy is resumed on the connection's thread, with the configured
+  timeout, from the step that was refused (SQLite refuses a statement as a whole, so nothing
+  of it has happened);
+- a big statement (more than ``_INLINE_MAX_PARAMETERS`` parameters, or an executemany of more
+  than ``_INLINE_MAX_ROWS`` rows: batch claims and batch submissions) takes milliseconds, the
+  crossing little beside it, and the loop does other work meanwhile; its transaction's commit
+  crosses with it;
+- an executemany with no transaction open, which SQLite commits row by row, so that a busy
+  refusal part-way could not be resumed.
+
+No maintained async SQLite driver for SQLAlchemy offers any of this, which is why it is written
+here; it plugs in through ``create_async_engine(async_creator=...)``, SQLAlchemy's documented
+hook for supplying the driver connection.
 """
 
 import sqlite3
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 import aiosqlite
 
 T = TypeVar("T")
+
+_INLINE_MAX_PARAMETERS = 64
+"""A statement with more parameters than this (a batch claim, say) crosses to the thread."""
+_INLINE_MAX_ROWS = 8
+"""An executemany of more parameter sets than this crosses to the thread."""
 
 
 class _Cursor(aiosqlite.Cursor):
@@ -69,39 +97,63 @@ class _Cursor(aiosqlite.Cursor):
             return self
         begin, commit = self._owner.take_begin(), self._owner.take_commit()
         params: Any = [] if parameters is None else parameters
-        self._rows = await self._owner.cross(self._run, begin, sql, params, commit, many=False)
+        self._rows = await self._owner.cross_statement(self._run, begin, sql, params, commit)
         return self
 
     async def executemany(self, sql: str, parameters: Iterable[Iterable[Any]]) -> "_Cursor":
         """Run ``sql`` for each parameter set, in one crossing (``BEGIN`` held back)."""
         begin, commit = self._owner.take_begin(), self._owner.take_commit()
-        self._rows = await self._owner.cross(self._run, begin, sql, parameters, commit, many=True)
+        self._rows = await self._owner.cross_statement(
+            self._run, begin, sql, parameters, commit, many=True
+        )
         return self
 
     def _run(
-        self, begin: str | None, sql: str, parameters: Any, commit: bool, *, many: bool
+        self,
+        begin: str | None,
+        sql: str,
+        parameters: Any,
+        commit: bool,
+        *,
+        many: bool,
+        inline: bool = False,
     ) -> list[Any]:
-        # On the connection's thread.
+        # On the connection's thread, or on the loop's with ``inline`` (see Connection.run_inline):
+        # a step refused as busy then raises _Busy with the rest of the work to resume.
         connection = self._owner._conn
         raw = self._raw
         if raw is None:
             raw = self._raw = connection.cursor()
         if begin is not None:
-            raw.execute(begin)
+            try:
+                raw.execute(begin)
+            except sqlite3.OperationalError as exc:
+                if inline and _is_busy(exc):
+                    raise _Busy(self._run, begin, sql, parameters, commit, many=many) from exc
+                raise
         try:
             if many:
                 raw.executemany(sql, parameters)
             else:
                 raw.execute(sql, parameters)
             rows = raw.fetchall() if raw.description is not None else []
+        except sqlite3.OperationalError as exc:
+            if inline and _is_busy(exc):
+                # The transaction (if any) stays open; the statement is sent again from there.
+                raise _Busy(self._run, None, sql, parameters, commit, many=many) from exc
+            _roll_back_if(commit, connection)
+            raise
         except BaseException:
-            if commit and connection.in_transaction:
-                # What SQLAlchemy's rollback would do next, which then finds nothing open.
-                connection.rollback()
+            _roll_back_if(commit, connection)
             raise
         if commit and connection.in_transaction:
             # rowcount and lastrowid are the cursor's: the commit leaves them as they are.
-            connection.commit()
+            try:
+                connection.commit()
+            except sqlite3.OperationalError as exc:
+                if inline and _is_busy(exc):
+                    raise _Busy(_commit_then, connection, rows) from exc
+                raise
         return rows
 
     async def fetchone(self) -> sqlite3.Row | None:
@@ -173,10 +225,88 @@ class Connection(aiosqlite.Connection):
         self._thread.daemon = True
         self._held_begin: str | None = None
         self._commit_next = False
+        # The busy timeout a call refused as busy waits with on the thread; None: no inline calls.
+        self._busy_timeout_ms: int | None = None
+        # The open transaction ran a big statement: its commit crosses too.
+        self._big_transaction = False
 
-    async def cross(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn(*args, **kwargs)`` on the connection's thread and return its result."""
-        result: T = await self._execute(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
+    def run_inline(self, *, busy_timeout_ms: int) -> None:
+        """Run calls on the event loop's thread from now on; see the module docstring.
+
+        Called from the engine's ``connect`` listener, which runs on the loop's thread while
+        nothing else uses the connection: its own busy timeout becomes 0, so SQLite answers
+        ``SQLITE_BUSY`` at once instead of sleeping on the loop, and a call so refused goes to
+        the thread and waits up to ``busy_timeout_ms`` there.
+        """
+        if busy_timeout_ms < 0:
+            raise ValueError(f"busy_timeout_ms must be at least 0, got {busy_timeout_ms}")
+        self._conn.execute("PRAGMA busy_timeout=0")
+        self._busy_timeout_ms = busy_timeout_ms
+
+    async def cross_statement(
+        self,
+        run: "_Statement",
+        begin: str | None,
+        sql: str,
+        parameters: Any,
+        commit: bool,
+        *,
+        many: bool = False,
+    ) -> list[Any]:
+        """Run one statement (``_Cursor._run``): inline if the connection allows, else crossing."""
+        big = len(parameters) > (_INLINE_MAX_ROWS if many else _INLINE_MAX_PARAMETERS)
+        # executemany with no transaction open would commit row by row, so a busy refusal at
+        # row n could not be resumed without repeating rows 1..n-1: it always crosses.
+        autocommitting = many and begin is None and not self._is_in_transaction()
+        if self._busy_timeout_ms is None or big or autocommitting:
+            # A big statement (a batch claim, a batch of runs) costs milliseconds, the
+            # crossing little beside it, and the loop goes on with other work meanwhile; its
+            # transaction's commit writes as many pages, and crosses too.
+            self._big_transaction = self._big_transaction or big
+            rows: list[Any] = await self._execute_on_thread(
+                run, begin, sql, parameters, commit, many=many
+            )
+            if commit:
+                self._big_transaction = False
+            return rows
+        return await self._inline(run, begin, sql, parameters, commit, many=many, inline=True)
+
+    async def _execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` for this connection the way aiosqlite does (commit, rollback, close …).
+
+        Inline when the connection allows; such a call is one step, so one refused as busy
+        has done nothing and is sent again, whole, from the thread.
+        """
+        if self._busy_timeout_ms is None or self._big_transaction:
+            return await self._execute_on_thread(fn, *args, **kwargs)
+        return await self._inline(fn, *args, **kwargs)
+
+    async def _inline(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if not self._running or self._connection is None:
+            raise ValueError("Connection closed")
+        try:
+            return fn(*args, **kwargs)
+        except _Busy as busy:
+            rest: Callable[[], Any] = busy.rest
+        except sqlite3.OperationalError as exc:
+            if not _is_busy(exc):
+                raise
+            rest = partial(fn, *args, **kwargs)
+        # Awaited like any crossing: the caller cannot send anything else meanwhile.
+        result: T = await self._execute_on_thread(self._waiting_for_lock, rest)
+        return result
+
+    def _waiting_for_lock(self, rest: Callable[[], T]) -> T:
+        # On the connection's thread: the call refused on the loop, with the busy handler.
+        connection = self._conn
+        connection.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+        try:
+            return rest()
+        finally:
+            connection.execute("PRAGMA busy_timeout=0")
+
+    async def _execute_on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        result: T = await super()._execute(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
         return result
 
     def hold_begin(self, sql: str) -> None:
@@ -208,16 +338,20 @@ class Connection(aiosqlite.Connection):
     async def commit(self) -> None:
         """Commit the open transaction; no crossing when none is open (no statement ran)."""
         self._held_begin, self._commit_next = None, False
-        if not self._is_in_transaction():
-            return
-        await super().commit()
+        try:
+            if self._is_in_transaction():
+                await super().commit()
+        finally:
+            self._big_transaction = False
 
     async def rollback(self) -> None:
         """Roll back the open transaction; no crossing when none is open."""
         self._held_begin, self._commit_next = None, False
-        if not self._is_in_transaction():
-            return
-        await super().rollback()
+        try:
+            if self._is_in_transaction():
+                await super().rollback()
+        finally:
+            self._big_transaction = False
 
     def _is_in_transaction(self) -> bool:
         # Read from the event loop's thread: sqlite3 checks only that the connection is open
@@ -246,6 +380,44 @@ def connector(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Callable[[], Co
 
 def _is_begin(sql: str) -> bool:
     return sql[:5].upper() == "BEGIN"
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite refused for a lock another connection holds (``SQLITE_BUSY_*``)."""
+    code: int = getattr(exc, "sqlite_errorcode", 0)
+    return code & 0xFF == sqlite3.SQLITE_BUSY
+
+
+class _Busy(Exception):
+    """An inline call was refused as busy part-way; ``rest`` is what is left to run."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__("database is locked")
+        self.rest: Callable[[], Any] = partial(fn, *args, **kwargs)
+
+
+class _Statement(Protocol):
+    def __call__(
+        self,
+        begin: str | None,
+        sql: str,
+        parameters: Any,
+        commit: bool,
+        *,
+        many: bool,
+        inline: bool = False,
+    ) -> list[Any]: ...
+
+
+def _roll_back_if(commit: bool, connection: sqlite3.Connection) -> None:
+    if commit and connection.in_transaction:
+        # What SQLAlchemy's rollback would do next, which then finds nothing open.
+        connection.rollback()
+
+
+def _commit_then(connection: sqlite3.Connection, rows: list[Any]) -> list[Any]:
+    connection.commit()
+    return rows
 
 
 __all__: Sequence[str] = ("Connection", "connector")

@@ -1,6 +1,7 @@
 """The SQLite engine: its PRAGMAs on every connection, ``:memory:``, and IMMEDIATE writes."""
 
 import asyncio
+import os
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.pool import StaticPool
 
+from moorline.db import manager as manager_module
 from moorline.db import sqlite_driver
 from moorline.db.manager import DatabaseManager
 from moorline.settings import Settings
@@ -22,7 +24,9 @@ EXPECTED_PRAGMAS = {
     "synchronous": 1,  # NORMAL
     "cache_size": -64000,
     "foreign_keys": 1,
-    "busy_timeout": 5000,
+    # 0 on the connection, which runs on the event loop: a call that meets the write lock
+    # waits for it (up to 5 s) on the connection's thread instead (the tests below).
+    "busy_timeout": 0,
 }
 
 
@@ -41,6 +45,11 @@ async def sqlite_db(db_path: Path) -> AsyncIterator[DatabaseManager]:
         yield manager
     finally:
         await manager.dispose()
+
+
+def size_of(path: Path) -> int:
+    """A file's size (a stat: microseconds, so fine on the event loop)."""
+    return os.path.getsize(path)
 
 
 def raw_connection(db_path: Path) -> sqlite3.Connection:
@@ -187,30 +196,125 @@ async def test_a_file_from_an_older_version_gets_the_current_indexes(db_path: Pa
 def crossings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the calls sent to the aiosqlite connections' threads from now on."""
     sent: list[str] = []
-    crossing = sqlite_driver.Connection._execute
+    crossing = sqlite_driver.Connection._execute_on_thread
 
     async def counted(self: sqlite_driver.Connection, fn: Any, *args: Any, **kwargs: Any) -> Any:
         sent.append(getattr(fn, "__name__", repr(fn)))
-        return await crossing(self, fn, *args, **kwargs)  # type: ignore[no-untyped-call]
+        return await crossing(self, fn, *args, **kwargs)
 
-    monkeypatch.setattr(sqlite_driver.Connection, "_execute", counted)
+    monkeypatch.setattr(sqlite_driver.Connection, "_execute_on_thread", counted)
     return sent
 
 
-async def test_a_one_statement_write_crosses_to_the_driver_thread_twice(
+async def test_statements_run_on_the_event_loop_without_crossing(
     sqlite_db: DatabaseManager, crossings: list[str]
 ) -> None:
     async with sqlite_db.transaction() as conn:
         await conn.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
-    # The statement with its BEGIN IMMEDIATE, then the commit; the pool's reset-on-return
-    # rollback finds no transaction and stays on the event loop.
-    assert crossings == ["_run", "commit"]
+    async with sqlite_db.connect() as conn:
+        assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 1
+    assert await sqlite_db.write_statement(text("UPDATE counter SET n = 5 WHERE id = 1")) == 1
+    assert crossings == []
+
+
+class Ticker:
+    """Counts event-loop turns: proof that the loop ran while something else waited."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self._task = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(0.001)
+            self.ticks += 1
+
+    async def until(self, ticks: int) -> None:
+        deadline = time.monotonic() + 10
+        start = self.ticks
+        while self.ticks < start + ticks:
+            assert time.monotonic() < deadline, "the event loop stopped turning"
+            await asyncio.sleep(0.001)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def test_a_write_that_meets_the_lock_waits_for_it_off_the_event_loop(
+    sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
+) -> None:
+    other = raw_connection(db_path)
+    ticker = Ticker()
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        write = asyncio.create_task(
+            sqlite_db.write_statement(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+        )
+        # The loop keeps turning while the write waits: had the busy handler run on it, the
+        # lock (released by this same loop, below) could never come free.
+        await ticker.until(50)
+        assert not write.done()
+        other.execute("COMMIT")
+        assert await asyncio.wait_for(write, 10) == 1
+    finally:
+        ticker.stop()
+        other.close()
+    assert crossings == ["_waiting_for_lock"]
+    # The connection is back to running inline, with its busy timeout at 0 again.
     crossings.clear()
     async with sqlite_db.connect() as conn:
         assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 1
-    # A read: the statement with its BEGIN (DEFERRED, so the reads share one snapshot), then
-    # the rollback that ends the snapshot.
-    assert crossings == ["_run", "rollback"]
+        assert (await conn.execute(text("PRAGMA busy_timeout"))).scalar_one() == 0
+    assert crossings == []
+
+
+async def test_a_statement_refused_inside_a_transaction_resumes_in_it(
+    sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
+) -> None:
+    other = raw_connection(db_path)
+    ticker = Ticker()
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        async with sqlite_db.connect() as conn, conn.begin():
+            # A deferred transaction: its BEGIN goes with this statement and succeeds, the
+            # statement is refused for the lock, and only the statement is sent again.
+            update = asyncio.create_task(
+                conn.execute(text("UPDATE counter SET n = n + 7 WHERE id = 1"))
+            )
+            await ticker.until(50)
+            assert not update.done()
+            other.execute("COMMIT")
+            assert (await asyncio.wait_for(update, 10)).rowcount == 1
+            assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 7
+    finally:
+        ticker.stop()
+        other.close()
+    assert crossings == ["_waiting_for_lock"]
+    async with sqlite_db.connect() as conn:
+        assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 7
+
+
+async def test_a_lock_held_past_the_busy_timeout_is_refused(
+    sqlite_db: DatabaseManager, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A manager whose connections wait 50 ms for the lock instead of 5 s.
+    monkeypatch.setattr(manager_module, "SQLITE_BUSY_TIMEOUT_MS", 50)
+    impatient = DatabaseManager(Settings(database_url=f"sqlite+aiosqlite:///{db_path}"))
+    other = raw_connection(db_path)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        with pytest.raises(OperationalError, match="database is locked"):
+            await impatient.write_statement(text("UPDATE counter SET n = 1 WHERE id = 1"))
+        assert time.monotonic() - started < 2.0
+        other.execute("ROLLBACK")
+        # Nothing was left half-done: the write goes through once the lock is free.
+        assert await impatient.write_statement(text("UPDATE counter SET n = 2 WHERE id = 1")) == 1
+    finally:
+        other.close()
+        await impatient.dispose()
+    async with sqlite_db.connect() as conn:
+        assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 2
 
 
 async def test_a_transaction_without_statements_never_takes_the_lock(
@@ -250,7 +354,7 @@ async def test_an_error_in_the_first_statement_rolls_the_transaction_back(
         assert [row.id async for row in result] == [1, 2, 3]
 
 
-async def test_a_write_statement_commits_with_its_statement_in_one_crossing(
+async def test_a_write_statement_commits_with_its_statement(
     sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
 ) -> None:
     changed = await sqlite_db.write_statement(
@@ -259,7 +363,7 @@ async def test_a_write_statement_commits_with_its_statement_in_one_crossing(
     assert changed == 1
     # BEGIN IMMEDIATE, the statement and COMMIT went together; SQLAlchemy's commit and the
     # pool's reset found nothing open.
-    assert crossings == ["_run"]
+    assert crossings == []
     other = raw_connection(db_path)
     try:
         assert other.execute("SELECT n FROM counter").fetchone() == (5,)
@@ -270,12 +374,12 @@ async def test_a_write_statement_commits_with_its_statement_in_one_crossing(
     assert await sqlite_db.write_statement(text("UPDATE counter SET n = 0 WHERE id = 99")) == 0
 
 
-async def test_a_failed_write_statement_rolls_back_in_its_crossing(
+async def test_a_failed_write_statement_rolls_back(
     sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
 ) -> None:
     with pytest.raises(IntegrityError):
         await sqlite_db.write_statement(text("INSERT INTO counter (id, n) VALUES (1, 5)"))
-    assert crossings == ["_run"]
+    assert crossings == []
     other = raw_connection(db_path)
     try:
         other.execute("BEGIN IMMEDIATE")
@@ -301,3 +405,52 @@ async def test_a_write_statement_on_an_in_memory_database() -> None:
             assert (await conn.execute(text("SELECT count(*) FROM t"))).scalar_one() == 1
     finally:
         await manager.dispose()
+
+
+async def test_the_write_ahead_log_is_checkpointed_off_the_write_path(
+    sqlite_db: DatabaseManager, db_path: Path
+) -> None:
+    # Commits never checkpoint (wal_autocheckpoint=0): the manager's checkpointer copies the
+    # log into the database file once it passes its size, while the connections stay open.
+    async with sqlite_db.connect() as conn:
+        assert (await conn.execute(text("PRAGMA wal_autocheckpoint"))).scalar_one() == 0
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(text("CREATE TABLE blob (id INTEGER PRIMARY KEY, v BLOB)"))
+    chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 4
+    for _ in range(6):
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
+    deadline = time.monotonic() + 10
+    while size_of(db_path) < manager_module.SQLITE_CHECKPOINT_WAL_BYTES:
+        assert time.monotonic() < deadline, "the database file never received the log's pages"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_log_that_readers_keep_from_restarting_is_truncated_past_its_bound(
+    sqlite_db: DatabaseManager, db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # RELIABILITY.md G3: readers that always overlap keep a PASSIVE checkpoint from ever
+    # letting the log start over. Past its bound the checkpointer waits for them (TRUNCATE).
+    monkeypatch.setattr(manager_module, "SQLITE_TRUNCATE_WAL_BYTES", 6 * 1024 * 1024)
+    wal = Path(f"{db_path}-wal")
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(text("CREATE TABLE blob (id INTEGER PRIMARY KEY, v BLOB)"))
+    reader = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM counter").fetchone()  # holds an old snapshot
+        chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 2
+        for _ in range(4):
+            async with sqlite_db.transaction() as conn:
+                await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
+        assert size_of(wal) > manager_module.SQLITE_TRUNCATE_WAL_BYTES
+        reader.execute("COMMIT")  # the reader moves on
+        deadline = time.monotonic() + 10
+        while size_of(wal) > manager_module.SQLITE_CHECKPOINT_WAL_BYTES:
+            assert time.monotonic() < deadline, f"the log stayed at {size_of(wal)} bytes"
+            # Writes go on, and each one looks at the log's size.
+            async with sqlite_db.transaction() as conn:
+                await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(1))"))
+            await asyncio.sleep(0.01)
+    finally:
+        reader.close()
