@@ -43,9 +43,10 @@ Three things still cross:
   timeout, from the step that was refused (SQLite refuses a statement as a whole, so nothing
   of it has happened);
 - a big statement (more than ``_INLINE_MAX_PARAMETERS`` parameters, or an executemany of more
-  than ``_INLINE_MAX_ROWS`` rows: batch claims and batch submissions) takes milliseconds, the
-  crossing little beside it, and the loop does other work meanwhile; its transaction's commit
-  crosses with it;
+  than ``_INLINE_MAX_ROWS`` rows: batch claims and batch submissions), or one whose SQL took
+  more than ``_INLINE_SLOW_S`` inline before (a listing over many rows), takes milliseconds,
+  the crossing little beside it, and the loop does other work meanwhile; its transaction's
+  commit crosses with it;
 - an executemany with no transaction open, which SQLite commits row by row, so that a busy
   refusal part-way could not be resumed.
 
@@ -55,6 +56,7 @@ hook for supplying the driver connection.
 """
 
 import sqlite3
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -67,6 +69,19 @@ _INLINE_MAX_PARAMETERS = 64
 """A statement with more parameters than this (a batch claim, say) crosses to the thread."""
 _INLINE_MAX_ROWS = 8
 """An executemany of more parameter sets than this crosses to the thread."""
+_INLINE_SLOW_S = 0.002
+"""A statement that took longer than this inline crosses to the thread from then on."""
+_SLOW_STATEMENTS: set[str] = set()
+"""The SQL of the statements found slow (a listing over many rows, say), shared by all
+connections; forgotten all at once when it reaches ``_SLOW_STATEMENTS_MAX``, so statements
+with ever-new SQL cannot make it grow without bound."""
+_SLOW_STATEMENTS_MAX = 256
+
+
+def _remember_slow(sql: str) -> None:
+    if len(_SLOW_STATEMENTS) >= _SLOW_STATEMENTS_MAX:
+        _SLOW_STATEMENTS.clear()
+    _SLOW_STATEMENTS.add(sql)
 
 
 class _Cursor(aiosqlite.Cursor):
@@ -254,7 +269,10 @@ class Connection(aiosqlite.Connection):
         many: bool = False,
     ) -> list[Any]:
         """Run one statement (``_Cursor._run``): inline if the connection allows, else crossing."""
-        big = len(parameters) > (_INLINE_MAX_ROWS if many else _INLINE_MAX_PARAMETERS)
+        big = (
+            len(parameters) > (_INLINE_MAX_ROWS if many else _INLINE_MAX_PARAMETERS)
+            or sql in _SLOW_STATEMENTS
+        )
         # executemany with no transaction open would commit row by row, so a busy refusal at
         # row n could not be resumed without repeating rows 1..n-1: it always crosses.
         autocommitting = many and begin is None and not self._is_in_transaction()
@@ -263,13 +281,16 @@ class Connection(aiosqlite.Connection):
             # crossing little beside it, and the loop goes on with other work meanwhile; its
             # transaction's commit writes as many pages, and crosses too.
             self._big_transaction = self._big_transaction or big
-            rows: list[Any] = await self._execute_on_thread(
-                run, begin, sql, parameters, commit, many=many
-            )
+            rows: list[Any] = await self._on_thread(run, begin, sql, parameters, commit, many=many)
             if commit:
                 self._big_transaction = False
             return rows
-        return await self._inline(run, begin, sql, parameters, commit, many=many, inline=True)
+        started = time.perf_counter()
+        try:
+            return await self._inline(run, begin, sql, parameters, commit, many=many, inline=True)
+        finally:
+            if time.perf_counter() - started > _INLINE_SLOW_S:
+                _remember_slow(sql)
 
     async def _execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` for this connection the way aiosqlite does (commit, rollback, close …).
@@ -278,8 +299,14 @@ class Connection(aiosqlite.Connection):
         has done nothing and is sent again, whole, from the thread.
         """
         if self._busy_timeout_ms is None or self._big_transaction:
-            return await self._execute_on_thread(fn, *args, **kwargs)
+            return await self._on_thread(fn, *args, **kwargs)
         return await self._inline(fn, *args, **kwargs)
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the connection's thread, with the busy timeout an inline one lacks."""
+        if self._busy_timeout_ms is None:
+            return await self._execute_on_thread(fn, *args, **kwargs)
+        return await self._execute_on_thread(self._waiting_for_lock, partial(fn, *args, **kwargs))
 
     async def _inline(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if not self._running or self._connection is None:

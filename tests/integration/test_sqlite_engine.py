@@ -195,12 +195,20 @@ async def test_a_file_from_an_older_version_gets_the_current_indexes(db_path: Pa
 
 @pytest.fixture
 def crossings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the calls sent to the aiosqlite connections' threads from now on."""
+    """The names of the calls sent to the aiosqlite connections' threads from now on.
+
+    No statement counts as slow (the machine being busy for a moment must not send one to
+    the thread), except where a test says otherwise.
+    """
+    monkeypatch.setattr(sqlite_driver, "_SLOW_STATEMENTS", set())
+    monkeypatch.setattr(sqlite_driver, "_INLINE_SLOW_S", 3600.0)
     sent: list[str] = []
     crossing = sqlite_driver.Connection._execute_on_thread
 
     async def counted(self: sqlite_driver.Connection, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        sent.append(getattr(fn, "__name__", repr(fn)))
+        # Every crossing of an inline connection carries its call in _waiting_for_lock.
+        assert fn == self._waiting_for_lock
+        sent.append(args[0].func.__name__)
         return await crossing(self, fn, *args, **kwargs)
 
     monkeypatch.setattr(sqlite_driver.Connection, "_execute_on_thread", counted)
@@ -216,6 +224,22 @@ async def test_statements_run_on_the_event_loop_without_crossing(
         assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 1
     assert await sqlite_db.write_statement(text("UPDATE counter SET n = 5 WHERE id = 1")) == 1
     assert crossings == []
+
+
+async def test_a_statement_found_slow_goes_to_the_thread_from_then_on(
+    sqlite_db: DatabaseManager, crossings: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_driver, "_INLINE_SLOW_S", 0.001)
+    # Counting to 300,000 takes SQLite tens of milliseconds.
+    slow = text(
+        "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 300000) "
+        "SELECT count(*) FROM c"
+    )
+    for _ in range(2):
+        async with sqlite_db.connect() as conn:
+            assert (await conn.execute(slow)).scalar_one() == 300000
+    # The first time inline (and found slow), the second on the thread, with its rollback.
+    assert crossings == ["_run", "rollback"]
 
 
 class Ticker:
@@ -260,7 +284,7 @@ async def test_a_write_that_meets_the_lock_waits_for_it_off_the_event_loop(
     finally:
         ticker.stop()
         other.close()
-    assert crossings == ["_waiting_for_lock"]
+    assert crossings == ["_run"]
     # The connection is back to running inline, with its busy timeout at 0 again.
     crossings.clear()
     async with sqlite_db.connect() as conn:
@@ -290,7 +314,7 @@ async def test_a_statement_refused_inside_a_transaction_resumes_in_it(
     finally:
         ticker.stop()
         other.close()
-    assert crossings == ["_waiting_for_lock"]
+    assert crossings == ["_run"]
     async with sqlite_db.connect() as conn:
         assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 7
 
