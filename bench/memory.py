@@ -12,7 +12,12 @@ caches and pools up); the figures beside it say where. Issue 7's soak allows 5 %
 warm-up; the last line prints the growth from the first report after ``--warmup`` runs.
 
     .venv/bin/python bench/memory.py [--runs 10000] [--every 1000] [--store redis|memory]
-        [--slots 32] [--step-s 0.04] [--redis redis://127.0.0.1:6379/0]
+        [--slots 32] [--step-s 0.04] [--redis redis://127.0.0.1:6379/0] [--no-pin]
+
+Like ``moorline worker`` it first pins glibc's mmap threshold
+(:func:`moorline.worker.process.pin_mmap_threshold`); ``--no-pin`` leaves it dynamic, as
+before that fix: ``malloc_free`` (heap memory glibc keeps free) then climbs with the RSS while
+``malloc_used`` and the Python objects stay flat.
 
 It creates its own database (``moorline_mem_*``, dropped at the end) and Redis key prefix
 (every key under it deleted at the end).
@@ -47,6 +52,7 @@ from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.runtime.redis import RedisRuntimeStore
 from moorline.settings import Settings
 from moorline.types import TenantId
+from moorline.worker.process import pin_mmap_threshold
 from moorline.worker.worker import Worker
 
 LANE = "memory"
@@ -296,10 +302,17 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.04)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="leave glibc's mmap threshold dynamic (as before the fix; `moorline worker` pins it)",
+    )
+    parser.add_argument(
         "--types", action="store_true", help="print the gc object types grown since warm-up"
     )
     args = parser.parse_args()
     count_connects()
+    if not args.no_pin:
+        pin_mmap_threshold()  # as `moorline worker` does
     name = f"moorline_mem_{uuid.uuid4().hex[:10]}"
     admin_sql("postgresql", f"CREATE DATABASE {name}")
     try:
