@@ -13,7 +13,11 @@ from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import Settings, load_settings
-from moorline.worker.process import install_stop_signals, run_worker_process
+from moorline.worker.process import (
+    install_stop_signals,
+    pin_mmap_threshold,
+    run_worker_process,
+)
 
 
 def register(cli: typer.Typer) -> None:
@@ -55,6 +59,7 @@ def worker(
     configure_logging(settings)
     application = load_app(app or settings.app)
     served = resolve_lanes(lanes, default_lane_slots(resolve_plans(settings)))
+    pin_mmap_threshold()  # RSS stays flat on asyncio's read buffers: see the function
     asyncio.run(_work(settings, application, served, grace))
 
 
