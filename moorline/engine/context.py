@@ -241,12 +241,8 @@ class Context:
         digest = call_hash(function, args, kwargs)
         failures = 0
         while True:
-            # Asked before anything is awaited (see moorline.engine.checkpoints).
-            checked = self._checkpoints.is_checked()
             await self._check_boundary()
-            start = await self._fenced(
-                self._checkpoints.start(key, function, digest, checked=checked)
-            )
+            start = await self._fenced(self._checkpoints.start(key, function, digest))
             if start.replay:
                 return start.output
             token = _CURRENT_STEP.set((self.run_id, key))
@@ -254,12 +250,7 @@ class Context:
                 result = await call_step_function(fn, args, kwargs)
                 output = to_json(result, f"the result of step {key!r}")
             except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                failed = await self._fenced(
-                    self._checkpoints.fail(key, start, function, digest, error)
-                )
-                if failed.cancel_recorded:
-                    self._is_cancelled = True
+                await self._fenced(self._checkpoints.fail(key, f"{type(exc).__name__}: {exc}"))
                 failures += 1
                 if failures > retries or isinstance(exc, TypeError):
                     raise
@@ -278,13 +269,8 @@ class Context:
                 continue
             finally:
                 _CURRENT_STEP.reset(token)
-            finished = await self._fenced(
-                self._checkpoints.succeed(key, start, function, digest, output)
-            )
-            if finished.cancel_recorded:
-                # Recorded (kept, as for a step running at a cancel); the next boundary stops.
-                self._is_cancelled = True
-            return finished.output
+            await self._fenced(self._checkpoints.succeed(key, output))
+            return output
 
     def idempotency_key(self) -> str:
         """``"<run id>:<step key>"`` of the step running now, the same on every attempt.

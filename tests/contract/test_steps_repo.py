@@ -4,7 +4,6 @@ one-statement starts and finishes the engine uses."""
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -17,7 +16,6 @@ from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import Fence
 from moorline.db.repos.steps import (
     CancelRequested,
-    Finish,
     LeaseLost,
     StepMismatch,
     StepNotRunning,
@@ -224,8 +222,6 @@ async def test_a_stale_fence_writes_nothing(db: DatabaseManager, tenants: Tenant
             partial(repo.insert_new, fence, "done", "fn", "h1"),
             partial(repo.succeed, fence, "in_flight", "late"),
             partial(repo.fail, fence, "in_flight", "late"),
-            partial(repo.finish_new, fence, "new", "fn", "h1", StepStatus.SUCCEEDED, "late"),
-            partial(repo.finish_new, fence, "new", "fn", "h1", StepStatus.FAILED, "late"),
         ]
         for write in writes:
             with pytest.raises(LeaseLost) as caught:
@@ -512,81 +508,3 @@ async def test_the_fence_of_the_statements_built_once_is_the_fence(db: DatabaseM
 
     built_once = select(runs.c.id).where(fence_by_parameters()).params(fence_parameters(fence))
     assert sql(built_once) == sql(select(runs.c.id).where(fence.clause()))
-
-
-async def test_finish_new_records_a_finished_step_in_one_statement(
-    db: DatabaseManager, tenants: Tenants
-) -> None:
-    repo = StepsRepo(db)
-    _, fence = await new_run(db, tenants)
-    with data_statements(db, "steps") as sent:
-        found = await repo.finish_new(fence, "fast", "fn", "h1", StepStatus.SUCCEEDED, OUTPUT)
-    assert (found, len(sent)) == (Finish.CHECKED, 1), sent
-    step = await repo.get(fence.run_id, "fast")
-    assert step is not None
-    assert (step.status, step.attempt, step.function, step.call_hash, step.output) == (
-        StepStatus.SUCCEEDED,
-        fence.attempt,
-        "fn",
-        "h1",
-        OUTPUT,
-    )
-    assert step.error is None and step.finished_at is not None
-    assert step.finished_at - step.started_at < timedelta(seconds=1)
-    # A retry whose first commit went through finds its own row (RELIABILITY.md E6).
-    again = await repo.finish_new(fence, "fast", "fn", "h1", StepStatus.SUCCEEDED, OUTPUT)
-    assert again is Finish.EARLIER
-    # Replayed like any succeeded step.
-    replayed = await repo.start(fence, "fast", "fn", "h1")
-    assert (replayed.replay, replayed.step.output) == (True, OUTPUT)
-    # A failed try is recorded under the attempt, and the next start takes it over.
-    failed = await repo.finish_new(fence, "flaky", "fn", "h1", StepStatus.FAILED, "E: boom")
-    assert failed is Finish.CHECKED
-    step = await repo.get(fence.run_id, "flaky")
-    assert step is not None
-    assert (step.status, step.attempt, step.output, step.error) == (
-        StepStatus.FAILED,
-        fence.attempt,
-        None,
-        "E: boom",
-    )
-    retried = await repo.start(fence, "flaky", "fn", "h1")
-    assert (retried.replay, retried.repeated) == (False, True)
-
-
-async def test_finish_new_of_an_existing_key_writes_nothing_and_defers_to_start(
-    db: DatabaseManager, tenants: Tenants
-) -> None:
-    repo = StepsRepo(db)
-    _, fence = await new_run(db, tenants)
-    await run_step(repo, fence, "done", Counted(OUTPUT))
-    await repo.start(fence, "in_flight", "fn", "h1")
-    before = await step_rows(db, fence.run_id)
-    for key, call_hash in [("done", "h2"), ("done", "h1"), ("in_flight", "h1")]:
-        found = await repo.finish_new(fence, key, "fn", call_hash, StepStatus.SUCCEEDED, "x")
-        assert found is Finish.EXISTS, (key, call_hash)
-    assert await step_rows(db, fence.run_id) == before
-
-
-async def test_finishes_under_a_recorded_cancel_keep_the_outcome_and_report_it(
-    db: DatabaseManager, tenants: Tenants
-) -> None:
-    repo = StepsRepo(db)
-    _, fence = await new_run(db, tenants)
-    assert await repo.insert_new(fence, "in_flight", "fn", "h1")
-    async with db.transaction() as conn:
-        await conn.execute(
-            update(runs)
-            .where(runs.c.id == fence.run_id)
-            .values(cancel_requested_at=db_now(db.dialect))
-        )
-    assert await repo.succeed(fence, "in_flight", "kept") is Finish.AFTER_CANCEL
-    found = await repo.finish_new(fence, "ran", "fn", "h1", StepStatus.SUCCEEDED, "also kept")
-    assert found is Finish.AFTER_CANCEL
-    # Nothing new starts.
-    with pytest.raises(CancelRequested):
-        await repo.insert_new(fence, "next", "fn", "h1")
-    rows = sorted(
-        (row["key"], row["status"], row["output"]) for row in await step_rows(db, fence.run_id)
-    )
-    assert rows == [("in_flight", "succeeded", "kept"), ("ran", "succeeded", "also kept")]

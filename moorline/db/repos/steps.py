@@ -40,19 +40,12 @@ on the servers, one thread crossing on SQLite); only when it writes nothing does
 transaction find out why, which is safe because what it looks for never changes back: a lost
 fence stays lost, a recorded cancel stays recorded, a finished step stays finished.
 
-A step that follows a checkpoint closely (``moorline.engine.checkpoints`` says when) is recorded
-only once finished: :meth:`StepsRepo.finish_new` is ``insert_new`` with the outcome in the
-row. Finishing statements also require no recorded cancel, and the finish is then written by
-the second transaction and reported (:class:`Finish`), so the engine knows whether its last
-write found the run uncancelled.
-
 Every public method is idempotent, so each is wrapped in ``with_retry``: a checkpoint whose
 commit acknowledgement was lost is retried and finds its own write (RELIABILITY.md E6).
 """
 
 import builtins
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -266,17 +259,10 @@ def _insert_new_statement(dialect: DialectName) -> Insert:
 def _finish_statement(dialect: DialectName, status: StepStatus) -> Update:
     """``UPDATE steps … WHERE <running under the attempt> AND EXISTS (<fenced run, locked>)``.
 
-    The run must also have no cancel recorded: finishing is allowed under a cancel, but then
-    :meth:`StepsRepo._finish` writes it in its second transaction and reports the cancel, so
-    that a finish that matched tells the engine the cancel check holds as well.
-
     Parameters: the fence's, ``step_key``, and ``step_output`` (succeeded) or ``step_error``
     (failed).
     """
-    fenced_run = lock_rows(
-        select(runs.c.id).where(fence_by_parameters(), runs.c.cancel_requested_at.is_(None)),
-        dialect,
-    )
+    fenced_run = lock_rows(select(runs.c.id).where(fence_by_parameters()), dialect)
     values: dict[str, Any] = (
         {"output": bindparam("step_output", type_=steps.c.output.type), "error": None}
         if status is StepStatus.SUCCEEDED
@@ -296,54 +282,6 @@ def _finish_statement(dialect: DialectName, status: StepStatus) -> Update:
     )
 
 
-def _insert_finished_statement(dialect: DialectName, status: StepStatus) -> Insert:
-    """``INSERT INTO steps … SELECT … FROM runs WHERE <fence> AND no cancel`` (locked), finished.
-
-    :func:`_insert_new_statement` with the step's outcome in the same row: ``started_at`` and
-    ``finished_at`` are both the database time as it is written. Parameters: the fence's,
-    ``step_key``, ``step_function``, ``step_call_hash``, and ``step_output`` (succeeded) or
-    ``step_error`` (failed).
-    """
-    outcome = (
-        bindparam("step_output", type_=steps.c.output.type)
-        if status is StepStatus.SUCCEEDED
-        else bindparam("step_error", type_=steps.c.error.type)
-    )
-    source = select(
-        runs.c.id,
-        bindparam("step_key", type_=steps.c.key.type),
-        literal(status.value, steps.c.status.type),
-        runs.c.attempt,
-        bindparam("step_function", type_=steps.c.function.type),
-        bindparam("step_call_hash", type_=steps.c.call_hash.type),
-        outcome,
-        db_now(dialect),
-        db_now(dialect),
-    ).where(fence_by_parameters(), runs.c.cancel_requested_at.is_(None))
-    column = "output" if status is StepStatus.SUCCEEDED else "error"
-    columns = ["run_id", "key", "status", "attempt", "function", "call_hash", column]
-    return insert(steps).from_select(
-        [*columns, "started_at", "finished_at"], lock_rows(source, dialect)
-    )
-
-
-class Finish(StrEnum):
-    """What a step finish (:meth:`StepsRepo.succeed`, ``fail``, ``finish_new``) found."""
-
-    CHECKED = "checked"
-    """Recorded by one statement that also found the fence holding and no cancel recorded."""
-    EARLIER = "earlier"
-    """Recorded already, by this call's own earlier commit whose acknowledgement was lost;
-    the retry checked the fence, not the cancel."""
-    AFTER_CANCEL = "after_cancel"
-    """Recorded, but the run's cancel is recorded: the step ran before the attempt knew of
-    it, and its outcome is kept as a step's in flight at a cancel is; start nothing more."""
-    EXISTS = "exists"
-    """(:meth:`StepsRepo.finish_new` only) A row with this key, as the database compares
-    keys, exists and is not this call's: nothing was written; :meth:`StepsRepo.start`
-    decides."""
-
-
 class StepsRepo:
     """Step checkpoints of runs, every write fenced by the run's attempt."""
 
@@ -353,10 +291,6 @@ class StepsRepo:
         self._insert_new = _insert_new_statement(self._dialect)
         self._finishes = {
             status: _finish_statement(self._dialect, status)
-            for status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
-        }
-        self._insert_finished = {
-            status: _insert_finished_statement(self._dialect, status)
             for status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
         }
 
@@ -457,87 +391,6 @@ class StepsRepo:
 
         return await self._db.with_retry(attempt)
 
-    async def finish_new(
-        self,
-        fence: Fence,
-        key: str,
-        function: str,
-        call_hash: str,
-        status: StepStatus,
-        outcome: JSONValue,
-    ) -> Finish:
-        """Record step ``key``, never recorded before, as finished: one fenced statement.
-
-        The engine's one-write step (see :mod:`moorline.engine.checkpoints`): the function ran
-        without a ``running`` row, and its outcome is inserted with the same fence and cancel
-        check as :meth:`insert_new`. Only a statement that writes nothing looks further, in a
-        transaction of its own (what it looks for never changes back).
-
-        Args:
-            fence: The attempt's fence.
-            key: The step key, unique within the run.
-            function: The step function's registered name.
-            call_hash: SHA-256 hex of the function name and its arguments.
-            status: ``succeeded`` (``outcome`` is the output) or ``failed`` (the error text).
-            outcome: The output, or the error text.
-
-        Returns:
-            What was found; ``EXISTS``: nothing was written, :meth:`start` decides.
-
-        Raises:
-            LeaseLost: The fence no longer holds; nothing was written.
-        """
-        succeeded = status is StepStatus.SUCCEEDED
-        if not succeeded and not isinstance(outcome, str):
-            raise TypeError("the error of a failed step is text")
-        stmt = self._insert_finished[status]
-        name = "step_output" if succeeded else "step_error"
-        parameters = {
-            **fence_parameters(fence),
-            "step_key": key,
-            "step_function": function,
-            "step_call_hash": call_hash,
-            name: outcome,
-        }
-        values: dict[str, Any] = {"function": function, "call_hash": call_hash} | (
-            {"output": outcome, "error": None} if succeeded else {"error": outcome}
-        )
-        action = f"{status.value} of step {key!r}"
-
-        async def attempt() -> Finish:
-            try:
-                if await self._db.write_statement(stmt, parameters) == 1:
-                    return Finish.CHECKED
-            except IntegrityError:
-                pass
-            # Nothing inserted: a lost fence, a recorded cancel, or a row with this key (this
-            # call's own insert whose acknowledgement was lost, or another).
-            async with self._db.write_transaction() as conn:
-                await hold_fence_txn(conn, self._dialect, fence, action)
-                found = await _select_step_txn(conn, fence.run_id, key)
-                if found is not None:
-                    if found["key"] == key and _is_recorded(found, fence, status, values):
-                        return Finish.EARLIER
-                    return Finish.EXISTS
-                # The fence holds and no row exists: the cancel check refused it. The step
-                # ran before the attempt learnt of the cancel; keep its outcome, as for a
-                # step that was running when the cancel came.
-                now = db_now(self._dialect)
-                await conn.execute(
-                    insert(steps).values(
-                        run_id=fence.run_id,
-                        key=key,
-                        status=status.value,
-                        attempt=fence.attempt,
-                        started_at=now,
-                        finished_at=now,
-                        **values,
-                    )
-                )
-                return Finish.AFTER_CANCEL
-
-        return await self._db.with_retry(attempt)
-
     async def _start_txn(
         self, conn: AsyncConnection, fence: Fence, key: str, function: str, call_hash: str
     ) -> StepStart:
@@ -599,21 +452,18 @@ class StepsRepo:
         step = await self._reread_txn(conn, fence, key)
         return StepStart(step=step, replay=False, repeated=True)
 
-    async def succeed(self, fence: Fence, key: str, output: JSONValue) -> Finish:
+    async def succeed(self, fence: Fence, key: str, output: JSONValue) -> None:
         """Record that step ``key`` returned ``output``; a finished step is never overwritten.
 
         Idempotent: recording the same output again under the same attempt is a no-op (a
         retried checkpoint whose first commit went through).
-
-        Returns:
-            What was found (never ``EXISTS``); the output is recorded in every case.
 
         Raises:
             LeaseLost: The fence no longer holds; nothing was written.
             StepNotRunning: The step is not running under this attempt (never started, taken
                 over, or already finished with another outcome).
         """
-        return await self._finish(
+        await self._finish(
             fence,
             key,
             StepStatus.SUCCEEDED,
@@ -621,23 +471,18 @@ class StepsRepo:
             {"step_output": output},
         )
 
-    async def fail(self, fence: Fence, key: str, error: str) -> Finish:
+    async def fail(self, fence: Fence, key: str, error: str) -> None:
         """Record that step ``key`` raised ``error`` in this attempt.
 
         A failed step is taken over by the next :meth:`start` of the same key (a per-step
         retry in this attempt, or a later attempt). Idempotent like :meth:`succeed`.
-
-        Returns:
-            What was found (never ``EXISTS``); the failure is recorded in every case.
 
         Raises:
             LeaseLost: The fence no longer holds; nothing was written.
             StepNotRunning: The step is not running under this attempt.
         """
         # The output stays SQL NULL: start() cleared it when this attempt took the step.
-        return await self._finish(
-            fence, key, StepStatus.FAILED, {"error": error}, {"step_error": error}
-        )
+        await self._finish(fence, key, StepStatus.FAILED, {"error": error}, {"step_error": error})
 
     async def _finish(
         self,
@@ -646,50 +491,30 @@ class StepsRepo:
         status: StepStatus,
         values: dict[str, Any],
         outcome: dict[str, Any],
-    ) -> Finish:
+    ) -> None:
         """Record ``status`` with ``values`` (``outcome``: the same, as statement parameters)."""
         action = f"{status.value} of step {key!r}"
         # One statement: the step's own conditions, and the fence on the run's locked row.
         stmt = self._finishes[status]
         parameters = {**fence_parameters(fence), "step_key": key, **outcome}
 
-        async def attempt() -> Finish:
+        async def attempt() -> None:
             if await self._db.write_statement(stmt, parameters) == 1:
-                return Finish.CHECKED
-            # Nothing written: a stale fence, a recorded cancel, or a step not running under
-            # this attempt (all final: only this attempt writes its steps while the fence
-            # holds, and a cancel is never withdrawn).
+                return
+            # Nothing written: a stale fence, or a step not running under this attempt (both
+            # final: only this attempt writes its steps while the fence holds).
             async with self._db.write_transaction() as conn:
                 await hold_fence_txn(conn, self._dialect, fence, action)
                 found = await _select_step_txn(conn, fence.run_id, key)
                 if found is not None and _is_recorded(found, fence, status, values):
-                    return Finish.EARLIER
-                if (
-                    found is not None
-                    and found["key"] == key
-                    and found["status"] == _RUNNING
-                    and found["attempt"] == fence.attempt
-                ):
-                    # The fence holds and the step runs under it: the cancel check refused
-                    # it. Finishing work already started stays allowed.
-                    await conn.execute(
-                        update(steps)
-                        .where(
-                            steps.c.run_id == fence.run_id,
-                            steps.c.key == key,
-                            steps.c.attempt == fence.attempt,
-                            steps.c.status == _RUNNING,
-                        )
-                        .values(status=status.value, finished_at=db_now(self._dialect), **values)
-                    )
-                    return Finish.AFTER_CANCEL
+                    return
                 state = "never started" if found is None else _describe(found)
                 raise StepNotRunning(
                     f"cannot record {action} of run {fence.run_id} under attempt "
                     f"{fence.attempt}: the step is {state}"
                 )
 
-        return await self._db.with_retry(attempt)
+        await self._db.with_retry(attempt)
 
     async def _reread_txn(self, conn: AsyncConnection, fence: Fence, key: str) -> Step:
         row = await _select_step_txn(conn, fence.run_id, key)
