@@ -3,11 +3,11 @@
 ``MOORLINE_ACCESS_LOG`` (:class:`~moorline.settings.AccessLog`) chooses. ``all`` is uvicorn's
 own access log (logger ``uvicorn.access``). ``errors`` (the default) is :class:`ErrorAccessLog`,
 which writes uvicorn's line, through the logger ``moorline.access``, only for the requests
-answered with a status of 400 or more: a
-line costs a LogRecord, the redacting formatter and a write to stderr, several per cent of a
-trigger's CPU in a server that accepts hundreds a second, while the lines an operator looks for
-are the refusals and the failures. It wraps the whole application, outside Starlette's
-``ServerErrorMiddleware``, so the 500 that middleware answers is logged too.
+answered with a status of 400 or more: a line costs a LogRecord, the redacting formatter and a
+write to stderr, several per cent of a trigger's CPU in a server that accepts hundreds a
+second, while the lines an operator looks for are the refusals and the failures. It wraps the
+whole application, outside Starlette's ``ServerErrorMiddleware``, so the 500 that middleware
+answers is logged too.
 """
 
 import logging

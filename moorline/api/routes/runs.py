@@ -169,12 +169,11 @@ def answer_trigger(admitted: Admitted) -> Response:
     as it is). On the trigger path that round trip through pydantic is measurable.
     """
     rate = admitted.rate
+    headers = None if rate is None else rate_limit_headers(rate.limit, rate.remaining, rate.reset_s)
     return Response(
         accepted(admitted.run).model_dump_json(),
         status_code=202 if admitted.created else 200,
-        headers=None
-        if rate is None
-        else rate_limit_headers(rate.limit, rate.remaining, rate.reset_s),
+        headers=headers,
         media_type="application/json",
     )
 
