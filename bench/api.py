@@ -119,8 +119,10 @@ async def serving(
 ) -> AsyncIterator[Server]:
     """A ``moorline serve --workers 0`` process with ``settings``: its URL and pid.
 
-    With ``floor``, uvicorn serving :func:`floor_app` instead, with what ``serve`` runs
-    (uvloop, httptools, an access log line per request, here uvicorn's own format).
+    With ``floor``, uvicorn serving :func:`floor_app` instead, with uvicorn's own defaults:
+    uvloop, httptools, and an access-log line per request. ``serve`` writes no line for an
+    accepted trigger (``MOORLINE_ACCESS_LOG=errors``) and each response in one write
+    (:mod:`moorline.cli.http_protocol`), so it pays less than the floor for those two.
     """
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}

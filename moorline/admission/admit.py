@@ -171,7 +171,13 @@ class Admission:
             self._rejections.labels(reason=RateLimited.code).inc()
             raise
         checked = replace(trigger, input=trigger.workflow.validate_input(trigger.input))
-        async with _holding(self._locks, _lock_keys(checked)):
+        keys = _lock_keys(checked)
+        if not keys:
+            # No idempotency key and no conversation (most triggers): nothing to look up first
+            # and no lock to hold, so not even the cost of entering an empty set of them.
+            run, created = await self._shielded(self._take_and_store(checked))
+            return Admitted(run=run, created=created, rate=rate)
+        async with _holding(self._locks, keys):
             earlier = await self._earlier_run(checked)
             if earlier is not None:
                 return Admitted(run=earlier, created=False, rate=rate)

@@ -14,16 +14,19 @@ import typer
 import uvicorn
 from fastapi import FastAPI
 from rich.console import Console
+from starlette.types import ASGIApp
 
+from moorline.api.access import ErrorAccessLog
 from moorline.api.app import create_app
 from moorline.api.deps import Services
 from moorline.cli.banner import start_banner
+from moorline.cli.http_protocol import CoalescingHttpToolsProtocol
 from moorline.cli.main import configure_logging
 from moorline.db.manager import DatabaseManager
 from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
 from moorline.plans import default_lane_slots, resolve_plans
-from moorline.settings import Settings, load_settings
+from moorline.settings import AccessLog, Settings, load_settings
 from moorline.worker.process import run_worker_process
 
 EXIT_STARTUP_FAILED = 3  # as uvicorn.run: the server never started (port taken, lifespan error)
@@ -108,9 +111,20 @@ async def _serve(
     _run_workers_with_the_api(api, settings, app, loops)
     # log_config=None: uvicorn's loggers (its access log too) go through our root handler, so
     # they share MOORLINE_LOG_FORMAT and its redaction (a key someone put in a URL, refused
-    # with 400, must not land in the access log).
+    # with 400, must not land in the access log). MOORLINE_ACCESS_LOG=errors (the default) logs
+    # only responses of 400 and more, with uvicorn's line (moorline.api.access).
+    logged: ASGIApp = ErrorAccessLog(api) if settings.access_log is AccessLog.ERRORS else api
     server = uvicorn.Server(
-        uvicorn.Config(api, host=host, port=port, lifespan="on", log_config=None)
+        uvicorn.Config(
+            logged,
+            host=host,
+            port=port,
+            lifespan="on",
+            log_config=None,
+            access_log=settings.access_log is AccessLog.ALL,
+            # httptools, each response written in one write (moorline.cli.http_protocol).
+            http=CoalescingHttpToolsProtocol,
+        )
     )
     Console(soft_wrap=True, highlight=False).print("\n".join(banner.lines), markup=False)
     with _shutdown_signals_end_cleanly():

@@ -27,6 +27,7 @@ from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.repos.tenants import TenantsRepo
 from moorline.dispatch.submit import Submitter
+from moorline.errors import RateLimited
 from moorline.plans import PlansProvider
 from moorline.settings import Settings
 from moorline.types import RunStatus, TenantId
@@ -365,3 +366,43 @@ async def test_the_admins_tenants_view_counts_as_usage_does(
             usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
             assert listed[caller.tenant_id]["used_today"] == usage["used_today"] == n * 2
             assert listed[caller.tenant_id]["daily_quota"] == usage["daily_quota"] == QUOTA
+
+
+async def test_the_redis_window_is_the_limits_librarys(deployment: Deployment) -> None:
+    # One script counts a hit and reads the window; the window is the library's own, under its
+    # key, so the library's calls (a process of an older version) see the same hits.
+    if deployment.redis is None:
+        pytest.skip("the window is in this process's memory")
+    import limits
+    from limits.aio.storage import RedisStorage
+    from limits.aio.strategies import MovingWindowRateLimiter
+    from redis.asyncio import ConnectionPool
+
+    limiter = RateLimiter(Settings(**deployment.settings))
+    # Any: the library types its connection options as float | str | bool.
+    pool: Any = ConnectionPool.from_url(REDIS_TEST_URL)
+    library = RedisStorage(
+        f"async+{REDIS_TEST_URL}",
+        implementation="redispy",
+        key_prefix=f"{deployment.prefix}:ratelimit",
+        connection_pool=pool,
+    )
+    strategy = MovingWindowRateLimiter(library)
+    item = limits.parse("3/minute")
+    try:
+        first = await limiter.hit("key:a", "3/minute")
+        assert first is not None and (first.limit, first.remaining) == (3, 2)
+        assert 59 <= first.reset_s <= 60
+        assert await strategy.hit(item, "key:a")  # the library counts in the same window
+        assert (await strategy.get_window_stats(item, "key:a")).remaining == 1
+        third = await limiter.hit("key:a", "3/minute")
+        assert third is not None and third.remaining == 0
+        with pytest.raises(RateLimited) as refused:
+            await limiter.hit("key:a", "3/minute")
+        assert (refused.value.limit, 1 <= refused.value.reset_s <= 60) == (3, True)
+        assert not await strategy.hit(item, "key:a")
+        other = await limiter.hit("key:b", "3/minute")
+        assert other is not None and other.remaining == 2
+    finally:
+        await limiter.close()
+        await pool.aclose()

@@ -91,7 +91,6 @@ async def create_webhook(
 async def deliver_webhook(
     webhook_id: Annotated[str, Path(max_length=200)],
     request: Request,
-    response: Response,
     services: ServicesDep,
     x_hub_signature_256: Annotated[
         str | None, Header(description="`sha256=<hex HMAC-SHA256 of the raw body>`.")
@@ -100,7 +99,7 @@ async def deliver_webhook(
     x_github_delivery: Annotated[
         str | None, Header(max_length=100, description="The delivery id (idempotency key).")
     ] = None,
-) -> RunAccepted:
+) -> Response:
     """Verify a delivery's signature, then start the webhook's workflow with its payload."""
     del x_hub_signature_256  # read raw below: a repeated header must be refused, not merged
     webhook = await services.webhooks.get(webhook_id) if RUN_ID_PATTERN.match(webhook_id) else None
@@ -127,7 +126,7 @@ async def deliver_webhook(
             idempotency_key=key,
         )
     )
-    return answer_trigger(admitted, response)
+    return answer_trigger(admitted)
 
 
 def build_router() -> APIRouter:
@@ -146,6 +145,7 @@ def build_router() -> APIRouter:
         deliver_webhook,
         methods=["POST"],
         status_code=202,
+        response_model=RunAccepted,
         responses={
             200: {"model": RunAccepted, "description": "The run of a repeated delivery id"},
             **responses(
