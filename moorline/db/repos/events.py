@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import Insert, RowMapping, bindparam, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import DialectName, db_now
+from moorline.db.dialects import DialectName, db_now, select_db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Event, Fence
 from moorline.db.repos.steps import hold_fence_txn
@@ -181,7 +181,7 @@ async def append_fenced_events_txn(
     """
     if not items:
         return []
-    now: datetime = (await conn.execute(select(db_now(dialect)))).scalar_one()
+    now: datetime = (await conn.execute(select_db_now(dialect))).scalar_one()
     rows = [(fence.run_id, fence.attempt, event_type, data) for event_type, data in items]
     seqs = await append_events_txn(conn, dialect, rows, now=now)
     return [

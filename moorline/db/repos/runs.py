@@ -62,7 +62,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db import dialects
-from moorline.db.dialects import DialectName, db_now
+from moorline.db.dialects import DialectName, db_now, select_db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import (
     EVENT_CANCELLED,
@@ -1105,7 +1105,7 @@ def _lock_running_statement(dialect: DialectName) -> Select[Any]:
 
 async def _db_now_txn(conn: AsyncConnection, dialect: DialectName) -> datetime:
     """The database's current time, read once for a transaction's writes."""
-    now: datetime = (await conn.execute(select(db_now(dialect)))).scalar_one()
+    now: datetime = (await conn.execute(select_db_now(dialect))).scalar_one()
     return now
 
 
