@@ -7,7 +7,19 @@ import functools
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
-from sqlalchemy import Insert, Select, Table, func, literal, literal_column, select, type_coerce
+from sqlalchemy import (
+    BigInteger,
+    Insert,
+    Interval,
+    Select,
+    Table,
+    bindparam,
+    func,
+    literal,
+    literal_column,
+    select,
+    type_coerce,
+)
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
@@ -59,6 +71,27 @@ def _db_now(name: DialectName, plus_s: float) -> ColumnElement[datetime]:
         micros = round(plus_s * 1_000_000)
         expr = func.timestampadd(literal_column("MICROSECOND"), micros, func.utc_timestamp(6))
     return type_coerce(expr, UTCDateTime())
+
+
+@functools.cache
+def transaction_time(
+    name: DialectName,
+) -> tuple[ColumnElement[datetime], ColumnElement[datetime]] | None:
+    """The database's time at the start of the transaction, and it plus ``delay_us`` µs.
+
+    For writes that want the database's time without reading it first (a round trip): one
+    value for every statement of the transaction (in autocommit, the statement's start),
+    never later than :func:`db_now`, which leases compare against. The second expression adds
+    the bound integer parameter ``delay_us`` microseconds exactly (an interval of microseconds
+    only, no days: no time-zone arithmetic). PostgreSQL only (``transaction_timestamp()``);
+    None elsewhere.
+    """
+    if name != "postgresql":
+        return None
+    start: ColumnElement[Any] = func.transaction_timestamp()
+    micro = literal_column("interval '1 microsecond'", type_=Interval())
+    later = start.op("+")(micro.op("*")(bindparam("delay_us", type_=BigInteger())))
+    return type_coerce(start, UTCDateTime()), type_coerce(later, UTCDateTime())
 
 
 @functools.cache

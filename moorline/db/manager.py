@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from sqlalchemy import Executable, event
+from sqlalchemy import Executable, Row, event
 from sqlalchemy.dialects.sqlite.aiosqlite import SQLiteDialect_aiosqlite
 from sqlalchemy.engine import Connection, ExceptionContext, make_url
 from sqlalchemy.exc import DisconnectionError
@@ -277,6 +277,22 @@ class DatabaseManager:
         async with self.engine.connect() as conn:
             return await conn.run_sync(_autocommit_write_statement, statement, params)
 
+    async def write_statement_rows(
+        self, statement: Executable, parameters: Mapping[str, Any] | None = None
+    ) -> list[Row[Any]]:
+        """As :meth:`write_statement`, for a statement with ``RETURNING``: its rows.
+
+        PostgreSQL and MariaDB only (SQLite's one-crossing path reports the rowcount alone).
+        """
+        params = {} if parameters is None else dict(parameters)
+        if self.dialect == "sqlite":
+            raise NotImplementedError("write_statement_rows: not on SQLite")
+        if self._autocommit_engine is not None:
+            async with self._autocommit_engine.connect() as conn:
+                return await conn.run_sync(_execute_for_rows, statement, params)
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(_autocommit_write_statement_rows, statement, params)
+
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
         """An ORM session that is only opened and closed here; callers own transactions."""
@@ -380,3 +396,17 @@ def _autocommit_write_statement(
 def _execute_for_rowcount(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
     # On a connection in autocommit: the statement commits as it ends.
     return conn.execute(statement, params).rowcount
+
+
+def _autocommit_write_statement_rows(
+    conn: Connection, statement: Executable, params: dict[str, Any]
+) -> list[Row[Any]]:
+    # As _autocommit_write_statement, returning the statement's rows.
+    conn.execution_options(isolation_level="AUTOCOMMIT")
+    return _execute_for_rows(conn, statement, params)
+
+
+def _execute_for_rows(
+    conn: Connection, statement: Executable, params: dict[str, Any]
+) -> list[Row[Any]]:
+    return list(conn.execute(statement, params))
