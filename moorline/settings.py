@@ -70,7 +70,11 @@ class Settings(BaseSettings):
     """Seconds after which a pooled connection is replaced."""
 
     db_pool_pre_ping: bool = True
-    """Ping a pooled connection before handing it out, dropping dead ones."""
+    """Check a pooled connection before handing it out, dropping dead ones.
+
+    MariaDB/MySQL: a ping (one round trip). PostgreSQL: asyncpg's own record of whether the
+    server closed the connection, read without a round trip (see ``DatabaseManager``).
+    """
 
     db_retry_base: float = Field(default=1.0, ge=0)
     """First backoff of ``with_retry`` in seconds; doubles per attempt (1 → 2 → 4)."""

@@ -30,9 +30,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from sqlalchemy import Executable, event
+from sqlalchemy import Executable, Row, event
 from sqlalchemy.dialects.sqlite.aiosqlite import SQLiteDialect_aiosqlite
 from sqlalchemy.engine import Connection, ExceptionContext, make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -141,6 +142,7 @@ class DatabaseManager:
             "postgresql+asyncpg://" if self.targets[0].driver == "postgres" else "mysql+aiomysql://"
         )
         isolation = write_isolation_level(self.dialect)
+        is_postgres = self.targets[0].driver == "postgres"
         engine = create_async_engine(
             dialect_url,
             async_creator=make_failover_creator(self.targets),
@@ -148,9 +150,30 @@ class DatabaseManager:
             max_overflow=s.db_max_overflow,
             pool_timeout=s.db_pool_timeout,
             pool_recycle=int(s.db_pool_recycle),
-            pool_pre_ping=s.db_pool_pre_ping,
+            # PostgreSQL checks its connections at checkout below, without a round trip.
+            pool_pre_ping=s.db_pool_pre_ping and not is_postgres,
             isolation_level="AUTOCOMMIT" if autocommit else isolation,
         )
+
+        if is_postgres and s.db_pool_pre_ping:
+
+            @event.listens_for(engine.sync_engine, "checkout")
+            def _drop_closed(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+                # The pre-ping of SQLAlchemy's asyncpg dialect is three round trips (BEGIN,
+                # ";", ROLLBACK) on every checkout: a quarter of a one-run submit's CPU, most of
+                # it in socket writes. What it catches, a connection the server closed (a
+                # restart, a failover, a terminated backend), asyncpg already knows without
+                # asking: the server's FIN or FATAL message marks the connection closed as soon
+                # as the event loop reads it, before the next checkout. Raising
+                # DisconnectionError here makes the pool discard it and check out another
+                # (a new one from the failover creator). The rest is as with the ping: a
+                # connection lost between this check and its statement fails that statement
+                # as a disconnect, which invalidates the pool, and with_retry retries it (a
+                # pinged connection can die just after its ping too); a node demoted under a
+                # live connection is caught by _discard_read_only below, which the ping never
+                # caught (``;`` succeeds on a standby).
+                if dbapi_connection.driver_connection.is_closed():
+                    raise DisconnectionError("the server closed this pooled connection")
 
         if autocommit and isolation is not None:
 
@@ -278,6 +301,22 @@ class DatabaseManager:
                 return await conn.run_sync(_execute_for_rowcount, statement, params)
         async with self.engine.connect() as conn:
             return await conn.run_sync(_autocommit_write_statement, statement, params)
+
+    async def write_statement_rows(
+        self, statement: Executable, parameters: Mapping[str, Any] | None = None
+    ) -> list[Row[Any]]:
+        """As :meth:`write_statement`, for a statement with ``RETURNING``: its rows.
+
+        PostgreSQL and MariaDB only (SQLite's one-crossing path reports the rowcount alone).
+        """
+        params = {} if parameters is None else dict(parameters)
+        if self.dialect == "sqlite":
+            raise NotImplementedError("write_statement_rows: not on SQLite")
+        if self._autocommit_engine is not None:
+            async with self._autocommit_engine.connect() as conn:
+                return await conn.run_sync(_execute_for_rows, statement, params)
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(_autocommit_write_statement_rows, statement, params)
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
@@ -428,3 +467,17 @@ def _autocommit_write_statement(
 def _execute_for_rowcount(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
     # On a connection in autocommit: the statement commits as it ends.
     return conn.execute(statement, params).rowcount
+
+
+def _autocommit_write_statement_rows(
+    conn: Connection, statement: Executable, params: dict[str, Any]
+) -> list[Row[Any]]:
+    # As _autocommit_write_statement, returning the statement's rows.
+    conn.execution_options(isolation_level="AUTOCOMMIT")
+    return _execute_for_rows(conn, statement, params)
+
+
+def _execute_for_rows(
+    conn: Connection, statement: Executable, params: dict[str, Any]
+) -> list[Row[Any]]:
+    return list(conn.execute(statement, params))

@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from moorline.db.dsn import DatabaseUnreachable
 from moorline.db.manager import RETRY_ATTEMPTS, DatabaseManager
 from moorline.settings import Settings
+from tests.helpers import wait_for
 from tests.servers import PG_ADMIN_URL, require_server
 
 RETRY_BASE_S = 0.05
@@ -77,6 +78,35 @@ async def test_survives_a_terminated_backend(pg_db: DatabaseManager) -> None:
     assert await pg_db.with_retry(work) == 42
     assert attempts == 2
     assert pids[0] != pids[1], "the retry must run on a fresh connection"
+
+
+async def test_a_pooled_connection_the_server_closed_is_replaced_at_checkout(
+    pg_db: DatabaseManager,
+) -> None:
+    """No round-trip pre-ping on PostgreSQL: the checkout itself drops a closed connection."""
+    async with pg_db.connect() as conn:
+        pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        raw = (await conn.get_raw_connection()).driver_connection
+    assert raw is not None
+    # Back in the pool; killed from another manager's connection, so not from this pool.
+    killer = DatabaseManager(Settings(database_url=PG_ADMIN_URL))
+    try:
+        async with killer.connect() as other:
+            terminated = await other.execute(
+                text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid}
+            )
+            assert terminated.scalar_one() is True
+    finally:
+        await killer.dispose()
+
+    async def noticed() -> bool:
+        return bool(raw.is_closed())
+
+    await wait_for(noticed, message="asyncpg seeing the server close the connection")
+    # Not through with_retry: the checkout must hand out a live connection the first time.
+    async with pg_db.connect() as conn:
+        again = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+    assert again != pid
 
 
 async def test_gives_up_after_three_retries_with_doubling_delays(

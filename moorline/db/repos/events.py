@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Insert, RowMapping, bindparam, func, insert, select
+from sqlalchemy import CTE, Insert, RowMapping, bindparam, func, insert, literal, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import DialectName, db_now
+from moorline.db.dialects import DialectName, db_now, select_db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Event, Fence
 from moorline.db.repos.steps import hold_fence_txn
@@ -149,6 +149,28 @@ def events_from_runs_statement(*, data_from_error: bool = False) -> Insert:
     return insert(events).from_select(columns, source)
 
 
+def first_event_statement(source: CTE) -> Insert:
+    """The first event of each run a CTE just inserted, in the CTE's own statement.
+
+    ``source`` is an ``INSERT INTO runs … RETURNING id, attempt, updated_at``; one event per
+    row it returns, at ``seq`` 1 (a new run has no event yet), with the row's attempt and
+    ``updated_at``, the ``type`` and ``data`` parameters. The CTE goes to the top of the
+    statement, where PostgreSQL wants data-modifying ones. Returns each event's ``run_id`` and
+    ``created_at``, so a caller that let the database set the time learns it here.
+    """
+    chosen = select(
+        source.c.id,
+        literal(1, type_=events.c.seq.type),
+        bindparam("type", type_=events.c.type.type),
+        source.c.attempt,
+        bindparam("data", type_=events.c.data.type),
+        source.c.updated_at,
+    )
+    columns = ["run_id", "seq", "type", "attempt", "data", "created_at"]
+    stmt = insert(events).from_select(columns, chosen).add_cte(source)
+    return stmt.returning(events.c.run_id, events.c.created_at)
+
+
 def event_from_row(row: RowMapping) -> Event:
     """The :class:`Event` an ``events`` row holds."""
     return Event(
@@ -181,7 +203,7 @@ async def append_fenced_events_txn(
     """
     if not items:
         return []
-    now: datetime = (await conn.execute(select(db_now(dialect)))).scalar_one()
+    now: datetime = (await conn.execute(select_db_now(dialect))).scalar_one()
     rows = [(fence.run_id, fence.attempt, event_type, data) for event_type, data in items]
     seqs = await append_events_txn(conn, dialect, rows, now=now)
     return [

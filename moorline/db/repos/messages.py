@@ -31,7 +31,7 @@ from typing import Any
 from sqlalchemy import RowMapping, case, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import DialectName, db_now, lock_rows
+from moorline.db.dialects import DialectName, db_now, lock_rows, select_db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_MESSAGE_RECEIVED, append_fenced_events_txn
 from moorline.db.repos.records import Event, Fence, Message
@@ -175,7 +175,7 @@ class MessagesRepo:
         recorded = (await conn.execute(find)).mappings().first()
         if recorded is not None:
             return await self._replay_txn(conn, fence, key, digest, recorded)
-        now: datetime = (await conn.execute(select(db_now(self._dialect)))).scalar_one()
+        now: datetime = (await conn.execute(select_db_now(self._dialect))).scalar_one()
         waiting = (
             select(messages)
             .where(messages.c.run_id == fence.run_id, messages.c.delivered_attempt.is_(None))
