@@ -34,7 +34,7 @@ thread wake-ups, and on this project's 2-core machines it costs more than the SQ
 carries (tens of microseconds: WAL with ``synchronous=NORMAL`` does not sync on commit); with
 the CPUs contended, each crossing also waits for the other thread to be scheduled. Measured
 with the machine loaded, a single-run submit (four crossings) took 13.2 ms through the thread
-and 8.0 ms inline (median; ``/work/wt/tools/modes.py`` in the 2026-11-25 session note).
+and 8.0 ms inline (medians of 900 submits, the two run alternately; 2026-11-25 note).
 Three things still cross:
 
 - the busy handler, which sleeps up to the busy timeout while another process holds the write
