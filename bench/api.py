@@ -121,8 +121,7 @@ async def serving(
 
     With ``floor``, uvicorn serving :func:`floor_app` instead, with uvicorn's own defaults:
     uvloop, httptools, and an access-log line per request. ``serve`` writes no line for an
-    accepted trigger (``MOORLINE_ACCESS_LOG=errors``) and each response in one write
-    (:mod:`moorline.cli.http_protocol`), so it pays less than the floor for those two.
+    accepted trigger (``MOORLINE_ACCESS_LOG=errors``), so it pays less than the floor for that.
     """
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}

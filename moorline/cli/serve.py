@@ -20,7 +20,6 @@ from moorline.api.access import ErrorAccessLog
 from moorline.api.app import create_app
 from moorline.api.deps import Services
 from moorline.cli.banner import start_banner
-from moorline.cli.http_protocol import CoalescingHttpToolsProtocol
 from moorline.cli.main import configure_logging
 from moorline.db.manager import DatabaseManager
 from moorline.engine.loader import load_app
@@ -122,8 +121,6 @@ async def _serve(
             lifespan="on",
             log_config=None,
             access_log=settings.access_log is AccessLog.ALL,
-            # httptools, each response written in one write (moorline.cli.http_protocol).
-            http=CoalescingHttpToolsProtocol,
         )
     )
     Console(soft_wrap=True, highlight=False).print("\n".join(banner.lines), markup=False)
