@@ -108,6 +108,10 @@ def responses(*errors: type[MoorlineError]) -> dict[int | str, dict[str, Any]]:
 
 async def _moorline_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, MoorlineError)
+    if exc.status == MoorlineError.status:
+        # A MoorlineError without a status of its own (a ConfigError, say) is a fault of the
+        # server, not of the request: logged like any other 500, or no line would say why.
+        logger.error("%s answered 500 %s", type(exc).__name__, exc.code, exc_info=exc)
     return error_response(exc)
 
 
@@ -140,11 +144,15 @@ async def _database_error(_request: Request, exc: Exception) -> JSONResponse:
     if is_transient(exc) or isinstance(exc, PoolTimeoutError):
         logger.warning("database unavailable: %s", type(exc).__name__)
         return error_response(BackendUnavailable("the database is unavailable; retry later"))
+    # Handled here (Starlette's ExceptionMiddleware), the error is not re-raised as the
+    # catch-all's is, so nothing else would log it.
+    logger.error("database error answered 500 internal_error", exc_info=exc)
     return await _internal_error(_request, exc)
 
 
 async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
-    # Starlette re-raises the exception after this answer, so the server logs its traceback.
+    # As the catch-all (ServerErrorMiddleware), Starlette re-raises the exception after this
+    # answer, so the server logs its traceback.
     return JSONResponse(
         status_code=500,
         content=error_body("internal_error", "an internal error occurred; it has been logged"),

@@ -5,11 +5,13 @@ for the quota, exactly one ``rate_limited`` run), a refused admin call changes n
 """
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
+import pytest
 
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.tenants import TenantsRepo
@@ -131,6 +133,25 @@ async def test_a_plan_change_and_a_revocation_reach_a_key_in_use_at_once(api: Ap
     [key] = await tenants.list_keys(TenantId(caller.tenant_id))
     assert await tenants.revoke_key(key.key_id)
     error_of(await api.trigger(caller), 401, "unauthorized")
+
+
+async def test_a_server_fault_is_500_and_logged_with_its_cause(
+    api: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tenant whose plan the configuration lacks (the file was edited): the server's fault.
+
+    Answered 500 with the error's own code, nothing stored, and an ERROR line with the
+    traceback: Starlette logs only what reaches its catch-all, not what a handler answered.
+    """
+    caller = await api.tenant("team")
+    tenants = api.app.state.services.tenants  # the app's own repository: its cache drops the key
+    assert await tenants.set_plan(TenantId(caller.tenant_id), "no-longer-configured")
+    with caplog.at_level(logging.ERROR, logger="moorline.api.errors"):
+        error_of(await api.trigger(caller), 500, "config_error")
+    [record] = [r for r in caplog.records if r.name == "moorline.api.errors"]
+    assert record.levelno == logging.ERROR and record.exc_info is not None
+    assert "no-longer-configured" in str(record.exc_info[1])
+    assert await api.count_runs(caller) == 0
 
 
 # --- triggers ----------------------------------------------------------------------------------
