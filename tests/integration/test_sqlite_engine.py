@@ -242,6 +242,23 @@ async def test_a_statement_found_slow_goes_to_the_thread_from_then_on(
     assert crossings == ["_run", "rollback"]
 
 
+async def test_a_statement_slow_only_in_wall_time_stays_on_the_event_loop(
+    sqlite_db: DatabaseManager, crossings: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a descheduled process (a loaded machine) or a thread holding the GIL does to a cheap
+    # statement: wall time passes, the loop's thread spends no CPU.
+    monkeypatch.setattr(sqlite_driver, "_INLINE_SLOW_S", 0.001)
+    async with sqlite_db.connect() as conn:
+        raw = await conn.get_raw_connection()
+        driver = raw.driver_connection
+        assert isinstance(driver, sqlite_driver.Connection)
+        assert driver._connection is not None
+        driver._connection.create_function("pause", 0, lambda: time.sleep(0.02))
+        for _ in range(2):
+            assert (await conn.execute(text("SELECT pause() IS NULL"))).scalar_one() == 1
+    assert crossings == []
+
+
 class Ticker:
     """Counts event-loop turns: proof that the loop ran while something else waited."""
 
