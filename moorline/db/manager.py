@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Executable, Row, event
 from sqlalchemy.dialects.sqlite.aiosqlite import SQLiteDialect_aiosqlite
-from sqlalchemy.engine import Connection, ExceptionContext, make_url
+from sqlalchemy.engine import Connection, Engine, ExceptionContext, make_url
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 from sqlalchemy.pool import QueuePool, StaticPool
+from sqlalchemy.util import greenlet_spawn
 
 from moorline.db import sqlite_driver
 from moorline.db.dialects import (
@@ -292,15 +293,19 @@ class DatabaseManager:
         """
         params = {} if parameters is None else dict(parameters)
         if self.dialect == "sqlite":
-            async with self._sqlite_writer, self.engine.connect() as conn:
-                changed = await conn.run_sync(_sqlite_write_statement, statement, params)
+            async with self._sqlite_writer:
+                changed = await greenlet_spawn(
+                    _sqlite_write_statement, self.engine.sync_engine, statement, params
+                )
             self._checkpoint_if_due()
+            # Run inline, the write never suspended: let the loop run the rest of its ready
+            # work once, as a write to a server does while it waits for the reply. Without it
+            # a workflow of many cheap steps would hold the loop (heartbeats, other runs, the
+            # API) for as long as it kept writing.
+            await asyncio.sleep(0)
             return changed
-        if self._autocommit_engine is not None:
-            async with self._autocommit_engine.connect() as conn:
-                return await conn.run_sync(_execute_for_rowcount, statement, params)
-        async with self.engine.connect() as conn:
-            return await conn.run_sync(_autocommit_write_statement, statement, params)
+        engine, switch = self._autocommit_target()
+        return await greenlet_spawn(_autocommit_write_statement, engine, switch, statement, params)
 
     async def write_statement_rows(
         self, statement: Executable, parameters: Mapping[str, Any] | None = None
@@ -312,11 +317,20 @@ class DatabaseManager:
         params = {} if parameters is None else dict(parameters)
         if self.dialect == "sqlite":
             raise NotImplementedError("write_statement_rows: not on SQLite")
+        engine, switch = self._autocommit_target()
+        return await greenlet_spawn(
+            _autocommit_write_statement_rows, engine, switch, statement, params
+        )
+
+    def _autocommit_target(self) -> tuple[Engine, bool]:
+        """The engine of one-statement writes on the servers, and whether to switch to autocommit.
+
+        MariaDB: its autocommit pool, already there. PostgreSQL: the one pool, switched per
+        checkout (client-side only: asyncpg's transaction mode is the client's).
+        """
         if self._autocommit_engine is not None:
-            async with self._autocommit_engine.connect() as conn:
-                return await conn.run_sync(_execute_for_rows, statement, params)
-        async with self.engine.connect() as conn:
-            return await conn.run_sync(_autocommit_write_statement_rows, statement, params)
+            return self._autocommit_engine.sync_engine, False
+        return self.engine.sync_engine, True
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
@@ -439,45 +453,43 @@ def _checkpoint(database: str, *, truncate: bool) -> None:
         logger.debug("SQLite checkpoint skipped: %s", exc)
 
 
-# The bodies of write_statement, each run as one greenlet (``run_sync``): every awaited call of
-# the async API is a greenlet switch of its own, and a one-statement write made eight of them.
+# The bodies of write_statement, each run as one greenlet: checkout, statement, commit and
+# checkin. Through AsyncConnection they were three (its start, run_sync and close are a
+# greenlet_spawn each), and those two extra greenlets with their AsyncConnection cost about
+# 100 us of CPU per write on SQLite, 40% of the write (tests/contract + bench/step_cpu.py).
+# greenlet_spawn is how SQLAlchemy's asyncio extension itself runs sync code; nothing public
+# runs a function over an engine in one greenlet.
 
 
-def _sqlite_write_statement(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
-    conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
-    driver = conn.connection.driver_connection
-    with conn.begin():
-        if isinstance(driver, sqlite_driver.Connection):
-            # BEGIN (held back), the statement and COMMIT in one crossing; the commit below
-            # then finds no transaction open and does not cross.
-            driver.commit_with_next_statement()
-        # (``:memory:`` has SQLAlchemy's own aiosqlite connection: three crossings.)
-        return conn.execute(statement, params).rowcount
+def _sqlite_write_statement(engine: Engine, statement: Executable, params: dict[str, Any]) -> int:
+    with engine.connect() as conn:
+        conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+        driver = conn.connection.driver_connection
+        with conn.begin():
+            if isinstance(driver, sqlite_driver.Connection):
+                # BEGIN (held back), the statement and COMMIT in one crossing; the commit below
+                # then finds no transaction open and does not cross.
+                driver.commit_with_next_statement()
+            # (``:memory:`` has SQLAlchemy's own aiosqlite connection: three crossings.)
+            return conn.execute(statement, params).rowcount
 
 
 def _autocommit_write_statement(
-    conn: Connection, statement: Executable, params: dict[str, Any]
+    engine: Engine, switch: bool, statement: Executable, params: dict[str, Any]
 ) -> int:
-    # PostgreSQL's shared pool. asyncpg switches client-side only, and the pool switches the
-    # connection back (client-side too) when it returns.
-    conn.execution_options(isolation_level="AUTOCOMMIT")
-    return _execute_for_rowcount(conn, statement, params)
-
-
-def _execute_for_rowcount(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
-    # On a connection in autocommit: the statement commits as it ends.
-    return conn.execute(statement, params).rowcount
+    with engine.connect() as conn:
+        if switch:
+            # The pool switches the connection back (client-side on asyncpg) as it returns.
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        # The statement commits as it ends.
+        return conn.execute(statement, params).rowcount
 
 
 def _autocommit_write_statement_rows(
-    conn: Connection, statement: Executable, params: dict[str, Any]
+    engine: Engine, switch: bool, statement: Executable, params: dict[str, Any]
 ) -> list[Row[Any]]:
     # As _autocommit_write_statement, returning the statement's rows.
-    conn.execution_options(isolation_level="AUTOCOMMIT")
-    return _execute_for_rows(conn, statement, params)
-
-
-def _execute_for_rows(
-    conn: Connection, statement: Executable, params: dict[str, Any]
-) -> list[Row[Any]]:
-    return list(conn.execute(statement, params))
+    with engine.connect() as conn:
+        if switch:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        return list(conn.execute(statement, params))

@@ -242,6 +242,30 @@ async def test_a_statement_found_slow_goes_to_the_thread_from_then_on(
     assert crossings == ["_run", "rollback"]
 
 
+async def test_write_statements_inline_let_the_loop_run_between_them(
+    sqlite_db: DatabaseManager, crossings: list[str]
+) -> None:
+    # A workflow of many cheap steps is a loop of such writes; heartbeats must still run.
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+
+    counter = asyncio.create_task(count_turns())
+    await asyncio.sleep(0)
+    try:
+        before = turns
+        for _ in range(20):
+            assert await sqlite_db.write_statement(text("UPDATE counter SET n = n + 1")) == 1
+        assert turns - before >= 20
+    finally:
+        counter.cancel()
+    assert crossings == []
+
+
 async def test_a_statement_slow_only_in_wall_time_stays_on_the_event_loop(
     sqlite_db: DatabaseManager, crossings: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
