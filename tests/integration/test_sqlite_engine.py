@@ -492,6 +492,32 @@ async def test_the_write_ahead_log_is_checkpointed_off_the_write_path(
         await asyncio.sleep(0.01)
 
 
+async def test_the_checkpointer_waits_for_the_log_to_grow_again_and_sees_it_start_over(
+    sqlite_db: DatabaseManager, db_path: Path
+) -> None:
+    wal = Path(f"{db_path}-wal")
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(text("CREATE TABLE blob (id INTEGER PRIMARY KEY, v BLOB)"))
+    chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 4
+    for _ in range(5):
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
+    first = sqlite_db._checkpointer
+    assert first is not None
+    await first
+    # The log is still past the threshold, but has not grown since: no checkpoint per write.
+    assert size_of(wal) >= manager_module.SQLITE_CHECKPOINT_WAL_BYTES
+    assert await sqlite_db.write_statement(text("UPDATE counter SET n = n + 1")) == 1
+    assert sqlite_db._checkpointer is first
+    # Everything was copied, so that write started the log over, and cut its file down
+    # (journal_size_limit): its size again says how much log there is.
+    assert size_of(wal) < chunk
+    for _ in range(5):
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
+    assert sqlite_db._checkpointer is not first
+
+
 async def test_a_log_that_readers_keep_from_restarting_is_truncated_past_its_bound(
     sqlite_db: DatabaseManager, db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
