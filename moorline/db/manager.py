@@ -239,7 +239,7 @@ class DatabaseManager:
             driver = conn.connection.driver_connection
             if isinstance(driver, sqlite_driver.Connection):
                 # What the statement below comes to on this driver, without a statement's
-                # way through SQLAlchemy (a quarter of a one-statement write's CPU).
+                # way through SQLAlchemy (an eighth of a one-statement write's CPU).
                 driver.hold_begin(f"BEGIN {mode}")
             else:
                 conn.exec_driver_sql(f"BEGIN {mode}")
