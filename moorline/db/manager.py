@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Executable, Row, event
 from sqlalchemy.dialects.sqlite.aiosqlite import SQLiteDialect_aiosqlite
-from sqlalchemy.engine import Connection, ExceptionContext, make_url
+from sqlalchemy.engine import Connection, Engine, ExceptionContext, make_url
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 from sqlalchemy.pool import QueuePool, StaticPool
+from sqlalchemy.util import greenlet_spawn
 
 from moorline.db import sqlite_driver
 from moorline.db.dialects import (
@@ -72,11 +73,16 @@ SQLITE_PRAGMAS = (
     ("cache_size", "-64000"),
     ("foreign_keys", "ON"),
     ("busy_timeout", str(SQLITE_BUSY_TIMEOUT_MS)),
-    # No checkpoint inside a commit: the manager's checkpointer does them (see _checkpointed).
+    # No checkpoint inside a commit: the manager's checkpointer does them (_checkpoint_if_due).
     ("wal_autocheckpoint", "0"),
+    # The first commit after a complete checkpoint starts the log over from its beginning;
+    # with this it also cuts the file down to what it wrote, so the file's size keeps
+    # telling the checkpointer how much log there is (SQLite's default keeps the file at its
+    # largest, and the log restarts unseen inside it).
+    ("journal_size_limit", "0"),
 )
 SQLITE_CHECKPOINT_WAL_BYTES = 4 * 1024 * 1024
-"""WAL size past which the checkpointer copies the log back into the database file.
+"""Growth of the WAL past which the checkpointer copies the log back into the database file.
 
 About SQLite's own default (1,000 pages of 4 KiB)."""
 SQLITE_TRUNCATE_WAL_BYTES = 64 * 1024 * 1024
@@ -123,6 +129,8 @@ class DatabaseManager:
         self._sqlite_writer = asyncio.Lock()
         self._wal_path = self._sqlite_wal_path()
         self._checkpointer: asyncio.Task[None] | None = None
+        # The WAL's size when the last checkpoint started.
+        self._wal_bytes_at_checkpoint = 0
 
     @property
     def display_url(self) -> str:
@@ -228,7 +236,13 @@ class DatabaseManager:
         @event.listens_for(engine.sync_engine, "begin")
         def _begin(conn: Connection) -> None:
             mode = conn.get_execution_options().get(_BEGIN_OPTION, "DEFERRED")
-            conn.exec_driver_sql(f"BEGIN {mode}")
+            driver = conn.connection.driver_connection
+            if isinstance(driver, sqlite_driver.Connection):
+                # What the statement below comes to on this driver, without a statement's
+                # way through SQLAlchemy (an eighth of a one-statement write's CPU).
+                driver.hold_begin(f"BEGIN {mode}")
+            else:
+                conn.exec_driver_sql(f"BEGIN {mode}")
 
         return engine
 
@@ -292,15 +306,19 @@ class DatabaseManager:
         """
         params = {} if parameters is None else dict(parameters)
         if self.dialect == "sqlite":
-            async with self._sqlite_writer, self.engine.connect() as conn:
-                changed = await conn.run_sync(_sqlite_write_statement, statement, params)
+            async with self._sqlite_writer:
+                changed = await greenlet_spawn(
+                    _sqlite_write_statement, self.engine.sync_engine, statement, params
+                )
             self._checkpoint_if_due()
+            # Run inline, the write never suspended: let the loop run the rest of its ready
+            # work once, as a write to a server does while it waits for the reply. Without it
+            # a workflow of many cheap steps would hold the loop (heartbeats, other runs, the
+            # API) for as long as it kept writing.
+            await asyncio.sleep(0)
             return changed
-        if self._autocommit_engine is not None:
-            async with self._autocommit_engine.connect() as conn:
-                return await conn.run_sync(_execute_for_rowcount, statement, params)
-        async with self.engine.connect() as conn:
-            return await conn.run_sync(_autocommit_write_statement, statement, params)
+        engine, switch = self._autocommit_target()
+        return await greenlet_spawn(_autocommit_write_statement, engine, switch, statement, params)
 
     async def write_statement_rows(
         self, statement: Executable, parameters: Mapping[str, Any] | None = None
@@ -312,11 +330,20 @@ class DatabaseManager:
         params = {} if parameters is None else dict(parameters)
         if self.dialect == "sqlite":
             raise NotImplementedError("write_statement_rows: not on SQLite")
+        engine, switch = self._autocommit_target()
+        return await greenlet_spawn(
+            _autocommit_write_statement_rows, engine, switch, statement, params
+        )
+
+    def _autocommit_target(self) -> tuple[Engine, bool]:
+        """The engine of one-statement writes on the servers, and whether to switch to autocommit.
+
+        MariaDB: its autocommit pool, already there. PostgreSQL: the one pool, switched per
+        checkout (client-side only: asyncpg's transaction mode is the client's).
+        """
         if self._autocommit_engine is not None:
-            async with self._autocommit_engine.connect() as conn:
-                return await conn.run_sync(_execute_for_rows, statement, params)
-        async with self.engine.connect() as conn:
-            return await conn.run_sync(_autocommit_write_statement_rows, statement, params)
+            return self._autocommit_engine.sync_engine, False
+        return self.engine.sync_engine, True
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
@@ -392,7 +419,7 @@ class DatabaseManager:
         return f"{database}-wal"
 
     def _checkpoint_if_due(self) -> None:
-        """After a write: start a checkpoint when the WAL has grown past its size.
+        """After a write: start a checkpoint when the WAL has grown by its size since the last.
 
         SQLite's automatic checkpoint runs inside the commit that crosses the threshold, which
         then takes as long as copying the log and syncing the database file (40-65 ms on this
@@ -401,6 +428,14 @@ class DatabaseManager:
         on a thread of its own, over a connection of its own: nobody waits for it, and it
         never blocks a reader or a writer (PASSIVE copies what no reader still needs and
         stops). The stat is a couple of microseconds; the write it follows, a hundred or more.
+
+        Growth, not size: the log is copied up to where it was when the checkpoint began, and
+        while writes go on meanwhile it cannot start over, so its file stays past the
+        threshold. Judged by size, every write from then on started another checkpoint (200
+        in 2,000 checkpointed steps, each a connection, a copy and two syncs beside the
+        writer), which cost the writing thread a fifth more CPU and the steps a third more
+        wall time. A file that shrank started over (``journal_size_limit``). Past
+        ``SQLITE_TRUNCATE_WAL_BYTES`` every write tries again, until the readers let it go.
         """
         if self._wal_path is None or (self._checkpointer and not self._checkpointer.done()):
             return
@@ -408,9 +443,11 @@ class DatabaseManager:
             size = os.path.getsize(self._wal_path)
         except FileNotFoundError:
             return
-        if size >= SQLITE_CHECKPOINT_WAL_BYTES:
+        since = self._wal_bytes_at_checkpoint if size >= self._wal_bytes_at_checkpoint else 0
+        truncate = size >= SQLITE_TRUNCATE_WAL_BYTES
+        if truncate or size - since >= SQLITE_CHECKPOINT_WAL_BYTES:
+            self._wal_bytes_at_checkpoint = size
             database = self._wal_path.removesuffix("-wal")
-            truncate = size >= SQLITE_TRUNCATE_WAL_BYTES
             self._checkpointer = asyncio.create_task(
                 asyncio.to_thread(_checkpoint, database, truncate=truncate),
                 name="moorline-sqlite-checkpoint",
@@ -439,45 +476,43 @@ def _checkpoint(database: str, *, truncate: bool) -> None:
         logger.debug("SQLite checkpoint skipped: %s", exc)
 
 
-# The bodies of write_statement, each run as one greenlet (``run_sync``): every awaited call of
-# the async API is a greenlet switch of its own, and a one-statement write made eight of them.
+# The bodies of write_statement, each run as one greenlet: checkout, statement, commit and
+# checkin. Through AsyncConnection they were three (its start, run_sync and close are a
+# greenlet_spawn each), and those two extra greenlets with their AsyncConnection cost about
+# 100 us of CPU per write on SQLite, 40% of the write (tests/contract + bench/step_cpu.py).
+# greenlet_spawn is how SQLAlchemy's asyncio extension itself runs sync code; nothing public
+# runs a function over an engine in one greenlet.
 
 
-def _sqlite_write_statement(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
-    conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
-    driver = conn.connection.driver_connection
-    with conn.begin():
-        if isinstance(driver, sqlite_driver.Connection):
-            # BEGIN (held back), the statement and COMMIT in one crossing; the commit below
-            # then finds no transaction open and does not cross.
-            driver.commit_with_next_statement()
-        # (``:memory:`` has SQLAlchemy's own aiosqlite connection: three crossings.)
-        return conn.execute(statement, params).rowcount
+def _sqlite_write_statement(engine: Engine, statement: Executable, params: dict[str, Any]) -> int:
+    with engine.connect() as conn:
+        conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+        driver = conn.connection.driver_connection
+        with conn.begin():
+            if isinstance(driver, sqlite_driver.Connection):
+                # BEGIN (held back), the statement and COMMIT in one crossing; the commit below
+                # then finds no transaction open and does not cross.
+                driver.commit_with_next_statement()
+            # (``:memory:`` has SQLAlchemy's own aiosqlite connection: three crossings.)
+            return conn.execute(statement, params).rowcount
 
 
 def _autocommit_write_statement(
-    conn: Connection, statement: Executable, params: dict[str, Any]
+    engine: Engine, switch: bool, statement: Executable, params: dict[str, Any]
 ) -> int:
-    # PostgreSQL's shared pool. asyncpg switches client-side only, and the pool switches the
-    # connection back (client-side too) when it returns.
-    conn.execution_options(isolation_level="AUTOCOMMIT")
-    return _execute_for_rowcount(conn, statement, params)
-
-
-def _execute_for_rowcount(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
-    # On a connection in autocommit: the statement commits as it ends.
-    return conn.execute(statement, params).rowcount
+    with engine.connect() as conn:
+        if switch:
+            # The pool switches the connection back (client-side on asyncpg) as it returns.
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        # The statement commits as it ends.
+        return conn.execute(statement, params).rowcount
 
 
 def _autocommit_write_statement_rows(
-    conn: Connection, statement: Executable, params: dict[str, Any]
+    engine: Engine, switch: bool, statement: Executable, params: dict[str, Any]
 ) -> list[Row[Any]]:
     # As _autocommit_write_statement, returning the statement's rows.
-    conn.execution_options(isolation_level="AUTOCOMMIT")
-    return _execute_for_rows(conn, statement, params)
-
-
-def _execute_for_rows(
-    conn: Connection, statement: Executable, params: dict[str, Any]
-) -> list[Row[Any]]:
-    return list(conn.execute(statement, params))
+    with engine.connect() as conn:
+        if switch:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        return list(conn.execute(statement, params))

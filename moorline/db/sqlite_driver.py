@@ -44,7 +44,7 @@ Three things still cross:
   of it has happened);
 - a big statement (more than ``_INLINE_MAX_PARAMETERS`` parameters, or an executemany of more
   than ``_INLINE_MAX_ROWS`` rows: batch claims and batch submissions), or one whose SQL took
-  more than ``_INLINE_SLOW_S`` inline before (a listing over many rows), takes milliseconds,
+  more than ``_INLINE_SLOW_S`` of CPU inline before (a listing over many rows), takes milliseconds,
   the crossing little beside it, and the loop does other work meanwhile; its transaction's
   commit crosses with it;
 - an executemany with no transaction open, which SQLite commits row by row, so that a busy
@@ -70,12 +70,34 @@ _INLINE_MAX_PARAMETERS = 64
 _INLINE_MAX_ROWS = 8
 """An executemany of more parameter sets than this crosses to the thread."""
 _INLINE_SLOW_S = 0.002
-"""A statement that took longer than this inline crosses to the thread from then on."""
+"""A statement that kept the loop's thread busy longer than this inline (its CPU time, with
+the fetch of its rows) crosses to the thread from then on.
+
+CPU time, not wall time: a statement of a hundred microseconds takes milliseconds of wall time
+whenever the process is descheduled (a loaded machine) or another thread holds the GIL as it
+returns, and it would then cross forever. Measured by wall time, the two statements of a
+checkpointed step were found slow 10-15 times in 4,000 on the loaded shared machine, and
+every step crossed twice from then on. A listing over many rows is slow in CPU every time."""
 _SLOW_STATEMENTS: set[str] = set()
 """The SQL of the statements found slow (a listing over many rows, say), shared by all
 connections; forgotten all at once when it reaches ``_SLOW_STATEMENTS_MAX``, so statements
 with ever-new SQL cannot make it grow without bound."""
 _SLOW_STATEMENTS_MAX = 256
+
+
+def _execute_and_fetch(
+    raw: sqlite3.Cursor, sql: str, parameters: Any, *, many: bool, inline: bool
+) -> list[Any]:
+    """Run ``sql`` on ``raw`` and fetch all its rows; inline, note whether it was slow."""
+    started_cpu_s = time.thread_time()
+    if many:
+        raw.executemany(sql, parameters)
+    else:
+        raw.execute(sql, parameters)
+    rows = raw.fetchall() if raw.description is not None else []
+    if inline and time.thread_time() - started_cpu_s > _INLINE_SLOW_S:
+        _remember_slow(sql)
+    return rows
 
 
 def _remember_slow(sql: str) -> None:
@@ -147,11 +169,7 @@ class _Cursor(aiosqlite.Cursor):
                     raise _Busy(self._run, begin, sql, parameters, commit, many=many) from exc
                 raise
         try:
-            if many:
-                raw.executemany(sql, parameters)
-            else:
-                raw.execute(sql, parameters)
-            rows = raw.fetchall() if raw.description is not None else []
+            rows = _execute_and_fetch(raw, sql, parameters, many=many, inline=inline)
         except sqlite3.OperationalError as exc:
             if inline and _is_busy(exc):
                 # The transaction (if any) stays open; the statement is sent again from there.
@@ -285,12 +303,7 @@ class Connection(aiosqlite.Connection):
             if commit:
                 self._big_transaction = False
             return rows
-        started = time.perf_counter()
-        try:
-            return await self._inline(run, begin, sql, parameters, commit, many=many, inline=True)
-        finally:
-            if time.perf_counter() - started > _INLINE_SLOW_S:
-                _remember_slow(sql)
+        return await self._inline(run, begin, sql, parameters, commit, many=many, inline=True)
 
     async def _execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` for this connection the way aiosqlite does (commit, rollback, close …).

@@ -242,6 +242,47 @@ async def test_a_statement_found_slow_goes_to_the_thread_from_then_on(
     assert crossings == ["_run", "rollback"]
 
 
+async def test_write_statements_inline_let_the_loop_run_between_them(
+    sqlite_db: DatabaseManager, crossings: list[str]
+) -> None:
+    # A workflow of many cheap steps is a loop of such writes; heartbeats must still run.
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+
+    counter = asyncio.create_task(count_turns())
+    await asyncio.sleep(0)
+    try:
+        before = turns
+        for _ in range(20):
+            assert await sqlite_db.write_statement(text("UPDATE counter SET n = n + 1")) == 1
+        assert turns - before >= 20
+    finally:
+        counter.cancel()
+    assert crossings == []
+
+
+async def test_a_statement_slow_only_in_wall_time_stays_on_the_event_loop(
+    sqlite_db: DatabaseManager, crossings: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a descheduled process (a loaded machine) or a thread holding the GIL does to a cheap
+    # statement: wall time passes, the loop's thread spends no CPU.
+    monkeypatch.setattr(sqlite_driver, "_INLINE_SLOW_S", 0.001)
+    async with sqlite_db.connect() as conn:
+        raw = await conn.get_raw_connection()
+        driver = raw.driver_connection
+        assert isinstance(driver, sqlite_driver.Connection)
+        assert driver._connection is not None
+        driver._connection.create_function("pause", 0, lambda: time.sleep(0.02))
+        for _ in range(2):
+            assert (await conn.execute(text("SELECT pause() IS NULL"))).scalar_one() == 1
+    assert crossings == []
+
+
 class Ticker:
     """Counts event-loop turns: proof that the loop ran while something else waited."""
 
@@ -449,6 +490,32 @@ async def test_the_write_ahead_log_is_checkpointed_off_the_write_path(
     while size_of(db_path) < manager_module.SQLITE_CHECKPOINT_WAL_BYTES:
         assert time.monotonic() < deadline, "the database file never received the log's pages"
         await asyncio.sleep(0.01)
+
+
+async def test_the_checkpointer_waits_for_the_log_to_grow_again_and_sees_it_start_over(
+    sqlite_db: DatabaseManager, db_path: Path
+) -> None:
+    wal = Path(f"{db_path}-wal")
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(text("CREATE TABLE blob (id INTEGER PRIMARY KEY, v BLOB)"))
+    chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 4
+    for _ in range(5):
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
+    first = sqlite_db._checkpointer
+    assert first is not None
+    await first
+    # The log is still past the threshold, but has not grown since: no checkpoint per write.
+    assert size_of(wal) >= manager_module.SQLITE_CHECKPOINT_WAL_BYTES
+    assert await sqlite_db.write_statement(text("UPDATE counter SET n = n + 1")) == 1
+    assert sqlite_db._checkpointer is first
+    # Everything was copied, so that write started the log over, and cut its file down
+    # (journal_size_limit): its size again says how much log there is.
+    assert size_of(wal) < chunk
+    for _ in range(5):
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
+    assert sqlite_db._checkpointer is not first
 
 
 async def test_a_log_that_readers_keep_from_restarting_is_truncated_past_its_bound(
