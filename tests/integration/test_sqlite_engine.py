@@ -242,6 +242,24 @@ async def test_a_statement_found_slow_goes_to_the_thread_from_then_on(
     assert crossings == ["_run", "rollback"]
 
 
+async def test_a_statement_that_only_waited_is_not_found_slow(
+    sqlite_db: DatabaseManager, crossings: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Slow is work on the loop's thread. A statement preempted on a busy machine takes long
+    # without working; this one sleeps instead, and stays inline.
+    monkeypatch.setattr(sqlite_driver, "_INLINE_SLOW_S", 0.001)
+    async with sqlite_db.connect() as conn:
+        raw = await conn.get_raw_connection()
+        driver = raw.driver_connection
+        assert isinstance(driver, sqlite_driver.Connection)
+        driver._conn.create_function("nap", 1, time.sleep)
+        for _ in range(2):
+            started = time.perf_counter()
+            await conn.execute(text("SELECT nap(0.01)"))
+            assert time.perf_counter() - started >= 0.01
+    assert crossings == []
+
+
 class Ticker:
     """Counts event-loop turns: proof that the loop ran while something else waited."""
 
