@@ -11,13 +11,15 @@
   :func:`parse_json` before FastAPI validates it: malformed JSON is 400 ``invalid_json``
   (FastAPI would say 422), nesting deeper than :data:`MAX_JSON_DEPTH` is 400 too, and text no
   database can store (NUL, lone surrogates) is 422 ``invalid_request``.
+  :func:`solved_by` makes a route class of it for a hot route whose endpoint's arguments are
+  solved by a function of its own rather than by FastAPI's dependency solver.
 - :func:`~moorline.api.redaction.redact` blanks anything that looks like an API
   key or a credential parameter; the log formatter (:mod:`moorline.observability.logs`)
   applies it to every line, such as the access-log line of a refused ``?api_key=`` request.
 """
 
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
@@ -206,6 +208,11 @@ class JSONRequest(Request):
             await self.parse()
         return self._parsed
 
+    @property
+    def has_body(self) -> bool:
+        """Whether :meth:`parse` found a body (an empty one is none)."""
+        return hasattr(self, "_parsed")
+
 
 class JSONBodyRoute(APIRoute):
     """A route whose JSON body goes through :func:`parse_json` (routes without one: as is)."""
@@ -221,3 +228,37 @@ class JSONBodyRoute(APIRoute):
             return await handler(parsed)
 
         return parse_then_handle
+
+
+ArgumentSolver = Callable[[JSONRequest], Awaitable[dict[str, Any]]]
+"""The keyword arguments of a route's endpoint for a request, or the error FastAPI would raise."""
+
+
+def solved_by(solve: ArgumentSolver) -> type[JSONBodyRoute]:
+    """A :class:`JSONBodyRoute` class whose endpoint is called with the arguments ``solve`` gives.
+
+    For the hottest route only (triggers). FastAPI solves each request's parameters and
+    dependencies through generic machinery (a cache key per dependency, the sub-dependencies'
+    recursion, each parameter's own validation), which measured about a fifth of a trigger's
+    CPU in one process (2026-11-27); ``solve`` does the same work for one known signature
+    directly, and must answer as FastAPI would: the same errors in the same order
+    (dependencies first, then the path, then the body; ``tests/api/test_runs.py`` compares the
+    two). The route is still declared with the endpoint's full signature, so its OpenAPI
+    operation (parameters, body schema, security) is FastAPI's as before. The endpoint must
+    return a :class:`~starlette.responses.Response`: nothing validates or serializes what it
+    returns.
+    """
+
+    class HandSolvedRoute(JSONBodyRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            endpoint = self.endpoint
+
+            async def solve_then_handle(request: Request) -> Response:
+                parsed = JSONRequest(request.scope, request.receive)
+                await parsed.parse()
+                response: Response = await endpoint(**await solve(parsed))
+                return response
+
+            return solve_then_handle
+
+    return HandSolvedRoute

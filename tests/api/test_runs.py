@@ -1,17 +1,22 @@
 """Run routes: a run with its steps and pending interrupt, listings and their pages, resume."""
 
 import asyncio
+import json
+import re
 from datetime import datetime
 from typing import Any
 
+import pytest
 from sqlalchemy import event
 
+from moorline.api.guards import JSONBodyRoute, JSONRequest, solved_by
+from moorline.api.routes import runs as runs_routes
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.repos.steps import StepsRepo
 from moorline.runtime.base import InterruptStatus
 from moorline.types import RunStatus, TenantId
-from tests.api.conftest import Api
+from tests.api.conftest import Api, Caller, MakeApi
 
 
 async def test_a_run_shows_its_steps_and_the_decision_it_waits_for(api: Api) -> None:
@@ -178,3 +183,86 @@ async def test_delay_seconds_postpones_the_claim(api: Api) -> None:
     run = await RunsRepo(api.db).get(accepted.json()["run_id"])
     assert run is not None and run.status is RunStatus.QUEUED
     assert 3590 <= (run.not_before - run.created_at).total_seconds() <= 3610
+
+
+# (workflow, credential, content type, body): the trigger route's arguments, fitting or not.
+JSON = "application/json"
+LONG = "w" * 201
+RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+TRIGGERS: list[tuple[str, str | None, str | None, bytes]] = [
+    ("echo", "key", JSON, b'{"input": {"message": "hi"}}'),
+    ("echo", "key", None, b'{"input": {}}'),
+    ("echo", "key", JSON, b'{"input": {}, "idempotency_key": "k-1", "delay_seconds": 1.5}'),
+    ("echo", "key", JSON, b'{"input": {}, "idempotency_key": "k-1", "delay_seconds": 1.5}'),
+    ("echo", "key", JSON, b'{"input": {"message": "other"}, "idempotency_key": "k-1"}'),
+    ("echo", "key", JSON, b'{"input": {}, "conversation_id": "conv-1"}'),
+    ("echo", None, JSON, b'{"input": {}}'),
+    ("echo", None, JSON, b"[]"),
+    ("echo", "Basic dXNlcjpwYXNz", JSON, b'{"input": {}}'),
+    ("echo", "Bearer", JSON, b'{"input": {}}'),
+    ("echo", "Bearer ml_not-a-key", JSON, b"{}"),
+    ("echo", "key", JSON, b""),
+    ("echo", "key", JSON, b"null"),
+    ("echo", "key", JSON, b"[]"),
+    ("echo", "key", JSON, b'"input"'),
+    ("echo", "key", JSON, b"7"),
+    ("echo", "key", JSON, b"{"),
+    ("echo", "key", "text/plain", b'{"input": {}}'),
+    ("echo", "key", JSON, b'{"input": 1}'),
+    ("echo", "key", JSON, b'{"input": {}, "unknown": 1}'),
+    ("echo", "key", JSON, b'{"input": {}, "delay_seconds": -1}'),
+    ("echo", "key", JSON, b'{"input": {}, "delay_seconds": "soon"}'),
+    ("echo", "key", JSON, b'{"input": {}, "idempotency_key": ""}'),
+    ("echo", "key", JSON, b'{"input": {}, "conversation_id": "no spaces allowed"}'),
+    ("echo", "key", JSON, b'{"input": 1, "delay_seconds": -1, "unknown": 1}'),
+    ("echo", "key", JSON, b'{"input": {"message": 5}}'),
+    ("echo", "key", JSON, b'{"input": {"nothing": 5}}'),
+    ("missing", "key", JSON, b'{"input": {}}'),
+    (LONG, "key", JSON, b'{"input": {}}'),
+    (LONG, "key", JSON, b"[]"),
+    (LONG, None, JSON, b"[]"),
+]
+
+
+async def send_trigger(
+    api: Api, caller: Caller, trigger: tuple[str, str | None, str | None, bytes]
+) -> tuple[int, Any]:
+    """A trigger's status and body, its run's own fields (ids, times) left out."""
+    workflow, credential, content_type, body = trigger
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    if credential is not None:
+        headers["Authorization"] = credential.replace("key", f"Bearer {caller.api_key}")
+    response = await api.client.post(
+        f"/v1/workflows/{workflow}/runs", content=body, headers=headers
+    )
+    answer = response.json()
+    if response.status_code in (200, 202):
+        answer = {key: value for key, value in answer.items() if key in ("status", "workflow")}
+    return response.status_code, json.loads(RUN_ID.sub("<run id>", json.dumps(answer)))
+
+
+async def test_a_trigger_is_answered_as_fastapis_own_solver_would_answer_it(
+    make_api: MakeApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The trigger route's arguments are solved by hand (runs.solve_trigger); the same route
+    # with FastAPI's dependency solver must give the same answers, errors and all.
+    solved: list[str] = []
+
+    async def solve(request: JSONRequest) -> dict[str, Any]:
+        solved.append(request.url.path)
+        return await runs_routes.solve_trigger(request)
+
+    monkeypatch.setattr(runs_routes, "TriggerRoute", solved_by(solve))
+    async with make_api() as api:
+        caller = await api.tenant()
+        by_hand = [await send_trigger(api, caller, trigger) for trigger in TRIGGERS]
+        openapi = api.app.openapi()
+    assert len(solved) == len(TRIGGERS) - 2  # all but the two refused before any route runs
+    monkeypatch.setattr(runs_routes, "TriggerRoute", JSONBodyRoute)
+    async with make_api() as api:
+        caller = await api.tenant()
+        by_fastapi = [await send_trigger(api, caller, trigger) for trigger in TRIGGERS]
+        assert api.app.openapi() == openapi
+    assert by_hand == by_fastapi
+    assert [status for status, _ in by_hand].count(202) == 4
+    assert {status for status, _ in by_hand} >= {200, 400, 401, 404, 409, 422}

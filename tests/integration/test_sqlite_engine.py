@@ -490,32 +490,63 @@ async def test_the_write_ahead_log_is_checkpointed_off_the_write_path(
     while size_of(db_path) < manager_module.SQLITE_CHECKPOINT_WAL_BYTES:
         assert time.monotonic() < deadline, "the database file never received the log's pages"
         await asyncio.sleep(0.01)
+    # Once all the log is copied, the next write starts it over and cuts its file back
+    # (journal_size_limit): the file's size says again how much log waits for a checkpoint.
+    # (A connection of our own copies the rest, and stays open: closing the last connection
+    # would remove the log.)
+    keeper = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        keeper.execute("SELECT count(*) FROM blob").fetchone()  # opens the log
+        await sqlite_db.dispose()  # waits for the checkpoint in progress to end
+        keeper.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        assert size_of(Path(f"{db_path}-wal")) > manager_module.SQLITE_CHECKPOINT_WAL_BYTES
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(1))"))
+        assert size_of(Path(f"{db_path}-wal")) <= manager_module.SQLITE_WAL_KEPT_BYTES
+    finally:
+        keeper.close()
 
 
-async def test_the_checkpointer_waits_for_the_log_to_grow_again_and_sees_it_start_over(
-    sqlite_db: DatabaseManager, db_path: Path
+async def test_a_log_that_cannot_start_over_is_not_checkpointed_after_every_write(
+    sqlite_db: DatabaseManager, db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    wal = Path(f"{db_path}-wal")
+    # Under a steady stream of writes the log never starts over, so its file stays past the
+    # checkpoint size. A reader on the newest snapshot does the same here: the checkpoint can
+    # copy all the log, but the log cannot start over under the reader. The next checkpoint is
+    # due once the log has grown by the size again, not after each of the writes meanwhile.
+    started: list[bool] = []
+    checkpoint = manager_module._checkpoint
+
+    def counted(database: str, *, truncate: bool) -> bool:
+        started.append(truncate)
+        return checkpoint(database, truncate=truncate)
+
+    monkeypatch.setattr(manager_module, "_checkpoint", counted)
     async with sqlite_db.transaction() as conn:
         await conn.execute(text("CREATE TABLE blob (id INTEGER PRIMARY KEY, v BLOB)"))
-    chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 4
-    for _ in range(5):
+    chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 2
+    for _ in range(2):
         async with sqlite_db.transaction() as conn:
             await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
-    first = sqlite_db._checkpointer
-    assert first is not None
-    await first
-    # The log is still past the threshold, but has not grown since: no checkpoint per write.
-    assert size_of(wal) >= manager_module.SQLITE_CHECKPOINT_WAL_BYTES
-    assert await sqlite_db.write_statement(text("UPDATE counter SET n = n + 1")) == 1
-    assert sqlite_db._checkpointer is first
-    # Everything was copied, so that write started the log over, and cut its file down
-    # (journal_size_limit): its size again says how much log there is.
-    assert size_of(wal) < chunk
-    for _ in range(5):
+    # The second write started a checkpoint, whose thread runs at the loop's next turn: the
+    # reader's snapshot is the one that checkpoint finds.
+    reader = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM blob").fetchone()
+        await sqlite_db.dispose()  # waits for the checkpoint to end
+        assert started == [False]
+        assert size_of(Path(f"{db_path}-wal")) > manager_module.SQLITE_CHECKPOINT_WAL_BYTES
+        for _ in range(20):
+            async with sqlite_db.transaction() as conn:
+                await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(1))"))
+        assert started == [False]
         async with sqlite_db.transaction() as conn:
-            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
-    assert sqlite_db._checkpointer is not first
+            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": 2 * chunk})
+        await sqlite_db.dispose()
+        assert started == [False, False]
+    finally:
+        reader.close()
 
 
 async def test_a_log_that_readers_keep_from_restarting_is_truncated_past_its_bound(

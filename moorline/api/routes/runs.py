@@ -23,15 +23,25 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from moorline.admission.admit import Admitted, Trigger
-from moorline.api.deps import CallerDep, Services, ServicesDep, StreamSlots, owned_run
+from moorline.api.deps import (
+    CallerDep,
+    Services,
+    ServicesDep,
+    StreamSlots,
+    api_key_scheme,
+    owned_run,
+    tenant_caller,
+)
 from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
-from moorline.api.guards import JSONBodyRoute
+from moorline.api.guards import JSONBodyRoute, JSONRequest, solved_by
 from moorline.api.schemas import (
     CONVERSATION,
     WORKFLOW,
@@ -80,6 +90,7 @@ MAX_PAGE_SIZE = 200
 """A ``limit`` above this is served as this (clamped, not refused)."""
 
 RunIdPath = Annotated[str, Path(max_length=200, description="The run's id.")]
+WorkflowPath = Annotated[str, Path(max_length=200, description="A registered workflow.")]
 
 
 def accepted(run: Run) -> RunAccepted:
@@ -135,14 +146,12 @@ def decode_cursor(text: str) -> RunCursor:
 
 
 async def trigger_run(
-    workflow: Annotated[str, Path(max_length=200, description="A registered workflow.")],
-    body: RunCreate,
-    caller: CallerDep,
-    request: Request,
+    workflow: WorkflowPath, body: RunCreate, caller: CallerDep, request: Request
 ) -> Response:
-    """Start a run: 202 when admitted, 200 for a repeated idempotency key."""
-    # The services off the request, not through ServicesDep: the hot path, where each
-    # dependency FastAPI solves per request counts (see moorline.api.deps.tenant_caller).
+    """Start a run: 202 when admitted, 200 for a repeated idempotency key.
+
+    Its arguments are solved by :func:`solve_trigger`, not by FastAPI (:data:`TriggerRoute`).
+    """
     services: Services = request.app.state.services
     definition = services.workflows.get(workflow)
     admitted = await services.admission.admit(
@@ -158,6 +167,48 @@ async def trigger_run(
         )
     )
     return answer_trigger(admitted)
+
+
+_WORKFLOW_PATH: TypeAdapter[str] = TypeAdapter(WorkflowPath)
+
+
+async def solve_trigger(request: JSONRequest) -> dict[str, Any]:
+    """:func:`trigger_run`'s arguments, as FastAPI's dependency solver would give them.
+
+    The caller first (:func:`~moorline.api.deps.tenant_caller`: 401 before any 422), then
+    the path's workflow and the body, whose errors are FastAPI's (located ``path``, ``body``).
+
+    Raises:
+        Unauthorized: no API key, or one that names no tenant.
+        RequestValidationError: the workflow name or the body does not fit.
+    """
+    caller = await tenant_caller(request, await api_key_scheme(request))
+    errors: list[Any] = []
+    workflow = request.path_params["workflow"]
+    try:
+        workflow = _WORKFLOW_PATH.validate_python(workflow)
+    except ValidationError as exc:
+        errors += _located(exc, ("path", "workflow"))
+    body: RunCreate | None = None
+    if not request.has_body:
+        errors.append({"type": "missing", "loc": ("body",), "msg": "Field required", "input": None})
+    else:
+        try:
+            # from_attributes, as FastAPI validates a body (its errors' wording depends on it).
+            body = RunCreate.model_validate(await request.json(), from_attributes=True)
+        except ValidationError as exc:
+            errors += _located(exc, ("body",))
+    if errors:
+        raise RequestValidationError(errors)
+    return {"workflow": workflow, "body": body, "caller": caller, "request": request}
+
+
+def _located(exc: ValidationError, prefix: tuple[str, ...]) -> list[Any]:
+    return [{**error, "loc": prefix + error["loc"]} for error in exc.errors(include_url=False)]
+
+
+TriggerRoute = solved_by(solve_trigger)
+"""The trigger route's class: FastAPI declares it, :func:`solve_trigger` solves it."""
 
 
 def answer_trigger(admitted: Admitted) -> Response:
@@ -399,6 +450,7 @@ def build_router() -> APIRouter:
         "/workflows/{workflow}/runs",
         trigger_run,
         methods=["POST"],
+        route_class_override=TriggerRoute,
         status_code=202,
         response_model=RunAccepted,
         responses={
