@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import QueuePool, StaticPool
 
-from moorline.db import sqlite_driver
+from moorline.db import mysql_driver, sqlite_driver
 from moorline.db.dialects import (
     DialectName,
     is_read_only_error,
@@ -277,6 +277,22 @@ class DatabaseManager:
         """
         async with self.transaction() as conn:
             yield conn
+
+    async def commit_with_next_statement(self, conn: AsyncConnection) -> None:
+        """Let the next statement on ``conn`` carry its transaction's commit, where it can.
+
+        For a write transaction's last statement, executed once (not an ``executemany``
+        SQLAlchemy may split): MariaDB sends ``COMMIT`` in the same query
+        (:meth:`moorline.db.mysql_driver.Connection.commit_with_next_statement`), a round trip
+        less; the transaction's own commit then sends nothing. Nothing may run in the
+        transaction after that statement. Elsewhere it changes nothing: PostgreSQL's commit
+        has a round trip of its own, and SQLite's statements run inline.
+        """
+        if self.dialect != "mysql":
+            return
+        driver = (await conn.get_raw_connection()).driver_connection
+        if isinstance(driver, mysql_driver.Connection):
+            driver.commit_with_next_statement()
 
     async def write_statement(
         self, statement: Executable, parameters: Mapping[str, Any] | None = None

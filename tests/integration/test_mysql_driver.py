@@ -146,3 +146,52 @@ async def test_a_pooled_connection_the_server_killed_is_replaced_at_checkout(
     async with db.connect() as conn:
         again = (await conn.execute(text("SELECT CONNECTION_ID()"))).scalar_one()
     assert again != thread_id
+
+
+async def test_a_last_statement_carries_its_transactions_commit(
+    one_connection: DatabaseManager,
+) -> None:
+    db = one_connection
+    before = await counters(db)
+    async with db.write_transaction() as conn:
+        thread_id = (await conn.execute(text("SELECT CONNECTION_ID()"))).scalar_one()
+        await conn.execute(text("INSERT INTO probe (k) VALUES (1), (2)"))
+        await db.commit_with_next_statement(conn)
+        # The statement's own result is what the caller reads.
+        changed = await conn.execute(text("UPDATE probe SET k = k + 10 WHERE k > 0"))
+        assert changed.rowcount == 2
+    after = await counters(db)
+    assert after["com_commit"] - before["com_commit"] == 1
+    # The first counters() read's ROLLBACK only: the transaction's close sent none.
+    assert after["com_rollback"] - before["com_rollback"] == 1
+    assert await open_transactions(db, thread_id) == 0
+    async with db.write_transaction() as conn:
+        await db.commit_with_next_statement(conn)
+        returned = await conn.execute(text("INSERT INTO probe (k) VALUES (3) RETURNING k"))
+        assert list(returned.scalars()) == [3]
+    async with db.connect() as conn:
+        found = list((await conn.execute(text("SELECT k FROM probe ORDER BY k"))).scalars())
+    assert found == [3, 11, 12]
+
+
+async def test_a_failed_last_statement_commits_nothing(one_connection: DatabaseManager) -> None:
+    db = one_connection
+    async with db.transaction() as conn:
+        await conn.execute(text("INSERT INTO probe (k) VALUES (1)"))
+    with pytest.raises(IntegrityError):
+        async with db.write_transaction() as conn:
+            await conn.execute(text("INSERT INTO probe (k) VALUES (2)"))
+            await db.commit_with_next_statement(conn)
+            await conn.execute(text("INSERT INTO probe (k) VALUES (1)"))
+    # Asked for, then never used: the next transaction's first statement does not commit.
+    with pytest.raises(RuntimeError):
+        async with db.write_transaction() as conn:
+            await db.commit_with_next_statement(conn)
+            raise RuntimeError("before the last statement")
+    with pytest.raises(IntegrityError):
+        async with db.write_transaction() as conn:
+            await conn.execute(text("INSERT INTO probe (k) VALUES (3)"))
+            await conn.execute(text("INSERT INTO probe (k) VALUES (1)"))
+    async with db.connect() as conn:
+        found = list((await conn.execute(text("SELECT k FROM probe ORDER BY k"))).scalars())
+    assert found == [1]

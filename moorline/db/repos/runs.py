@@ -473,6 +473,7 @@ class RunsRepo:
         if status is RunStatus.QUEUED:
             ids = [row["id"] for row in rows]
             event = {"ids": ids, "type": EVENT_QUEUED, "data": {}}
+            await self._db.commit_with_next_statement(conn)
             await conn.execute(events_from_runs_statement(), event)
         by_id: dict[str, Run] = {}
         for param in params:
