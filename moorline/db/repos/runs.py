@@ -797,21 +797,33 @@ class RunsRepo:
                     finish = _finish_of(outcome, now, held.started_at)
                     groups.setdefault(finish.kind, []).append(finish)
                     applied[index] = True
-                for kind, group in groups.items():
-                    for offset in range(0, len(group), _FINISH_CHUNK):
-                        chunk = group[offset : offset + _FINISH_CHUNK]
-                        await self._finish_group_txn(conn, kind, chunk, now)
+                chunks = [
+                    (kind, group[offset : offset + _FINISH_CHUNK])
+                    for kind, group in groups.items()
+                    for offset in range(0, len(group), _FINISH_CHUNK)
+                ]
+                for index, (kind, chunk) in enumerate(chunks):
+                    is_last = index == len(chunks) - 1
+                    await self._finish_group_txn(conn, kind, chunk, now, is_last=is_last)
             return applied
 
         return await self._db.with_retry(write)
 
     async def _finish_group_txn(
-        self, conn: AsyncConnection, kind: str, group: Sequence["_Finish"], now: datetime
+        self,
+        conn: AsyncConnection,
+        kind: str,
+        group: Sequence["_Finish"],
+        now: datetime,
+        *,
+        is_last: bool,
     ) -> None:
         """End ``group`` (outcomes of one kind) with one UPDATE, then append their events.
 
         The UPDATE carries every fence and its rowcount is checked; the rows are locked (or,
         on SQLite, the whole database is), so every fence found holding still holds here.
+        ``is_last``: the transaction ends after this group, so an events statement executed
+        once may carry its commit (``DatabaseManager.commit_with_next_statement``).
         """
         stmt, params = _finish_statement(kind, group, now)
         result = await conn.execute(stmt, params)
@@ -823,6 +835,8 @@ class RunsRepo:
             # UPDATE just stored: one INSERT … SELECT reads each run's next seq itself.
             ids = [finish.fence.run_id for finish in group]
             params = {"ids": ids, "type": kind, "data": _EVENT_DATA.get(kind)}
+            if is_last:
+                await self._db.commit_with_next_statement(conn)
             await conn.execute(events_from_runs_statement(data_from_error=from_error), params)
             return
         items = [(f.fence.run_id, f.fence.attempt, kind, f.event_data) for f in group]
