@@ -72,8 +72,9 @@ class Settings(BaseSettings):
     db_pool_pre_ping: bool = True
     """Check a pooled connection before handing it out, dropping dead ones.
 
-    MariaDB/MySQL: a ping (one round trip). PostgreSQL: asyncpg's own record of whether the
-    server closed the connection, read without a round trip (see ``DatabaseManager``).
+    The driver's own record of whether the server closed the connection, read without a round
+    trip (asyncpg's; aiomysql's reader, see ``moorline.db.mysql_driver`` and
+    ``DatabaseManager``).
     """
 
     db_retry_base: float = Field(default=1.0, ge=0)

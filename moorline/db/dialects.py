@@ -94,6 +94,35 @@ def transaction_time(
     return type_coerce(start, UTCDateTime()), type_coerce(later, UTCDateTime())
 
 
+def statement_time(
+    dialect: Dialect,
+) -> tuple[ColumnElement[datetime], ColumnElement[datetime]] | None:
+    """For an INSERT that returns what it stored: the database's time, and it plus ``delay_us``.
+
+    The same value for every row of the statement (its start), so the INSERT stamps its rows
+    and returns the time, instead of a ``SELECT`` of the time going first (a round trip). The
+    second expression adds the bound integer parameter ``delay_us`` microseconds exactly.
+    MariaDB from 10.5 (``INSERT … RETURNING``; SQLAlchemy's ``insert_returning``, set from the
+    server's version) only: MySQL has no ``RETURNING``, PostgreSQL has :func:`transaction_time`
+    for one statement that writes the run and its event, and SQLite's time read is no round
+    trip. None elsewhere.
+    """
+    if dialect_name_of(dialect) != "mysql" or not dialect.insert_returning:
+        return None
+    return _mysql_statement_time()
+
+
+@functools.cache
+def _mysql_statement_time() -> tuple[ColumnElement[datetime], ColumnElement[datetime]]:
+    # UTC_TIMESTAMP is evaluated once per statement, at its start, like NOW().
+    later = func.timestampadd(
+        literal_column("MICROSECOND"),
+        bindparam("delay_us", type_=BigInteger()),
+        func.utc_timestamp(6),
+    )
+    return db_now("mysql"), type_coerce(later, UTCDateTime())
+
+
 @functools.cache
 def select_db_now(name: DialectName) -> Select[Any]:
     """``SELECT`` of the database's current time, built once per dialect."""

@@ -2,9 +2,10 @@
 
 PostgreSQL and MySQL connections are opened by :func:`make_failover_creator` through
 SQLAlchemy's ``async_creator`` hook, which bypasses the dialect's own URL translation and calls
-``asyncpg.connect`` / ``aiomysql.connect`` directly. Those signatures take no arbitrary keyword
-arguments, so every query key is checked against a whitelist and converted to the driver's
-type here, at start: a typo fails at once instead of at the first failover (seed 000).
+``asyncpg.connect`` / ``aiomysql.connect`` (as :func:`moorline.db.mysql_driver.connect`)
+directly. Those signatures take no arbitrary keyword arguments, so every query key is checked
+against a whitelist and converted to the driver's type here, at start: a typo fails at once
+instead of at the first failover (seed 000).
 
 The whitelist (anything else is a :class:`~moorline.errors.ConfigError` naming the key):
 
@@ -390,9 +391,9 @@ async def _connect(target: ConnectTarget, timeout_s: float) -> Any:
         import asyncpg
 
         return await asyncpg.connect(**target.kwargs, timeout=timeout_s)
-    import aiomysql
+    from moorline.db import mysql_driver
 
-    return await aiomysql.connect(**target.kwargs, connect_timeout=timeout_s)
+    return await mysql_driver.connect(**target.kwargs, connect_timeout=timeout_s)
 
 
 def _describe(exc: Exception, target: ConnectTarget, timeout_s: float) -> str:

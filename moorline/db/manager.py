@@ -5,8 +5,10 @@
   that reads and then writes fails with ``SQLITE_BUSY`` at once, without honouring
   ``busy_timeout``, when another writer got there first. ``:memory:`` lives on one static
   connection because every new connection would see an empty database.
-- PostgreSQL (asyncpg) and MySQL/MariaDB (aiomysql): a pool whose new connections come from
-  the primary-first failover creator of :mod:`moorline.db.dsn`.
+- PostgreSQL (asyncpg) and MySQL/MariaDB (aiomysql, as :mod:`moorline.db.mysql_driver`
+  adapts it): a pool whose new connections come from the primary-first failover creator of
+  :mod:`moorline.db.dsn`. A checkout costs no round trip on either (see ``_drop_closed``), nor
+  does returning a connection with no transaction open.
 
 ``session()`` only opens and closes. Repository methods own their (short) transactions through
 :meth:`DatabaseManager.transaction` (writes) and :meth:`DatabaseManager.connect` (reads).
@@ -44,7 +46,7 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.pool import QueuePool, StaticPool
 from sqlalchemy.util import greenlet_spawn
 
-from moorline.db import sqlite_driver
+from moorline.db import mysql_driver, sqlite_driver
 from moorline.db.dialects import (
     DialectName,
     is_read_only_error,
@@ -154,7 +156,6 @@ class DatabaseManager:
             "postgresql+asyncpg://" if self.targets[0].driver == "postgres" else "mysql+aiomysql://"
         )
         isolation = write_isolation_level(self.dialect)
-        is_postgres = self.targets[0].driver == "postgres"
         engine = create_async_engine(
             dialect_url,
             async_creator=make_failover_creator(self.targets),
@@ -162,28 +163,30 @@ class DatabaseManager:
             max_overflow=s.db_max_overflow,
             pool_timeout=s.db_pool_timeout,
             pool_recycle=int(s.db_pool_recycle),
-            # PostgreSQL checks its connections at checkout below, without a round trip.
-            pool_pre_ping=s.db_pool_pre_ping and not is_postgres,
+            # Connections are checked at checkout below, without a round trip.
+            pool_pre_ping=False,
             isolation_level="AUTOCOMMIT" if autocommit else isolation,
         )
 
-        if is_postgres and s.db_pool_pre_ping:
+        if s.db_pool_pre_ping:
 
             @event.listens_for(engine.sync_engine, "checkout")
             def _drop_closed(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
-                # The pre-ping of SQLAlchemy's asyncpg dialect is three round trips (BEGIN,
-                # ";", ROLLBACK) on every checkout: a quarter of a one-run submit's CPU, most of
-                # it in socket writes. What it catches, a connection the server closed (a
-                # restart, a failover, a terminated backend), asyncpg already knows without
-                # asking: the server's FIN or FATAL message marks the connection closed as soon
-                # as the event loop reads it, before the next checkout. Raising
-                # DisconnectionError here makes the pool discard it and check out another
-                # (a new one from the failover creator). The rest is as with the ping: a
-                # connection lost between this check and its statement fails that statement
-                # as a disconnect, which invalidates the pool, and with_retry retries it (a
-                # pinged connection can die just after its ping too); a node demoted under a
-                # live connection is caught by _discard_read_only below, which the ping never
-                # caught (``;`` succeeds on a standby).
+                # SQLAlchemy's pre-ping is a round trip on every checkout: three on asyncpg
+                # (BEGIN, ";", ROLLBACK), a quarter of a one-run submit's CPU, and a COM_PING
+                # on aiomysql, one of a claim's seven. What it catches, a connection the
+                # server closed (a restart, a failover, a terminated or killed backend), both
+                # drivers already know without asking: the server's FIN, FATAL or error
+                # packet marks the connection closed as soon as the event loop reads it,
+                # before the next checkout (asyncpg's is_closed(); aiomysql's reader state, as
+                # moorline.db.mysql_driver exposes it). Raising DisconnectionError here makes
+                # the pool discard it and check out another (a new one from the failover
+                # creator). The rest is as with the ping: a connection lost between this check
+                # and its statement fails that statement as a disconnect, which invalidates
+                # the pool, and with_retry retries it (a pinged connection can die just after
+                # its ping too); a node demoted under a live connection is caught by
+                # _discard_read_only below, which the ping never caught (``;`` succeeds on a
+                # standby).
                 if dbapi_connection.driver_connection.is_closed():
                     raise DisconnectionError("the server closed this pooled connection")
 
@@ -292,6 +295,22 @@ class DatabaseManager:
         """
         async with self.transaction() as conn:
             yield conn
+
+    async def commit_with_next_statement(self, conn: AsyncConnection) -> None:
+        """Let the next statement on ``conn`` carry its transaction's commit, where it can.
+
+        For a write transaction's last statement, executed once (not an ``executemany``
+        SQLAlchemy may split): MariaDB sends ``COMMIT`` in the same query
+        (:meth:`moorline.db.mysql_driver.Connection.commit_with_next_statement`), a round trip
+        less; the transaction's own commit then sends nothing. Nothing may run in the
+        transaction after that statement. Elsewhere it changes nothing: PostgreSQL's commit
+        has a round trip of its own, and SQLite's statements run inline.
+        """
+        if self.dialect != "mysql":
+            return
+        driver = (await conn.get_raw_connection()).driver_connection
+        if isinstance(driver, mysql_driver.Connection):
+            driver.commit_with_next_statement()
 
     async def write_statement(
         self, statement: Executable, parameters: Mapping[str, Any] | None = None

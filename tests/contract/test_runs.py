@@ -113,6 +113,22 @@ async def test_submitted_runs_are_claimed_in_priority_order(
     assert [c.run.priority for c in claimed] == [100, 50, 10]
 
 
+async def test_a_delay_counts_from_the_time_a_run_was_stored(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = RunsRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    delay = timedelta(seconds=1.2345678)  # what timedelta keeps: whole microseconds
+    # A batch, then one run alone (PostgreSQL writes a lone run with one statement).
+    stored = await repo.submit_many(
+        [new_run(tenant, lane, delay_s=1.2345678), new_run(tenant, lane)]
+    )
+    stored += await repo.submit_many([new_run(tenant, lane, delay_s=1.2345678)])
+    assert [run.not_before - run.created_at for run in stored] == [delay, timedelta(0), delay]
+    assert await repo.get_many([run.run_id for run in stored]) == {r.run_id: r for r in stored}
+
+
 async def test_input_hash_is_sha256_of_canonical_json() -> None:
     value: JSONObject = {"b": [1, 2.5, "ü"], "a": {"y": None, "x": True}}
     canonical = '{"a":{"x":true,"y":null},"b":[1,2.5,"ü"]}'

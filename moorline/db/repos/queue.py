@@ -316,6 +316,7 @@ class QueueRepo:
             if claims:
                 ids = [claim.fence.run_id for claim in claims]
                 params = {"ids": ids, "type": EVENT_STARTED, "data": {}}
+                await self._db.commit_with_next_statement(conn)
                 await conn.execute(events_from_runs_statement(), params)
         taken: Counter[str] = Counter(claim.run.tenant_id for claim in claims)
         is_capped = any(
