@@ -53,6 +53,17 @@ def size_of(path: Path) -> int:
     return os.path.getsize(path)
 
 
+async def create_blob_table(db: DatabaseManager) -> None:
+    async with db.transaction() as conn:
+        await conn.execute(text("CREATE TABLE blob (id INTEGER PRIMARY KEY, v BLOB)"))
+
+
+async def write_blob(db: DatabaseManager, size: int) -> None:
+    """One transaction adding about ``size`` bytes to the log."""
+    async with db.transaction() as conn:
+        await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": size})
+
+
 def raw_connection(db_path: Path) -> sqlite3.Connection:
     """A second, independent writer that gives up at once instead of waiting for the lock."""
     conn = sqlite3.connect(db_path, timeout=0, isolation_level=None)
@@ -480,12 +491,10 @@ async def test_the_write_ahead_log_is_checkpointed_off_the_write_path(
     # log into the database file once it passes its size, while the connections stay open.
     async with sqlite_db.connect() as conn:
         assert (await conn.execute(text("PRAGMA wal_autocheckpoint"))).scalar_one() == 0
-    async with sqlite_db.transaction() as conn:
-        await conn.execute(text("CREATE TABLE blob (id INTEGER PRIMARY KEY, v BLOB)"))
+    await create_blob_table(sqlite_db)
     chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 4
     for _ in range(6):
-        async with sqlite_db.transaction() as conn:
-            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
+        await write_blob(sqlite_db, chunk)
     deadline = time.monotonic() + 10
     while size_of(db_path) < manager_module.SQLITE_CHECKPOINT_WAL_BYTES:
         assert time.monotonic() < deadline, "the database file never received the log's pages"
@@ -500,8 +509,7 @@ async def test_the_write_ahead_log_is_checkpointed_off_the_write_path(
         await sqlite_db.dispose()  # waits for the checkpoint in progress to end
         keeper.execute("PRAGMA wal_checkpoint(PASSIVE)")
         assert size_of(Path(f"{db_path}-wal")) > manager_module.SQLITE_CHECKPOINT_WAL_BYTES
-        async with sqlite_db.transaction() as conn:
-            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(1))"))
+        await write_blob(sqlite_db, 1)
         assert size_of(Path(f"{db_path}-wal")) <= manager_module.SQLITE_WAL_KEPT_BYTES
     finally:
         keeper.close()
@@ -522,12 +530,10 @@ async def test_a_log_that_cannot_start_over_is_not_checkpointed_after_every_writ
         return checkpoint(database, truncate=truncate)
 
     monkeypatch.setattr(manager_module, "_checkpoint", counted)
-    async with sqlite_db.transaction() as conn:
-        await conn.execute(text("CREATE TABLE blob (id INTEGER PRIMARY KEY, v BLOB)"))
+    await create_blob_table(sqlite_db)
     chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 2
     for _ in range(2):
-        async with sqlite_db.transaction() as conn:
-            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
+        await write_blob(sqlite_db, chunk)
     # The second write started a checkpoint, whose thread runs at the loop's next turn: the
     # reader's snapshot is the one that checkpoint finds.
     reader = sqlite3.connect(db_path, isolation_level=None)
@@ -538,11 +544,9 @@ async def test_a_log_that_cannot_start_over_is_not_checkpointed_after_every_writ
         assert started == [False]
         assert size_of(Path(f"{db_path}-wal")) > manager_module.SQLITE_CHECKPOINT_WAL_BYTES
         for _ in range(20):
-            async with sqlite_db.transaction() as conn:
-                await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(1))"))
+            await write_blob(sqlite_db, 1)
         assert started == [False]
-        async with sqlite_db.transaction() as conn:
-            await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": 2 * chunk})
+        await write_blob(sqlite_db, 2 * chunk)
         await sqlite_db.dispose()
         assert started == [False, False]
     finally:
@@ -556,24 +560,21 @@ async def test_a_log_that_readers_keep_from_restarting_is_truncated_past_its_bou
     # letting the log start over. Past its bound the checkpointer waits for them (TRUNCATE).
     monkeypatch.setattr(manager_module, "SQLITE_TRUNCATE_WAL_BYTES", 6 * 1024 * 1024)
     wal = Path(f"{db_path}-wal")
-    async with sqlite_db.transaction() as conn:
-        await conn.execute(text("CREATE TABLE blob (id INTEGER PRIMARY KEY, v BLOB)"))
+    await create_blob_table(sqlite_db)
     reader = sqlite3.connect(db_path, isolation_level=None)
     try:
         reader.execute("BEGIN")
         reader.execute("SELECT count(*) FROM counter").fetchone()  # holds an old snapshot
         chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 2
         for _ in range(4):
-            async with sqlite_db.transaction() as conn:
-                await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(:n))"), {"n": chunk})
+            await write_blob(sqlite_db, chunk)
         assert size_of(wal) > manager_module.SQLITE_TRUNCATE_WAL_BYTES
         reader.execute("COMMIT")  # the reader moves on
         deadline = time.monotonic() + 10
         while size_of(wal) > manager_module.SQLITE_CHECKPOINT_WAL_BYTES:
             assert time.monotonic() < deadline, f"the log stayed at {size_of(wal)} bytes"
             # Writes go on, and each one looks at the log's size.
-            async with sqlite_db.transaction() as conn:
-                await conn.execute(text("INSERT INTO blob (v) VALUES (zeroblob(1))"))
+            await write_blob(sqlite_db, 1)
             await asyncio.sleep(0.01)
     finally:
         reader.close()
