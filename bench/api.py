@@ -29,9 +29,15 @@ the rounds: steadier than latency on a busy machine, and they tell which side is
 ``--profile DIR`` runs the server under cProfile and writes ``DIR/<backend>.prof`` at its exit,
 to find the trigger path's hot spots.
 
+``--baseline DIR`` compares this source tree with another one (a ``git worktree`` of the
+commit to compare against): both servers run side by side, each on its own database and Redis
+prefix, and their rounds alternate, so that both see the same moments of a machine whose speed
+drifts from minute to minute. Each (backend, C) then has two lines, ``this`` and ``baseline``,
+and the ratio of their medians.
+
     .venv/bin/python bench/api.py [--triggers 2000] [--warmup 200] [--rounds 3]
         [--clients 8,64] [--backends sqlite,postgresql] [--client raw|moorline]
-        [--profile DIR]
+        [--profile DIR] [--baseline DIR]
 """
 
 import argparse
@@ -115,7 +121,11 @@ class Server:
 
 @asynccontextmanager
 async def serving(
-    settings: dict[str, str], profile: Path | None, *, floor: bool = False
+    settings: dict[str, str],
+    profile: Path | None,
+    *,
+    floor: bool = False,
+    source: Path = SOURCE_ROOT,
 ) -> AsyncIterator[Server]:
     """A ``moorline serve --workers 0`` process with ``settings``: its URL and pid.
 
@@ -125,13 +135,13 @@ async def serving(
     """
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
     env.update(settings)
     profiler = [] if profile is None else ["-m", "cProfile", "-o", str(profile)]
     command = [sys.executable, *profiler]
     if floor:
         command += ["-m", "uvicorn", "api:floor_app", "--factory"]
-        command += ["--app-dir", str(SOURCE_ROOT / "bench")]
+        command += ["--app-dir", str(source / "bench")]
         command += ["--loop", "uvloop", "--http", "httptools", "--port", str(port)]
     else:
         command += ["-m", "moorline", "serve", "--port", str(port), "--workers", "0"]
@@ -282,66 +292,94 @@ def floor_app() -> Any:
 
 
 async def measure(
-    server: Server, args: argparse.Namespace, *, floor: bool = False
-) -> dict[int, list[Round]]:
-    api_key = "none"
+    servers: list[Server], args: argparse.Namespace, *, floor: bool = False
+) -> list[dict[int, list[Round]]]:
+    """The rounds of each server; with several, their rounds alternate (see ``--baseline``)."""
+    keys = ["none"] * len(servers)
     if not floor:
-        async with Client(server.url, admin_token=ADMIN_TOKEN) as admin:
-            tenant = await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")
-        api_key = tenant.api_key
-    results: dict[int, list[Round]] = {}
+        for index, server in enumerate(servers):
+            async with Client(server.url, admin_token=ADMIN_TOKEN) as admin:
+                tenant = await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")
+            keys[index] = tenant.api_key
+    results: list[dict[int, list[Round]]] = [{} for _ in servers]
     async with AsyncExitStack() as stack:
         for clients in args.clients:
-            if args.client == "moorline":
-                client = await stack.enter_async_context(
-                    Client(server.url, api_key, timeout_s=60.0)
-                )
-
-                async def send(client: Client = client) -> None:
-                    await client.trigger("echo", {"message": "bench"})
-
-                senders: list[Send] = [send] * clients
-            else:
-                connections = [RawConnection(server.url, api_key) for _ in range(clients)]
-                for connection in connections:
-                    stack.push_async_callback(connection.close)
-                senders = [connection.trigger for connection in connections]
-            await trigger_round(senders, args.warmup, server.pid)
-            results[clients] = [
-                await trigger_round(senders, args.triggers, server.pid) for _ in range(args.rounds)
+            senders = [
+                await senders_for(server, key, clients, args.client, stack)
+                for server, key in zip(servers, keys, strict=True)
             ]
+            for server, sending in zip(servers, senders, strict=True):
+                await trigger_round(sending, args.warmup, server.pid)
+                results[servers.index(server)][clients] = []
+            for _ in range(args.rounds):
+                for index, server in enumerate(servers):
+                    rounds = results[index][clients]
+                    rounds.append(await trigger_round(senders[index], args.triggers, server.pid))
     return results
 
 
-async def run_backend(backend: str, args: argparse.Namespace, root: Path) -> dict[int, list[Round]]:
+async def senders_for(
+    server: Server, api_key: str, clients: int, kind: str, stack: AsyncExitStack
+) -> list[Send]:
+    """One sender per concurrent client, closed with ``stack``."""
+    if kind == "moorline":
+        client = await stack.enter_async_context(Client(server.url, api_key, timeout_s=60.0))
+
+        async def send() -> None:
+            await client.trigger("echo", {"message": "bench"})
+
+        return [send] * clients
+    connections = [RawConnection(server.url, api_key) for _ in range(clients)]
+    for connection in connections:
+        stack.push_async_callback(connection.close)
+    return [connection.trigger for connection in connections]
+
+
+async def run_backend(
+    backend: str, args: argparse.Namespace, root: Path, sources: list[Path]
+) -> list[dict[int, list[Round]]]:
+    """Start one server per source tree on ``backend``, then measure them together."""
     if backend == "floor":
-        async with serving({}, None, floor=True) as server:
-            return await measure(server, args, floor=True)
+        async with AsyncExitStack() as stack:
+            servers = [
+                await stack.enter_async_context(serving({}, None, floor=True, source=source))
+                for source in sources
+            ]
+            return await measure(servers, args, floor=True)
 
-    async def on(url: str) -> dict[int, list[Round]]:
-        settings = {
-            "MOORLINE_DATABASE_URL": url,
-            "MOORLINE_ADMIN_TOKEN": ADMIN_TOKEN,
-            "MOORLINE_PLANS_FILE": str(root / "plans.yaml"),
-            "MOORLINE_APP": "moorline.examples.app:app",
-        }
-        prefix = f"bench_{uuid.uuid4().hex[:10]}"
-        if backend == "postgresql":
-            db = DatabaseManager(Settings(database_url=url))
-            try:
-                await upgrade(db)
-            finally:
-                await db.dispose()
-            settings |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
-        profile = None if args.profile is None else args.profile / f"{backend}.prof"
-        try:
-            async with serving(settings, profile) as server:
-                return await measure(server, args)
-        finally:
+    async def start(servers: list[Server]) -> list[dict[int, list[Round]]]:
+        if len(servers) == len(sources):
+            return await measure(servers, args)
+        source = sources[len(servers)]
+
+        async def on(url: str) -> list[dict[int, list[Round]]]:
+            settings = {
+                "MOORLINE_DATABASE_URL": url,
+                "MOORLINE_ADMIN_TOKEN": ADMIN_TOKEN,
+                "MOORLINE_PLANS_FILE": str(root / "plans.yaml"),
+                "MOORLINE_APP": "moorline.examples.app:app",
+            }
+            prefix = f"bench_{uuid.uuid4().hex[:10]}"
             if backend == "postgresql":
-                await delete_keys(prefix)
+                db = DatabaseManager(Settings(database_url=url))
+                try:
+                    await upgrade(db)
+                finally:
+                    await db.dispose()
+                settings |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
+            profile = None
+            if args.profile is not None:
+                profile = args.profile / f"{backend}{'' if not servers else '-baseline'}.prof"
+            try:
+                async with serving(settings, profile, source=source) as server:
+                    return await start([*servers, server])
+            finally:
+                if backend == "postgresql":
+                    await delete_keys(prefix)
 
-    return await on_fresh_database(backend, on)
+        return await on_fresh_database(backend, on)
+
+    return await start([])
 
 
 async def delete_keys(prefix: str) -> None:
@@ -354,8 +392,34 @@ async def delete_keys(prefix: str) -> None:
         await redis.aclose()
 
 
-def report(backend: str, results: dict[int, list[Round]]) -> None:
+def report(backend: str, results: list[dict[int, list[Round]]]) -> None:
     label = {"sqlite": "sqlite", "floor": "floor (no app)"}.get(backend, "postgresql+redis")
+    if len(results) == 1:
+        report_lines(label, results[0])
+        return
+    this, baseline = results
+    report_lines(f"{label} this", this)
+    report_lines(f"{label} baseline", baseline)
+    for clients in this:
+
+        def ratio(of: Callable[[Round], float], clients: int = clients) -> float:
+            return statistics.median(map(of, this[clients])) / statistics.median(
+                map(of, baseline[clients])
+            )
+
+        ratios = [
+            ratio(lambda r: r.percentile(0.50)),
+            ratio(lambda r: r.rate_per_s),
+            ratio(lambda r: r.server_cpu_ms),
+        ]
+        print(
+            f"{label:26} {clients:3} clients  this / baseline: p50 {ratios[0]:.2f}, "
+            f"triggers/s {ratios[1]:.2f}, server CPU per trigger {ratios[2]:.2f}",
+            flush=True,
+        )
+
+
+def report_lines(label: str, results: dict[int, list[Round]]) -> None:
     for clients, rounds in results.items():
         p50 = [r.percentile(0.50) for r in rounds]
         p99 = [r.percentile(0.99) for r in rounds]
@@ -363,9 +427,9 @@ def report(backend: str, results: dict[int, list[Round]]) -> None:
         server = statistics.median(r.server_cpu_ms for r in rounds)
         client = statistics.median(r.client_cpu_ms for r in rounds)
         print(
-            f"{label:17} {clients:3} clients  p50 {summary(p50, ' ms'):24}  "
+            f"{label:26} {clients:3} clients  p50 {summary(p50, ' ms'):24}  "
             f"p99 {summary(p99, ' ms'):24}  {summary(rate)}  "
-            f"CPU/trigger server {server:.1f} ms, client {client:.1f} ms",
+            f"CPU/trigger server {server:.2f} ms, client {client:.2f} ms",
             flush=True,
         )
 
@@ -388,7 +452,14 @@ async def main() -> None:
         help="raw: one kept-alive HTTP/1.1 connection per client; moorline: moorline.Client.",
     )
     parser.add_argument("--profile", type=Path, default=None, help="Directory for cProfile.")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="Another source tree to measure side by side, rounds alternating.",
+    )
     args = parser.parse_args()
+    sources = [SOURCE_ROOT] if args.baseline is None else [SOURCE_ROOT, args.baseline.resolve()]
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     print(
@@ -401,7 +472,7 @@ async def main() -> None:
         root = Path(folder)
         (root / "plans.yaml").write_text(PLANS_YAML, encoding="utf-8")
         for backend in args.backends:
-            report(backend, await run_backend(backend, args, root))
+            report(backend, await run_backend(backend, args, root, sources))
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
