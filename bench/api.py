@@ -151,6 +151,9 @@ async def serving(
     process = await asyncio.create_subprocess_exec(
         *command,
         env=env,
+        # In the source tree: ``python -m`` puts the working directory first on sys.path, so
+        # from anywhere else the server would import that directory's moorline, not source's.
+        cwd=source,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=log,
     )
