@@ -22,6 +22,13 @@ Submitter with its :class:`~moorline.db.repos.quotas.QuotaClaim`, and the batch 
 that stores it takes its unit, or stores it ``rate_limited``. Nothing is given back then: a run
 that fails to be stored rolls its unit back with it.
 
+With counters in Redis the Submitter has a gate (:mod:`moorline.admission.gate`) that takes the
+units of a whole batch in one round trip before its transaction, and gives back those of runs
+the transaction did not store. A trigger with nothing to look up (no idempotency key, no
+conversation: most of them) hands the gate its rate-limit hit too, so steps 1, 5 and 6 are
+settled by its batch and the trigger pays no Redis round trip of its own; its input is checked
+before, and an invalid one is still counted against the rate limit (and refused 429 over it).
+
 Steps 3 and 4 are reads that come before the quota, so a retried request or a refused one
 never takes a unit, and ``GET /v1/usage`` shows only units of stored runs. What makes them
 safe under concurrency:
@@ -53,9 +60,15 @@ from moorline.db.repos.listing import RunListing
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo, hash_input
-from moorline.dispatch.submit import Submitter, new_run_for_plan
+from moorline.dispatch.submit import RateClaim, Submitter, new_run_for_plan
 from moorline.engine.registry import WorkflowDefinition
-from moorline.errors import ConversationBusy, IdempotencyConflict, QuotaExceeded, RateLimited
+from moorline.errors import (
+    ConversationBusy,
+    IdempotencyConflict,
+    InvalidInput,
+    QuotaExceeded,
+    RateLimited,
+)
 from moorline.observability.metrics import Metrics
 from moorline.plans import Plan
 from moorline.types import JSONObject, RunStatus, TenantId
@@ -165,13 +178,11 @@ class Admission:
             QuotaExceeded: the daily quota is used up; the run was stored ``rate_limited``.
             BackendUnavailable: the quota store did not answer; nothing was stored.
         """
-        try:
-            rate = await self._rate_limiter.hit(trigger.rate_identity, trigger.plan.rate_limit)
-        except RateLimited:
-            self._rejections.labels(reason=RateLimited.code).inc()
-            raise
+        keys = _lock_keys(trigger)
+        if not keys and self._submitter.is_gated:
+            return await self._admit_with_batch(trigger)
+        rate = await self._hit(trigger)
         checked = replace(trigger, input=trigger.workflow.validate_input(trigger.input))
-        keys = _lock_keys(checked)
         if not keys:
             # No idempotency key and no conversation (most triggers): nothing to look up first
             # and no lock to hold, so not even the cost of entering an empty set of them.
@@ -189,6 +200,38 @@ class Admission:
                     raise ConversationBusy(checked.conversation_id, active)
             run, created = await self._shielded(self._take_and_store(checked))
         return Admitted(run=run, created=created, rate=rate)
+
+    async def _hit(self, trigger: Trigger) -> RateLimitState | None:
+        """Count the trigger against its credential's rate limit, on its own."""
+        try:
+            return await self._rate_limiter.hit(trigger.rate_identity, trigger.plan.rate_limit)
+        except RateLimited:
+            self._rejections.labels(reason=RateLimited.code).inc()
+            raise
+
+    async def _admit_with_batch(self, trigger: Trigger) -> Admitted:
+        """Decide a trigger with nothing to look up first, its counters settled by its batch.
+
+        The Submitter's gate counts the rate-limit hit and takes the quota unit together with
+        those of the other runs of the batch (see :mod:`moorline.admission.gate`), so the
+        decision is steps 1, 5 and 6 in one place and nothing needs shielding: once the batch
+        holds the run, the Submitter takes, stores or gives back its unit whether or not the
+        caller still waits.
+        """
+        try:
+            checked = replace(trigger, input=trigger.workflow.validate_input(trigger.input))
+        except InvalidInput:
+            # Counted, and refused over the limit (429 before 422), as on the unbatched path.
+            await self._hit(trigger)
+            raise
+        rate = RateClaim(identity=trigger.rate_identity, rate=trigger.plan.rate_limit)
+        try:
+            run, created = await self._take_and_store(checked, rate)
+        except RateLimited:
+            self._rejections.labels(reason=RateLimited.code).inc()
+            raise
+        state = rate.state if isinstance(rate.state, RateLimitState) else None
+        return Admitted(run=run, created=created, rate=state)
 
     async def usage(self, tenant_id: TenantId, plan: Plan) -> Usage:
         """The tenant's quota today: the plan's quota, units taken, and when it resets."""
@@ -241,7 +284,9 @@ class Admission:
             )
         return run
 
-    async def _take_and_store(self, trigger: Trigger) -> tuple[Run, bool]:
+    async def _take_and_store(
+        self, trigger: Trigger, rate: RateClaim | None = None
+    ) -> tuple[Run, bool]:
         now = self._clock()
         day = quota_day(now)
         plan = trigger.plan
@@ -262,9 +307,9 @@ class Admission:
             f"in {retry_after_s}s"
         )
         refusal: JSONObject = {"code": QuotaExceeded.code, "message": message}
-        if self._quotas.taken_with_runs:
+        if self._quotas.taken_with_runs or self._submitter.is_gated:
             claim = QuotaClaim(day=day, limit=plan.daily_quota, refusal=refusal)
-            run, created = await self._store_with_unit(trigger, new, claim)
+            run, created = await self._store_with_unit(trigger, new, claim, rate)
             if run.status is RunStatus.RATE_LIMITED:
                 raise self._refused(run, message, retry_after_s)
             return run, created
@@ -287,18 +332,22 @@ class Admission:
             raise
 
     async def _store_with_unit(
-        self, trigger: Trigger, new: NewRun, claim: QuotaClaim
+        self, trigger: Trigger, new: NewRun, claim: QuotaClaim, rate: RateClaim | None
     ) -> tuple[Run, bool]:
-        """Store the run taking its unit in the same transaction (counters in the database).
+        """Store the run, its unit taken by the batch that stores it.
+
+        The unit is taken in the batch's transaction (counters in the database) or by the
+        Submitter's gate (counters in Redis), and with ``rate`` the gate counts the rate-limit
+        hit first.
 
         Returns:
             The run (``rate_limited`` when the quota refused it), and whether it is new.
         """
         try:
-            return await self._submitter.submit(new, quota=claim), True
+            return await self._submitter.submit(new, quota=claim, rate=rate), True
         except IdempotencyConflict:
             # Another process stored a run under this key since the check above; the failed
-            # transaction took no unit.
+            # transaction took no unit, or the Submitter gave the gate's back.
             earlier = await self._earlier_run(trigger)
             if earlier is None:
                 raise

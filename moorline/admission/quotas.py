@@ -22,12 +22,12 @@ clock; the quota resets at 00:00 UTC.
 """
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Protocol
 
 from moorline.db.manager import DatabaseManager
-from moorline.db.repos.quotas import QuotasRepo
+from moorline.db.repos.quotas import QuotaClaim, QuotasRepo
 from moorline.errors import BackendUnavailable, ConfigError
 from moorline.runtime.keys import RedisKeys
 from moorline.settings import Settings
@@ -163,7 +163,7 @@ class RedisQuotaStore(QuotaStore):
             from redis.asyncio import BlockingConnectionPool, Redis
             from redis.exceptions import RedisError
 
-            from moorline.runtime.redis import load_script
+            from moorline.runtime.redis import load_script, run_scripts
         except ImportError:  # pragma: no cover - the test environment installs every extra
             raise ConfigError(
                 "MOORLINE_REDIS_URL: the redis package is missing; install moorline[redis]"
@@ -176,6 +176,7 @@ class RedisQuotaStore(QuotaStore):
             )
         )
         self._redis_error = RedisError
+        self._run_scripts = run_scripts
         self.keys = RedisKeys(prefix)
         self._clock = clock or (lambda: datetime.now(UTC))
         self._consume = self._client.register_script(load_script("consume_quota"))
@@ -200,8 +201,46 @@ class RedisQuotaStore(QuotaStore):
         return int(used) if int(taken) == 1 else None
 
     async def release(self, tenant_id: TenantId, day: str) -> None:
+        await self.give_back([(tenant_id, day, 1)])
+
+    async def take(self, wants: Sequence[tuple[TenantId, QuotaClaim, int]]) -> list[int]:
+        """Take units for several counters in one round trip (a batch of triggers).
+
+        Args:
+            wants: Per counter: the tenant, its claim (day and limit), and the units wanted.
+
+        Returns:
+            The units taken of each, in order: as many as its limit leaves, up to those wanted.
+
+        Raises:
+            BackendUnavailable: Redis did not answer; whether units were taken is unknown.
+        """
         try:
-            await self._release(keys=[self.keys.quota(tenant_id, day)])
+            replies = await self._run_scripts(
+                self._client,
+                [
+                    (
+                        self._consume,
+                        [self.keys.quota(tenant_id, claim.day)],
+                        [claim.limit, self._ttl_ms(claim.day), wanted],
+                    )
+                    for tenant_id, claim, wanted in wants
+                ],
+            )
+        except self._redis_error as exc:
+            raise BackendUnavailable(f"Redis quota store: {exc}") from exc
+        return [int(taken) for taken, _ in replies]
+
+    async def give_back(self, units: Sequence[tuple[TenantId, str, int]]) -> None:
+        """Give back units of several counters (tenant, day, units) in one round trip."""
+        try:
+            await self._run_scripts(
+                self._client,
+                [
+                    (self._release, [self.keys.quota(tenant_id, day)], [count])
+                    for tenant_id, day, count in units
+                ],
+            )
         except self._redis_error as exc:
             raise BackendUnavailable(f"Redis quota store: {exc}") from exc
 

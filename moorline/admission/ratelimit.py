@@ -32,6 +32,7 @@ daily quota, which is an account, fails closed.
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from moorline.runtime.keys import RedisKeys
 from moorline.settings import Settings
 
 if TYPE_CHECKING:
+    from redis.asyncio import Redis as AsyncRedis
     from redis.commands.core import AsyncScript
 
 logger = logging.getLogger(__name__)
@@ -140,20 +142,23 @@ class RateLimiter:
     def __init__(self, settings: Settings) -> None:
         """Choose the storage: Redis when ``MOORLINE_REDIS_URL`` is set, else memory."""
         self._pool: Any = None
-        self._redis: tuple[AsyncScript, type[Exception]] | None = None
+        self._redis: tuple[AsyncRedis, AsyncScript, type[Exception]] | None = None
         self._memory = SyncMovingWindowRateLimiter(SweptMemoryStorage())
         self._key_prefix = RedisKeys(settings.redis_prefix).rate_limits()
         if settings.redis_url:
             from redis.asyncio import BlockingConnectionPool, Redis
             from redis.exceptions import RedisError
 
+            from moorline.runtime.redis import run_scripts
+
+            self._run_scripts = run_scripts
             # Our own pool, so that close() can release its connections; blocking, so that a
             # burst waits for a connection instead of failing (and being let through) beyond it.
             self._pool = BlockingConnectionPool.from_url(
                 settings.redis_url, max_connections=REDIS_CONNECTIONS
             )
             client = Redis(connection_pool=self._pool)
-            self._redis = (client.register_script(MOVING_WINDOW_HIT), RedisError)
+            self._redis = (client, client.register_script(MOVING_WINDOW_HIT), RedisError)
         self._items: dict[str, limits.RateLimitItem] = {}
 
     def _item(self, rate: str) -> limits.RateLimitItem:
@@ -162,6 +167,14 @@ class RateLimiter:
             # Plans validate their rate (moorline.plans.parse_rate_limit) with the same grammar.
             item = self._items[rate] = limits.parse(rate)
         return item
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether the windows live in Redis (shared by every API process), not in memory.
+
+        Only then does a hit cost a round trip, which :meth:`hit_many` shares among a batch.
+        """
+        return self._redis is not None
 
     async def hit(self, identity: str, rate: str) -> RateLimitState | None:
         """Count one request of ``identity`` against ``rate``.
@@ -177,31 +190,61 @@ class RateLimiter:
         Raises:
             RateLimited: the window is full; nothing was counted.
         """
-        item = self._item(rate)
+        [state] = await self.hit_many([(identity, rate)])
+        if isinstance(state, RateLimited):
+            raise state
+        return state
+
+    async def hit_many(
+        self, hits: Sequence[tuple[str, str]]
+    ) -> list[RateLimitState | RateLimited | None]:
+        """Count one request per ``(identity, rate)`` of ``hits``, in one Redis round trip.
+
+        Returns:
+            Per hit, in order: the window after it; the refusal of a hit over the limit
+            (nothing was counted for it); or None when the storage did not answer (every hit is
+            let through).
+        """
+        items = [self._item(rate) for _, rate in hits]
         if self._redis is None:
-            allowed = self._memory.hit(item, identity)
-            reset_at, remaining = self._memory.get_window_stats(item, identity)
-            return self._state(item, rate, allowed, reset_at, remaining)
-        script, redis_error = self._redis
-        expiry = item.get_expiry()
+            states: list[RateLimitState | RateLimited | None] = []
+            for (identity, rate), item in zip(hits, items, strict=True):
+                allowed = self._memory.hit(item, identity)
+                reset_at, remaining = self._memory.get_window_stats(item, identity)
+                states.append(self._state(item, rate, allowed, reset_at, remaining))
+            return states
+        client, script, redis_error = self._redis
+        now = time.time()
         try:
-            allowed, oldest, hits = await script(
-                keys=[f"{self._key_prefix}:{item.key_for(identity)}"],
-                args=[time.time(), item.amount, expiry],
+            replies = await self._run_scripts(
+                client,
+                [
+                    (
+                        script,
+                        [f"{self._key_prefix}:{item.key_for(identity)}"],
+                        [now, item.amount, item.get_expiry()],
+                    )
+                    for (identity, _), item in zip(hits, items, strict=True)
+                ],
             )
         except redis_error as exc:
             logger.warning("rate limit storage unavailable, letting the request through: %s", exc)
-            return None
-        return self._state(item, rate, allowed == 1, float(oldest) + expiry, item.amount - hits)
+            return [None] * len(hits)
+        return [
+            self._state(
+                item, rate, allowed == 1, float(oldest) + item.get_expiry(), item.amount - count
+            )
+            for (_, rate), item, (allowed, oldest, count) in zip(hits, items, replies, strict=True)
+        ]
 
     @staticmethod
     def _state(
         item: limits.RateLimitItem, rate: str, allowed: bool, reset_at: float, remaining: int
-    ) -> RateLimitState:
+    ) -> RateLimitState | RateLimited:
         """The state after a hit, or the refusal of a hit over the limit."""
         reset_s = max(1, math.ceil(reset_at - time.time()))
         if not allowed:
-            raise RateLimited(
+            return RateLimited(
                 f"API rate limit of {rate} exceeded; retry in {reset_s}s",
                 limit=item.amount,
                 reset_s=reset_s,

@@ -23,6 +23,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from fastapi import FastAPI
 
 from moorline.admission.admit import Admission
+from moorline.admission.gate import make_gate
 from moorline.admission.quotas import make_quota_store
 from moorline.admission.ratelimit import RateLimiter
 from moorline.api.deps import Services, StreamSlots
@@ -127,12 +128,13 @@ def _build_services(
     wakeups = BackgroundNotifier(notifier)
     closing.push_async_callback(wakeups.close)
     runs_repo = RunsRepo(db)
-    submitter = Submitter(runs_repo, on_enqueued=wakeups)
-    closing.push_async_callback(submitter.close)
     quotas = make_quota_store(settings, db)
     closing.push_async_callback(quotas.close)
     rate_limiter = RateLimiter(settings)
     closing.push_async_callback(rate_limiter.close)
+    # Closed before the counters it settles batches with (the exit stack runs last-in first).
+    submitter = Submitter(runs_repo, on_enqueued=wakeups, gate=make_gate(rate_limiter, quotas))
+    closing.push_async_callback(submitter.close)
     listing = RunListing(db)
     counted = Metrics()
     admission = Admission(

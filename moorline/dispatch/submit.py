@@ -13,6 +13,14 @@ the quota counters are in the database): its unit of the daily quota is taken in
 transaction, so one transaction decides the quota of many triggers and stores their runs, and a
 run refused by the quota comes back stored ``rate_limited``.
 
+A submitter may have a :class:`Gate`: counters kept outside the database (admission's, in
+Redis) that decide the batch before it is written. A submission then carries its claims (a
+:class:`RateClaim` of the API rate limit and its quota unit), and the gate settles the claims of
+the whole batch in a round trip or two, however many runs it holds, instead of each trigger
+paying its own. Its verdict per run: refused (the caller gets the error; nothing is stored),
+stored ``rate_limited`` with the quota's refusal, or written. A run written by nobody after its
+unit was taken (the batch failed, or its key was taken meanwhile) gives the unit back.
+
 The coalescing is hand-written rather than a library's because it must know the repository's
 error semantics: a batch refused for one bad row (an idempotency conflict, say) is retried run
 by run, so only that row's caller gets the error.
@@ -20,8 +28,9 @@ by run, so only that row's caller gets the error.
 
 import asyncio
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
@@ -38,11 +47,64 @@ DEFAULT_MAX_PENDING = 4096
 _CLOSED = "Submitter is closed"
 
 
+@dataclass(slots=True, kw_only=True)
+class RateClaim:
+    """One hit on a credential's API rate limit, counted by the gate with its batch.
+
+    Attributes:
+        identity: The credential (an API key's digest, a webhook's id); never a secret.
+        rate: The plan's rate, ``"<count>/<period>"``.
+        state: Set by the gate when the hit is counted: the window after it (the
+            ``RateLimit-*`` headers), None while not counted or when the storage did not answer.
+    """
+
+    identity: str
+    rate: str
+    state: object | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Claims:
+    """What a gated submission asks of the gate: its rate-limit hit and its quota unit."""
+
+    tenant_id: TenantId
+    rate: RateClaim | None
+    quota: QuotaClaim | None
+
+
+Verdict = BaseException | JSONObject | None
+"""The gate's answer for one submission: an error to hand its caller (nothing is stored), the
+quota's refusal (the run is stored ``rate_limited`` with it), or None (the run is written; its
+unit, if it claimed one, is taken)."""
+
+
+class Gate(Protocol):
+    """Counters outside the database that decide a batch before it is written."""
+
+    async def enter(self, claims: Sequence[Claims]) -> list[Verdict]:
+        """Count the batch's rate-limit hits and take its quota units.
+
+        Returns:
+            One verdict per claim, in order.
+
+        Raises:
+            Exception: the counters did not answer; every submission of the batch gets it.
+        """
+        ...
+
+    async def give_back(self, claims: Sequence[Claims]) -> None:
+        """Give back the units taken for ``claims`` (runs that were not written after all)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class _Request:
     new: NewRun
     quota: QuotaClaim | None
+    rate: RateClaim | None
     future: asyncio.Future[Run]
+    refusal: JSONObject | None = None
+    """Set by the gate: the run is stored ``rate_limited`` with it."""
 
 
 class Submitter:
@@ -55,6 +117,7 @@ class Submitter:
         max_batch: int = DEFAULT_MAX_BATCH,
         max_pending: int = DEFAULT_MAX_PENDING,
         on_enqueued: Callable[[set[str]], None] | None = None,
+        gate: Gate | None = None,
     ) -> None:
         """Prepare the submitter; its writer task starts with the first submission.
 
@@ -66,6 +129,8 @@ class Submitter:
                 instead of piling up memory.
             on_enqueued: Called after each write with the lanes that got runs (the worker's
                 wake-up hook); an exception it raises is logged and otherwise ignored.
+            gate: Decides each batch's claims before it is written (see the module docstring);
+                without one, quota units are taken in the batch's transaction.
         """
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -74,6 +139,7 @@ class Submitter:
         self._runs = runs
         self._max_batch = max_batch
         self._on_enqueued = on_enqueued
+        self._gate = gate
         # None is the stop marker close() puts behind the last submission.
         self._queue: asyncio.Queue[_Request | None] = asyncio.Queue(maxsize=max_pending)
         self._writer: asyncio.Task[None] | None = None
@@ -81,6 +147,11 @@ class Submitter:
         self._closed = False
         self._batches_written = 0
         self._runs_written = 0
+
+    @property
+    def is_gated(self) -> bool:
+        """Whether a :class:`Gate` decides claims (rate-limit hits can be submitted)."""
+        return self._gate is not None
 
     @property
     def batches_written(self) -> int:
@@ -92,30 +163,37 @@ class Submitter:
         """Runs stored so far."""
         return self._runs_written
 
-    async def submit(self, new: NewRun, *, quota: QuotaClaim | None = None) -> Run:
+    async def submit(
+        self, new: NewRun, *, quota: QuotaClaim | None = None, rate: RateClaim | None = None
+    ) -> Run:
         """Store ``new`` as a ``queued`` run, in a transaction shared with concurrent callers.
 
         Args:
             new: The run to store.
-            quota: The daily-quota unit the run needs, taken in the same transaction; without
-                one the run is stored ``rate_limited`` (see
+            quota: The daily-quota unit the run needs, taken by the gate or else in the same
+                transaction; without one the run is stored ``rate_limited`` (see
                 :meth:`~moorline.db.repos.runs.RunsRepo.submit_many`).
+            rate: A hit on the API rate limit, counted by the gate first (only with a gate).
 
         Returns:
             The run as stored: ``queued``, or ``rate_limited`` when ``quota`` was refused.
 
         Raises:
             RuntimeError: the submitter is closed.
+            ValueError: a rate claim without a gate.
+            RateLimited: the gate refused the rate-limit hit; nothing was stored.
             IdempotencyConflict: the run's idempotency key is taken; nothing was stored.
             MoorlineError: any other refusal of
                 :meth:`~moorline.db.repos.runs.RunsRepo.submit_many`, for this run only.
         """
         if self._closed:
             raise RuntimeError(_CLOSED)
+        if rate is not None and self._gate is None:
+            raise ValueError("a rate claim needs a submitter with a gate")
         if self._writer is None:
             self._writer = asyncio.create_task(self._run(), name="moorline-submitter")
         future: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Request(new=new, quota=quota, future=future))
+        await self._queue.put(_Request(new=new, quota=quota, rate=rate, future=future))
         if self._writer.done():
             # The writer stopped while this caller waited for room in the queue.
             self._fail_waiting(RuntimeError(_CLOSED))
@@ -167,29 +245,104 @@ class Submitter:
         return request is not None
 
     async def _write_batch(self, batch: list[_Request]) -> None:
+        held: dict[_Request, Claims] = {}
+        if self._gate is not None:
+            batch, held = await self._enter_gate(self._gate, batch)
+        outcomes = await self._write(batch) if batch else {}
+        unwritten = [
+            claims for request, claims in held.items() if not isinstance(outcomes[request], Run)
+        ]
+        if unwritten and self._gate is not None:
+            # Before the callers hear of it: whoever learns that a run was not stored finds its
+            # unit back already.
+            await self._give_back(self._gate, unwritten)
+        lanes: set[str] = set()
+        for request, outcome in outcomes.items():
+            _settle(request, outcome)
+            if isinstance(outcome, Run) and outcome.status is RunStatus.QUEUED:
+                lanes.add(outcome.lane)
+        if lanes:
+            self._notify(lanes)
+
+    async def _enter_gate(
+        self, gate: Gate, batch: list[_Request]
+    ) -> tuple[list[_Request], dict[_Request, Claims]]:
+        """Settle the batch's claims with ``gate``.
+
+        Returns:
+            The requests left to write (with no quota claim left for the transaction: the gate
+            took their units, or they carry the quota's refusal), and the claims of those
+            whose unit the gate took.
+        """
+        gated = {request: _claims(request) for request in batch if request.rate or request.quota}
+        if not gated:
+            return batch, {}
+        try:
+            verdicts = await gate.enter(list(gated.values()))
+        except Exception as exc:
+            for request in gated:
+                _settle(request, exc)
+            return [request for request in batch if request not in gated], {}
+        decided = dict(zip(gated, verdicts, strict=True))
+        remaining: list[_Request] = []
+        held: dict[_Request, Claims] = {}
+        for request in batch:
+            if request not in decided:
+                remaining.append(request)
+                continue
+            verdict = decided[request]
+            if isinstance(verdict, BaseException):
+                _settle(request, verdict)
+            elif verdict is not None:
+                remaining.append(replace(request, quota=None, refusal=verdict))
+            else:
+                admitted = replace(request, quota=None)
+                remaining.append(admitted)
+                if request.quota is not None:
+                    held[admitted] = gated[request]
+        return remaining, held
+
+    async def _give_back(self, gate: Gate, claims: list[Claims]) -> None:
+        """Return the units of runs the gate admitted but nobody wrote."""
+        try:
+            await gate.give_back(claims)
+        except Exception:
+            # The units stay taken: the tenant is refused early rather than let past its quota.
+            logger.exception("giving back %d quota units failed", len(claims))
+
+    async def _write(self, batch: list[_Request]) -> dict[_Request, Run | BaseException]:
+        """Write ``batch``; each request's run, or its error."""
+        queued = [request for request in batch if request.refusal is None]
+        outcomes = await self._write_queued(queued) if queued else {}
+        for request in batch:
+            if request.refusal is not None:
+                # Refused by the gate's quota (rare: the day's quota is used up): stored
+                # ``rate_limited`` as without a gate, in a statement of its own.
+                refused = replace(request.new, idempotency_key=None)
+                try:
+                    outcomes[request] = await self._runs.insert_rate_limited(
+                        refused, request.refusal
+                    )
+                except Exception as exc:
+                    outcomes[request] = exc
+        return outcomes
+
+    async def _write_queued(self, batch: list[_Request]) -> dict[_Request, Run | BaseException]:
         try:
             stored = await self._store(batch)
         except MoorlineError as exc:
             if len(batch) == 1:
-                _settle(batch[0], exc)
-                return
+                return {batch[0]: exc}
             # One bad row refuses the whole batch; write run by run so that only its caller
             # gets the error and everyone else their run.
-            await self._write_one_by_one(batch)
-            return
+            return await self._write_one_by_one(batch)
         except Exception as exc:
             # Not about a row (the database stayed unreachable through the retries): the
             # whole batch fails, without a run-by-run retry adding to the outage.
             logger.warning("enqueuing %d runs failed: %s", len(batch), type(exc).__name__)
-            for request in batch:
-                _settle(request, exc)
-            return
+            return dict.fromkeys(batch, exc)
         self._count(len(stored))
-        for request, run in zip(batch, stored, strict=True):
-            _settle(request, run)
-        lanes = {run.lane for run in stored if run.status is RunStatus.QUEUED}
-        if lanes:
-            self._notify(lanes)
+        return dict(zip(batch, stored, strict=True))
 
     async def _store(self, batch: list[_Request]) -> list[Run]:
         quotas = [request.quota for request in batch]
@@ -198,20 +351,17 @@ class Submitter:
             quotas=quotas if any(quota is not None for quota in quotas) else None,
         )
 
-    async def _write_one_by_one(self, batch: list[_Request]) -> None:
-        lanes: set[str] = set()
+    async def _write_one_by_one(self, batch: list[_Request]) -> dict[_Request, Run | BaseException]:
+        outcomes: dict[_Request, Run | BaseException] = {}
         for request in batch:
             try:
                 [run] = await self._store([request])
             except Exception as exc:
-                _settle(request, exc)
+                outcomes[request] = exc
                 continue
             self._count(1)
-            if run.status is RunStatus.QUEUED:
-                lanes.add(run.lane)
-            _settle(request, run)
-        if lanes:
-            self._notify(lanes)
+            outcomes[request] = run
+        return outcomes
 
     def _count(self, runs: int) -> None:
         self._batches_written += 1
@@ -231,6 +381,10 @@ class Submitter:
             request = self._queue.get_nowait()
             if request is not None and not request.future.done():
                 request.future.set_exception(error)
+
+
+def _claims(request: _Request) -> Claims:
+    return Claims(tenant_id=request.new.tenant_id, rate=request.rate, quota=request.quota)
 
 
 def _settle(request: _Request, outcome: Run | BaseException) -> None:

@@ -39,7 +39,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from moorline.concurrency import cancel_and_wait, keep_cancel
@@ -97,6 +97,48 @@ StepHook = Callable[[str, RunId], Awaitable[None]]
 def load_script(name: str) -> str:
     """The text of ``runtime/lua/<name>.lua``."""
     return resources.files("moorline.runtime").joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+async def run_scripts(
+    client: Redis, calls: Sequence[tuple[AsyncScript, Sequence[Any], Sequence[Any]]]
+) -> list[Any]:
+    """Run several scripts (each ``(script, keys, args)``) in one round trip: a pipeline.
+
+    The pipeline sends ``EVALSHA`` without the ``SCRIPT EXISTS`` check that redis-py's own
+    pipelined scripts do before every execution (a second round trip each time). A script that
+    Redis does not know (``NOSCRIPT``: after a ``SCRIPT FLUSH``, a restart or a fail-over) is
+    loaded and its calls sent again, which only that case pays for.
+
+    Returns:
+        Each call's reply, in order.
+
+    Raises:
+        RedisError: Redis did not answer, or a script failed.
+    """
+    if not calls:
+        return []
+    replies = await _pipelined(client, calls)
+    missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        for script in {calls[index][0].sha: calls[index][0] for index in missing}.values():
+            await client.script_load(script.script)
+        again = await _pipelined(client, [calls[index] for index in missing])
+        for index, reply in zip(missing, again, strict=True):
+            replies[index] = reply
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+async def _pipelined(
+    client: Redis, calls: Sequence[tuple[AsyncScript, Sequence[Any], Sequence[Any]]]
+) -> list[Any]:
+    pipeline = client.pipeline(transaction=False)
+    for script, keys, args in calls:
+        pipeline.evalsha(script.sha, len(keys), *keys, *args)
+    replies: list[Any] = await pipeline.execute(raise_on_error=False)
+    return replies
 
 
 def to_ms(ttl_s: float) -> int:

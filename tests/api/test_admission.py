@@ -18,7 +18,8 @@ import pytest
 from redis.asyncio import Redis
 
 from moorline.admission.admit import Admission, Trigger
-from moorline.admission.quotas import DatabaseQuotaStore, QuotaStore, quota_day
+from moorline.admission.gate import RedisGate
+from moorline.admission.quotas import DatabaseQuotaStore, QuotaStore, RedisQuotaStore, quota_day
 from moorline.admission.ratelimit import RateLimiter
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.listing import RunListing
@@ -197,7 +198,10 @@ class RacingQuotas(DatabaseQuotaStore):
 
 
 async def admission_over(
-    db: DatabaseManager, submitter: Submitter, quotas: QuotaStore
+    db: DatabaseManager,
+    submitter: Submitter,
+    quotas: QuotaStore,
+    rate_limiter: RateLimiter | None = None,
 ) -> Admission:
     runs = RunsRepo(db)
     return Admission(
@@ -205,7 +209,7 @@ async def admission_over(
         listing=RunListing(db),
         submitter=submitter,
         quotas=quotas,
-        rate_limiter=RateLimiter(Settings()),
+        rate_limiter=rate_limiter or RateLimiter(Settings()),
     )
 
 
@@ -406,3 +410,114 @@ async def test_the_redis_window_is_the_limits_librarys(deployment: Deployment) -
     finally:
         await limiter.close()
         await pool.aclose()
+
+
+async def test_rate_limit_hits_are_counted_before_quota_units(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    # With Redis the hits and the units of concurrent triggers are settled by their batch (the
+    # Submitter's gate); without, trigger by trigger. Either way a trigger refused by the rate
+    # limit takes no unit, and the answers carry the window.
+    async with make_api(**deployment.settings) as api:
+        caller = await api.tenant("trickle")  # daily quota 2, rate 3/minute
+        answers = await asyncio.gather(
+            *(api.trigger(caller, input={"message": str(i)}) for i in range(6))
+        )
+        codes = Counter(
+            "accepted" if answer.status_code == 202 else answer.json()["error"]["code"]
+            for answer in answers
+        )
+        assert codes == {"accepted": 2, "quota_exceeded": 1, "rate_limited": 3}
+        windows = [
+            (answer.headers["RateLimit-Limit"], answer.headers["RateLimit-Remaining"])
+            for answer in answers
+            if answer.status_code == 202 or answer.json()["error"]["code"] == "rate_limited"
+        ]
+        # Two of the three hits the window took (2, 1 or 0 left after each), then three refused.
+        assert len(windows) == 5 and {limit for limit, _ in windows} == {"3"}
+        assert sorted(remaining for _, remaining in windows)[:3] == ["0", "0", "0"]
+        assert len({remaining for _, remaining in windows}) >= 2
+        usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+        assert (usage["used_today"], usage["remaining"]) == (2, 0)
+        assert await api.count_runs(caller, RunStatus.QUEUED) == 2
+        assert await api.count_runs(caller, RunStatus.RATE_LIMITED) == 1
+        assert await deployment.immortal_keys() == []
+
+
+class FailingRuns(RunsRepo):
+    """A repository whose batches never reach the database."""
+
+    async def submit_many(
+        self, new: Sequence[NewRun], *, quotas: Sequence[QuotaClaim | None] | None = None
+    ) -> list[Run]:
+        raise ConnectionResetError("the database went away")
+
+
+async def test_units_the_gate_took_for_runs_not_stored_are_given_back(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    if deployment.redis is None:
+        pytest.skip("counters in the database are taken in the batch's transaction, no gate")
+    async with make_api(**deployment.settings) as api:
+        caller = await api.tenant("sandbox")
+        tenant_id = TenantId(caller.tenant_id)
+        plan = await PlansProvider(api.settings).get("sandbox")
+        quotas = RedisQuotaStore(REDIS_TEST_URL, prefix=deployment.prefix)
+        limiter = RateLimiter(api.settings)
+        gate = RedisGate(limiter, quotas)
+        rival = NewRun(
+            tenant_id=tenant_id,
+            workflow="echo",
+            input={"message": "hi"},
+            lane=plan.lane,
+            idempotency_key="race",
+        )
+        trigger = Trigger(
+            tenant_id=tenant_id,
+            plan=plan,
+            rate_identity="test",
+            workflow=workflows.app.get("echo"),
+            input={"message": "hi"},
+            idempotency_key="race",
+        )
+        racing = Submitter(RacingRuns(api.db, rival), gate=gate)
+        failing = Submitter(FailingRuns(api.db), gate=gate)
+        try:
+            # The key's run is stored by "another process" after the lookup: the batch's unit
+            # goes back and the answer is the other run.
+            admitted = await (await admission_over(api.db, racing, quotas, limiter)).admit(trigger)
+            assert not admitted.created and admitted.run.idempotency_key == "race"
+            day = quota_day(admitted.run.created_at)
+            assert await quotas.used(tenant_id, day) == 0
+            # A trigger whose hit and unit the gate settles, in a batch that is never stored.
+            with pytest.raises(ConnectionResetError):
+                await (await admission_over(api.db, failing, quotas, limiter)).admit(
+                    replace(trigger, idempotency_key=None)
+                )
+            assert await quotas.used(tenant_id, day) == 0
+        finally:
+            await racing.close()
+            await failing.close()
+            await limiter.close()
+            await quotas.close()
+        assert await api.count_runs(caller) == 1
+        assert await deployment.immortal_keys() == []
+
+
+async def test_the_gate_loads_the_scripts_redis_forgot(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    # SCRIPT FLUSH stands for a restarted or failed-over Redis: the pipelined EVALSHAs answer
+    # NOSCRIPT, and the scripts are loaded and run again.
+    if deployment.redis is None:
+        pytest.skip("no Redis")
+    async with make_api(**deployment.settings) as api:
+        caller = await api.tenant("sandbox")
+        assert (await api.trigger(caller, input={"message": "before"})).status_code == 202
+        await deployment.redis.script_flush()
+        answers = await asyncio.gather(
+            *(api.trigger(caller, input={"message": str(i)}) for i in range(5))
+        )
+        assert [answer.status_code for answer in answers] == [202] * 5
+        usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+        assert usage["used_today"] == 6
