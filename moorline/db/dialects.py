@@ -4,6 +4,7 @@ Nothing outside this module looks at the dialect name to build SQL.
 """
 
 import functools
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
@@ -14,6 +15,7 @@ from sqlalchemy import (
     Select,
     Table,
     bindparam,
+    column,
     func,
     literal,
     literal_column,
@@ -24,6 +26,8 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.types import TypeEngine
 
 from moorline.db.types import UTCDateTime
 
@@ -74,24 +78,47 @@ def _db_now(name: DialectName, plus_s: float) -> ColumnElement[datetime]:
 
 
 @functools.cache
-def transaction_time(
-    name: DialectName,
-) -> tuple[ColumnElement[datetime], ColumnElement[datetime]] | None:
-    """The database's time at the start of the transaction, and it plus ``delay_us`` µs.
+def transaction_time(name: DialectName) -> ColumnElement[datetime] | None:
+    """The database's time at the start of the transaction, or None where there is none.
 
     For writes that want the database's time without reading it first (a round trip): one
-    value for every statement of the transaction (in autocommit, the statement's start),
-    never later than :func:`db_now`, which leases compare against. The second expression adds
-    the bound integer parameter ``delay_us`` microseconds exactly (an interval of microseconds
-    only, no days: no time-zone arithmetic). PostgreSQL only (``transaction_timestamp()``);
-    None elsewhere.
+    value for every row and every statement of the transaction (in autocommit, the
+    statement's start), never later than :func:`db_now`, which leases compare against.
+    PostgreSQL only (``transaction_timestamp()``); None elsewhere.
     """
     if name != "postgresql":
         return None
-    start: ColumnElement[Any] = func.transaction_timestamp()
+    return type_coerce(func.transaction_timestamp(), UTCDateTime())
+
+
+def microseconds_after(
+    time: ColumnElement[datetime], delay_us: ColumnElement[int]
+) -> ColumnElement[datetime]:
+    """``time`` plus ``delay_us`` microseconds, exactly, for a :func:`transaction_time`.
+
+    An interval of microseconds only, no days: no time-zone arithmetic, so Python's
+    ``time + timedelta(microseconds=delay_us)`` gives the same instant.
+    """
     micro = literal_column("interval '1 microsecond'", type_=Interval())
-    later = start.op("+")(micro.op("*")(bindparam("delay_us", type_=BigInteger())))
-    return type_coerce(start, UTCDateTime()), type_coerce(later, UTCDateTime())
+    return type_coerce(time.op("+")(micro.op("*")(delay_us)), UTCDateTime())
+
+
+def rows_parameter(
+    name: DialectName, parameter: str, columns: Mapping[str, TypeEngine[Any]]
+) -> TableValuedAlias | None:
+    """A table whose rows are bound as one parameter, for one statement of many rows.
+
+    The parameter ``parameter`` is a list of dicts by column name (a key missing from a dict
+    is NULL); the table has the ``columns`` given (name: type). The statement's
+    text is the same whatever the number of rows, so it is compiled, cached and prepared
+    once, and binding one parameter costs less CPU than one per row and column. PostgreSQL
+    (``jsonb_to_recordset``) only; None elsewhere.
+    """
+    if name != "postgresql":
+        return None
+    table = func.jsonb_to_recordset(bindparam(parameter, type_=postgresql.JSONB()))
+    named = [column(each, type_) for each, type_ in columns.items()]
+    return table.table_valued(*named).render_derived(with_types=True)
 
 
 def statement_time(

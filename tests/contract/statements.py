@@ -9,21 +9,23 @@ from sqlalchemy import event
 
 from moorline.db.manager import DatabaseManager
 
-_DATA_STATEMENT = re.compile(r"^\s*(INSERT|UPDATE|SELECT|DELETE)\b", re.IGNORECASE)
+_DATA_STATEMENT = re.compile(r"^\s*(WITH|INSERT|UPDATE|SELECT|DELETE)\b", re.IGNORECASE)
 
 
 @contextmanager
-def data_statements(db: DatabaseManager, table: str) -> Iterator[list[str]]:
-    """The INSERT/UPDATE/SELECT/DELETE statements naming ``table`` sent within the block.
+def data_statements(db: DatabaseManager, table: str | None) -> Iterator[list[str]]:
+    """The INSERT/UPDATE/SELECT/DELETE statements (or WITH …) naming ``table`` sent in the block.
+
+    With ``table`` None, every such statement, whatever it names (a ``SELECT`` of the time).
 
     Transaction control (``BEGIN``, ``COMMIT``, isolation levels, pings) is not counted: it is
     the manager's business, not the caller's.
     """
     seen: list[str] = []
-    name = re.compile(rf"\b{re.escape(table)}\b", re.IGNORECASE)
+    name = None if table is None else re.compile(rf"\b{re.escape(table)}\b", re.IGNORECASE)
 
     def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if _DATA_STATEMENT.match(statement) and name.search(statement):
+        if _DATA_STATEMENT.match(statement) and (name is None or name.search(statement)):
             seen.append(statement)
 
     engines = [engine.sync_engine for engine in db.engines]

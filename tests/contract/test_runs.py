@@ -8,7 +8,7 @@ tests also pin the hand-over between the two: what ``submit_many`` stores is wha
 import hashlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from moorline.db.dialects import db_now
+from moorline.db.dialects import db_now, statement_time, transaction_time
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.queue import Claim, QueueRepo
@@ -34,6 +34,7 @@ from moorline.db.schema import events, runs
 from moorline.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
 from moorline.types import Attempt, JSONObject, RunId, RunStatus, TenantId
 from tests.contract.queue_helpers import NO_CAP, Tenants, set_lease_expiry, unique
+from tests.contract.statements import data_statements
 from tests.helpers import wait_for
 
 TTL_S = 30.0
@@ -120,13 +121,87 @@ async def test_a_delay_counts_from_the_time_a_run_was_stored(
     tenant = await tenants.new()
     lane = unique("lane")
     delay = timedelta(seconds=1.2345678)  # what timedelta keeps: whole microseconds
-    # A batch, then one run alone (PostgreSQL writes a lone run with one statement).
+    # A batch, one run alone (PostgreSQL writes both with one statement), and a batch that
+    # checks a conversation first (a transaction everywhere).
     stored = await repo.submit_many(
         [new_run(tenant, lane, delay_s=1.2345678), new_run(tenant, lane)]
     )
     stored += await repo.submit_many([new_run(tenant, lane, delay_s=1.2345678)])
-    assert [run.not_before - run.created_at for run in stored] == [delay, timedelta(0), delay]
+    stored += await repo.submit_many(
+        [new_run(tenant, lane, delay_s=1.2345678, conversation_id=unique("chat"))]
+    )
+    assert [run.not_before - run.created_at for run in stored] == [
+        delay,
+        timedelta(0),
+        delay,
+        delay,
+    ]
     assert await repo.get_many([run.run_id for run in stored]) == {r.run_id: r for r in stored}
+
+
+async def test_a_batch_with_nothing_to_check_is_one_statement_where_the_database_dates_it(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = RunsRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    batch = [
+        new_run(
+            tenant,
+            lane,
+            input={"n": n, "text": "ü\"'\\", "list": [1, 2.5, None, True]},
+            priority=n,
+            delay_s=0.25 * n,
+            idempotency_key=f"batch-{n}" if n % 2 else None,
+            timeout_s=12.5 if n % 2 else None,
+            max_attempts=n + 1,
+        )
+        for n in range(5)
+    ]
+    with data_statements(db, None) as sent:
+        stored = await repo.submit_many(batch)
+    # PostgreSQL: the runs and their events in one statement, committed alone, dated by the
+    # database (no SELECT of the time). MariaDB: the runs' INSERT dates them and returns the
+    # time, the events copy it. Elsewhere: the time, the runs, the events.
+    if transaction_time(db.dialect) is not None:
+        expected = 1
+    elif statement_time(db.engine.sync_engine.dialect) is not None:
+        expected = 2
+    else:
+        expected = 3
+    assert len(sent) == expected, sent
+    assert [run.input for run in stored] == [item.input for item in batch]
+    assert [(run.idempotency_key, run.timeout_s) for run in stored] == [
+        (item.idempotency_key, item.timeout_s) for item in batch
+    ]
+    assert len({run.created_at for run in stored}) == 1
+    assert await repo.get_many([run.run_id for run in stored]) == {r.run_id: r for r in stored}
+    for run in stored:
+        assert await event_rows(db, run.run_id) == [(1, "queued", 0)]
+
+
+async def test_a_batch_retried_after_a_lost_commit_acknowledgement_returns_its_runs(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = RunsRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    first: list[Any] = []
+
+    async def committed_then_retried(fn: Callable[[], Awaitable[Any]]) -> Any:
+        # The first try commits, but its caller never hears of it; the retry runs again.
+        first.append(await fn())
+        return await fn()
+
+    monkeypatch.setattr(db, "with_retry", committed_then_retried)
+    batch = [new_run(tenant, lane, input={"n": n}, idempotency_key=f"lost-{n}") for n in range(3)]
+    stored = await repo.submit_many(batch)
+    monkeypatch.undo()
+    assert stored == first[0]
+    assert await repo.get_many([run.run_id for run in stored]) == {r.run_id: r for r in stored}
+    for run in stored:
+        assert await event_rows(db, run.run_id) == [(1, "queued", 0)]
+    assert await tenant_run_count(db, tenant) == 3
 
 
 async def test_input_hash_is_sha256_of_canonical_json() -> None:

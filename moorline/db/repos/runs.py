@@ -30,7 +30,9 @@ Times come from the database clock only. Inserts and finishes read it once per t
 finish in the statement that locks its rows) and bind the value (rather than calling the SQL
 function per row), which keeps one clock reading per batch and lets aiomysql send a batch as one
 multi-row INSERT. On MariaDB an insert needs no reading: its INSERT stamps the rows and returns
-the time (``RETURNING``), one round trip less per submission.
+the time (``RETURNING``), one round trip less per submission. On PostgreSQL a submission with
+nothing to check first (no quota claim, no conversation), one run or a batch, is one statement
+committed alone, which stamps the runs and their events with its own time and returns it.
 """
 
 import functools
@@ -45,6 +47,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple, TypeAlias
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     Insert,
     Select,
@@ -123,28 +126,35 @@ _SUBMITTED = (
     "timeout_s",
     "prompt_tokens",
     "completion_tokens",
-    "status",
 )
-"""The columns :meth:`RunsRepo._submit_one` binds (``_row_of``'s, and the status)."""
+"""The columns :meth:`RunsRepo._submit_in_one_statement` binds per run (``_row_of``'s)."""
 
 
 @functools.cache
-def _submit_one_statement(dialect: DialectName) -> Insert:
-    """One run (``r_<column>`` parameters) and its first event, in one statement.
+def _submit_statement(dialect: DialectName) -> Insert:
+    """Runs (the ``runs`` parameter: one dict per run) and their first events, in one statement.
 
-    ``WITH submitted AS (INSERT INTO runs … RETURNING …) INSERT INTO events … SELECT … FROM
-    submitted RETURNING run_id, created_at``.
+    ``WITH submitted AS (INSERT INTO runs … SELECT … FROM <the runs parameter> RETURNING …)
+    INSERT INTO events … SELECT … FROM submitted RETURNING run_id, created_at``. Every run is
+    stamped with the transaction's time and each ``not_before`` is that plus the run's
+    ``delay_us``; ``status``, ``type`` and ``data`` are one parameter each for the batch.
     """
-    times = dialects.transaction_time(dialect)
-    if times is None:  # pragma: no cover - the caller checks
+    start = dialects.transaction_time(dialect)
+    columns = {**{name: runs.c[name].type for name in _SUBMITTED}, "delay_us": BigInteger()}
+    source = dialects.rows_parameter(dialect, "runs", columns)
+    if start is None or source is None:  # pragma: no cover - the caller checks
         raise ValueError(f"{dialect} has no transaction time")
-    start, later = times
-    values: dict[str, Any] = {
-        name: bindparam(f"r_{name}", type_=runs.c[name].type) for name in _SUBMITTED
-    }
+    chosen = select(
+        *(source.c[name] for name in _SUBMITTED),
+        bindparam("status", type_=runs.c.status.type),
+        start,
+        start,
+        dialects.microseconds_after(start, source.c.delay_us),
+    )
+    names = [*_SUBMITTED, "status", "created_at", "updated_at", "not_before"]
     submitted = (
         insert(runs)
-        .values(**values, created_at=start, updated_at=start, not_before=later)
+        .from_select(names, chosen)
         .returning(runs.c.id, runs.c.attempt, runs.c.updated_at)
         .cte("submitted")
     )
@@ -367,13 +377,12 @@ class RunsRepo:
         ids = [RunId(row["id"]) for row in rows]
         claims = {} if quotas is None else _claims_by_run(ids, new, quotas)
         tries = 0
-        # One run with nothing to check first (no quota, no conversation) on a backend with a
-        # transaction time: one statement, committed alone (see _submit_one).
+        # Runs with nothing to check first (no quota, no conversation) on a backend with a
+        # transaction time: one statement, committed alone (see _submit_in_one_statement).
         is_one_statement = (
-            len(rows) == 1
-            and not claims
+            not claims
             and status is RunStatus.QUEUED
-            and rows[0]["conversation_id"] is None
+            and all(row["conversation_id"] is None for row in rows)
             and dialects.transaction_time(self._dialect) is not None
         )
 
@@ -382,7 +391,7 @@ class RunsRepo:
             tries += 1
             try:
                 if is_one_statement:
-                    return [await self._submit_one(rows[0])]
+                    return await self._submit_in_one_statement(rows)
                 async with self._db.write_transaction() as conn:
                     return await self._insert_txn(conn, rows, status, claims)
             except IntegrityError as exc:
@@ -483,26 +492,34 @@ class RunsRepo:
             by_id[param["id"]] = _run_of(values)
         return [by_id[row["id"]] for row in rows]
 
-    async def _submit_one(self, row: dict[str, Any]) -> Run:
-        """Store one ``queued`` run and its ``queued`` event with one statement, in autocommit.
+    async def _submit_in_one_statement(self, rows: Sequence[dict[str, Any]]) -> list[Run]:
+        """Store ``queued`` runs and their ``queued`` events with one statement, in autocommit.
 
-        A data-modifying CTE (PostgreSQL): the run's INSERT returns what its event needs, and
-        the event's INSERT returns the time the run was stored at, the database's (the
-        statement's start: :func:`~moorline.db.dialects.transaction_time`), so no ``SELECT``
-        of the time goes first. One round trip where the transaction took five (BEGIN, the
-        time, two INSERTs, COMMIT); as atomic, one statement being one transaction. This is
-        how a submission arrives when the Submitter is not busy: the enqueue half of the
-        dispatch latency. ``not_before`` is that time plus the delay in whole microseconds,
-        added the same way here, so the run built below equals what a read returns.
+        A data-modifying CTE (PostgreSQL) over the runs bound as one parameter
+        (:func:`~moorline.db.dialects.rows_parameter`): the runs' INSERT returns what their
+        events need, and the events' INSERT returns the time the runs were stored at, the
+        database's (the statement's start: :func:`~moorline.db.dialects.transaction_time`), so
+        no ``SELECT`` of the time goes first. One round trip where a transaction takes five
+        (BEGIN, the time, two INSERTs, COMMIT), whatever the number of runs; as atomic, one
+        statement being one transaction. This is how the Submitter's batches arrive, one run
+        when it is idle, a few under load. ``not_before`` is that time plus the delay in whole
+        microseconds, added the same way here, so the runs built below equal what a read
+        returns.
         """
-        delay = timedelta(seconds=row["delay_s"])
-        params = {f"r_{key}": value for key, value in row.items() if key != "delay_s"}
-        params.update(r_status=_QUEUED, delay_us=delay // _MICROSECOND, type=EVENT_QUEUED, data={})
-        stmt = _submit_one_statement(self._dialect)
-        [stored] = await self._db.write_statement_rows(stmt, params)
-        at: datetime = stored.created_at
-        values = {**row, "status": _QUEUED, "not_before": at + delay}
-        return _run_of({**values, "created_at": at, "updated_at": at})
+        delays = [timedelta(seconds=row["delay_s"]) for row in rows]
+        bound = [
+            {**{name: row[name] for name in _SUBMITTED}, "delay_us": delay // _MICROSECOND}
+            for row, delay in zip(rows, delays, strict=True)
+        ]
+        params = {"runs": bound, "status": _QUEUED, "type": EVENT_QUEUED, "data": {}}
+        stored = await self._db.write_statement_rows(_submit_statement(self._dialect), params)
+        stamped: dict[str, datetime] = {row.run_id: row.created_at for row in stored}
+        made: list[Run] = []
+        for row, delay in zip(rows, delays, strict=True):
+            at = stamped[row["id"]]
+            values = {**row, "status": _QUEUED, "not_before": at + delay}
+            made.append(_run_of({**values, "created_at": at, "updated_at": at}))
+        return made
 
     async def _take_units_txn(
         self, conn: AsyncConnection, claims: dict[str, tuple[TenantId, QuotaClaim]]
