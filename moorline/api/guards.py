@@ -265,6 +265,23 @@ def solved_by(solve: ArgumentSolver) -> type[JSONBodyRoute]:
     """
 
     class HandSolvedRoute(JSONBodyRoute):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            endpoint = self.endpoint
+
+            async def solve_then_answer(scope: Scope, receive: Receive, send: Send) -> None:
+                request = JSONRequest(scope, receive)
+                await request.parse()
+                response: Response = await endpoint(**await solve(request))
+                await response(scope, receive, send)
+
+            # In place of FastAPI's request_response(self.get_route_handler()): without a
+            # dependency to close there is nothing for its two AsyncExitStacks to do, and an
+            # exception goes on to the app's ExceptionMiddleware, whose handlers are the same
+            # as those FastAPI's per-route wrapper would call. Used when the route is on the
+            # app's own router; an included router's copy of the route uses the handler below.
+            self.app = solve_then_answer
+
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             endpoint = self.endpoint
 

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -443,14 +443,20 @@ async def _send(
         slots.give_back(slot)
 
 
-def build_router() -> APIRouter:
-    """A new router with the run routes."""
-    router = APIRouter(prefix="/v1", tags=["runs"], route_class=JSONBodyRoute)
-    router.add_api_route(
-        "/workflows/{workflow}/runs",
+def install(app: FastAPI) -> None:
+    """Add the run routes to ``app``.
+
+    The trigger route goes on the app's own router rather than through
+    :func:`build_router`'s: FastAPI matches a route of an included router twice per request
+    (once to choose the router, once inside it), and triggers are the hot path. Its path,
+    tags and everything else in the OpenAPI document are those of the included route.
+    """
+    app.router.add_api_route(
+        "/v1/workflows/{workflow}/runs",
         trigger_run,
         methods=["POST"],
         route_class_override=TriggerRoute,
+        tags=["runs"],
         status_code=202,
         response_model=RunAccepted,
         responses={
@@ -468,6 +474,12 @@ def build_router() -> APIRouter:
         },
         summary="Start a run of a workflow",
     )
+    app.include_router(build_router())
+
+
+def build_router() -> APIRouter:
+    """A new router with the run routes but the trigger (see :func:`install`)."""
+    router = APIRouter(prefix="/v1", tags=["runs"], route_class=JSONBodyRoute)
     router.add_api_route(
         "/runs",
         list_runs,
