@@ -36,9 +36,9 @@ from moorline.api.deps import (
     Services,
     ServicesDep,
     StreamSlots,
-    api_key_scheme,
+    bearer_credential,
+    caller_of_key,
     owned_run,
-    tenant_caller,
 )
 from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
 from moorline.api.guards import JSONBodyRoute, JSONRequest, solved_by
@@ -182,7 +182,7 @@ async def solve_trigger(request: JSONRequest) -> dict[str, Any]:
         Unauthorized: no API key, or one that names no tenant.
         RequestValidationError: the workflow name or the body does not fit.
     """
-    caller = await tenant_caller(request, await api_key_scheme(request))
+    caller = await caller_of_key(request.app.state.services, bearer_credential(request))
     errors: list[Any] = []
     workflow = request.path_params["workflow"]
     try:
