@@ -136,7 +136,9 @@ def parse_json(body: bytes) -> JSONValue:
     except UnicodeDecodeError:
         raise InvalidJson("the body is not UTF-8") from None
     try:
-        value: JSONValue = json.loads(text, parse_constant=_refuse_constant, parse_float=_float)
+        if text.startswith("\ufeff"):  # as json.loads refuses it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        value: JSONValue = _DECODER.decode(text)
     except RecursionError:
         raise _too_deep() from None
     except ValueError as exc:
@@ -154,6 +156,11 @@ def _float(text: str) -> float:
     if number in (float("inf"), float("-inf")):
         raise ValueError(f"{text} is out of range")
     return number
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_float)
+"""What ``json.loads(text, parse_constant=..., parse_float=...)`` would build for every call
+(the decoder and its scanner); it keeps no state between calls."""
 
 
 def _too_deep() -> InvalidJson:
