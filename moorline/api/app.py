@@ -106,7 +106,8 @@ def create_app(
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
     # The runs routes first: a request is matched against the routes in order, and triggers are
     # the hot path. No two routers share a path, so the order changes nothing else.
-    for module in (runs, health, admin, admin_runs, webhooks, usage, metrics):
+    runs.install(app)
+    for module in (health, admin, admin_runs, webhooks, usage, metrics):
         app.include_router(module.build_router())
     dashboard.install(app)
     return app

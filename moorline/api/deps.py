@@ -177,17 +177,45 @@ async def tenant_caller(
     Raises:
         Unauthorized: no key, or one that names no tenant (unknown or revoked).
     """
-    services: Services = request.app.state.services
-    if credentials is None:
+    key = None if credentials is None else credentials.credentials
+    return await caller_of_key(request.app.state.services, key)
+
+
+def bearer_credential(request: Request) -> str | None:
+    """The credential of the request's ``Authorization: Bearer`` header, or None.
+
+    What :data:`api_key_scheme` (``HTTPBearer(auto_error=False)``) reads, without the
+    pydantic model it wraps the credential in: for a route that solves its own arguments
+    (the trigger's, :func:`~moorline.api.routes.runs.solve_trigger`).
+    """
+    authorization = request.headers.get("Authorization")
+    if not authorization:
+        return None
+    scheme, _, credential = authorization.partition(" ")
+    credential = credential.strip()
+    if not (scheme and credential) or scheme.lower() != "bearer":
+        return None
+    return credential
+
+
+async def caller_of_key(services: Services, key: str | None) -> Caller:
+    """The tenant whose API key is ``key`` (see :func:`tenant_caller`).
+
+    The key is hashed once, for the lookup and the rate-limit identity both.
+
+    Raises:
+        Unauthorized: no key, or one that names no tenant (unknown or revoked).
+    """
+    if key is None:
         raise Unauthorized("an API key is required: send 'Authorization: Bearer <key>'")
-    key = credentials.credentials
-    tenant = await services.tenants.authenticate(key)
+    digest = hash_api_key(key)
+    tenant = await services.tenants.authenticate_digest(digest)
     if tenant is None:
         raise Unauthorized("the API key is not valid")
     return Caller(
         tenant=tenant,
         plan=await services.plans.get(tenant.plan),
-        rate_identity=f"key:{hash_api_key(key)[:32]}",
+        rate_identity=f"key:{digest[:32]}",
     )
 
 

@@ -52,9 +52,15 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = self._refusal(scope)
+        length, chunked = _declared_length(scope)
+        refusal = self._refusal(scope, length)
         if refusal is not None:
             await error_response(refusal)(scope, receive, send)
+            return
+        if length is not None and length >= 0 and not chunked:
+            # The server reads no more body than the declared length, checked above: nothing
+            # to count, so the app gets the server's own receive and send (no wrappers).
+            await self.app(scope, receive, send)
             return
         received = 0
         started = False
@@ -81,14 +87,13 @@ class RequestGuard:
                 raise
             await error_response(exc)(scope, receive, send)
 
-    def _refusal(self, scope: Scope) -> MoorlineError | None:
-        query = scope.get("query_string", b"").decode("latin-1")
-        if query and has_credentials(query):
+    def _refusal(self, scope: Scope, length: int | None) -> MoorlineError | None:
+        query: bytes = scope.get("query_string", b"")
+        if query and has_credentials(query.decode("latin-1")):
             return CredentialsInQuery(
                 "API keys and tokens are accepted only in the Authorization header, never in "
                 "the URL; consider this key exposed and rotate it"
             )
-        length = _content_length(scope)
         if length is not None and length > self.max_body_bytes:
             return self._too_large()
         return None
@@ -97,14 +102,24 @@ class RequestGuard:
         return BodyTooLarge(f"the request body is over the limit of {self.max_body_bytes} bytes")
 
 
-def _content_length(scope: Scope) -> int | None:
+def _declared_length(scope: Scope) -> tuple[int | None, bool]:
+    """The request's declared body length, and whether its body is chunked.
+
+    The first ``Content-Length`` (None when absent or not a number); chunked when a
+    ``Transfer-Encoding`` is named, whatever the length says.
+    """
+    length: int | None = None
+    seen_length = chunked = False
     for name, value in scope.get("headers", ()):
-        if name == b"content-length":
+        if name == b"content-length" and not seen_length:
+            seen_length = True
             try:
-                return int(value)
+                length = int(value)
             except ValueError:
-                return None
-    return None
+                length = None
+        elif name == b"transfer-encoding":
+            chunked = True
+    return length, chunked
 
 
 def parse_json(body: bytes) -> JSONValue:
@@ -121,7 +136,9 @@ def parse_json(body: bytes) -> JSONValue:
     except UnicodeDecodeError:
         raise InvalidJson("the body is not UTF-8") from None
     try:
-        value: JSONValue = json.loads(text, parse_constant=_refuse_constant, parse_float=_float)
+        if text.startswith("\ufeff"):  # as json.loads refuses it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        value: JSONValue = _DECODER.decode(text)
     except RecursionError:
         raise _too_deep() from None
     except ValueError as exc:
@@ -139,6 +156,11 @@ def _float(text: str) -> float:
     if number in (float("inf"), float("-inf")):
         raise ValueError(f"{text} is out of range")
     return number
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_float)
+"""What ``json.loads(text, parse_constant=..., parse_float=...)`` would build for every call
+(the decoder and its scanner); it keeps no state between calls."""
 
 
 def _too_deep() -> InvalidJson:
@@ -250,6 +272,23 @@ def solved_by(solve: ArgumentSolver) -> type[JSONBodyRoute]:
     """
 
     class HandSolvedRoute(JSONBodyRoute):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            endpoint = self.endpoint
+
+            async def solve_then_answer(scope: Scope, receive: Receive, send: Send) -> None:
+                request = JSONRequest(scope, receive)
+                await request.parse()
+                response: Response = await endpoint(**await solve(request))
+                await response(scope, receive, send)
+
+            # In place of FastAPI's request_response(self.get_route_handler()): without a
+            # dependency to close there is nothing for its two AsyncExitStacks to do, and an
+            # exception goes on to the app's ExceptionMiddleware, whose handlers are the same
+            # as those FastAPI's per-route wrapper would call. Used when the route is on the
+            # app's own router; an included router's copy of the route uses the handler below.
+            self.app = solve_then_answer
+
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             endpoint = self.endpoint
 

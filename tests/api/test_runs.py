@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event
+from starlette.responses import Response
 
+from moorline.api.errors import rate_limit_headers
 from moorline.api.guards import JSONBodyRoute, JSONRequest, solved_by
 from moorline.api.routes import runs as runs_routes
 from moorline.db.repos.interrupts import InterruptsRepo
@@ -266,3 +268,26 @@ async def test_a_trigger_is_answered_as_fastapis_own_solver_would_answer_it(
     assert by_hand == by_fastapi
     assert [status for status, _ in by_hand].count(202) == 4
     assert {status for status, _ in by_hand} >= {200, 400, 401, 404, 409, 422}
+
+
+async def test_a_trigger_is_answered_with_the_header_lines_starlette_would_build(
+    api: Api,
+) -> None:
+    # runs.TriggerAnswer writes its header lines itself; they must be Starlette's own.
+    caller = await api.tenant()
+    for expected_status, key in ((202, "k"), (200, "k"), (202, None)):
+        body: dict[str, Any] = {} if key is None else {"idempotency_key": key}
+        answer = await api.trigger(caller, **body)
+        assert answer.status_code == expected_status
+        rate = rate_limit_headers(
+            int(answer.headers["RateLimit-Limit"]),
+            int(answer.headers["RateLimit-Remaining"]),
+            int(answer.headers["RateLimit-Reset"]),
+        )
+        starlette = Response(
+            answer.content,
+            status_code=expected_status,
+            headers=rate,
+            media_type="application/json",
+        )
+        assert answer.headers.raw == starlette.raw_headers

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -36,11 +36,11 @@ from moorline.api.deps import (
     Services,
     ServicesDep,
     StreamSlots,
-    api_key_scheme,
+    bearer_credential,
+    caller_of_key,
     owned_run,
-    tenant_caller,
 )
-from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
+from moorline.api.errors import BODY_ERRORS, responses
 from moorline.api.guards import JSONBodyRoute, JSONRequest, solved_by
 from moorline.api.schemas import (
     CONVERSATION,
@@ -182,7 +182,7 @@ async def solve_trigger(request: JSONRequest) -> dict[str, Any]:
         Unauthorized: no API key, or one that names no tenant.
         RequestValidationError: the workflow name or the body does not fit.
     """
-    caller = await tenant_caller(request, await api_key_scheme(request))
+    caller = await caller_of_key(request.app.state.services, bearer_credential(request))
     errors: list[Any] = []
     workflow = request.path_params["workflow"]
     try:
@@ -217,16 +217,41 @@ def answer_trigger(admitted: Admitted) -> Response:
     A finished response, serialized here, rather than the :class:`RunAccepted` FastAPI would
     validate again against the route's ``response_model`` and then serialize (the route keeps
     ``response_model=RunAccepted`` for its OpenAPI schema; FastAPI sends a returned Response
-    as it is). On the trigger path that round trip through pydantic is measurable.
+    as it is). On the trigger path that round trip through pydantic is measurable, and so is
+    Starlette's generic header building, which :class:`TriggerAnswer` skips.
     """
+    body = accepted(admitted.run).model_dump_json().encode()
     rate = admitted.rate
-    headers = None if rate is None else rate_limit_headers(rate.limit, rate.remaining, rate.reset_s)
-    return Response(
-        accepted(admitted.run).model_dump_json(),
-        status_code=202 if admitted.created else 200,
-        headers=headers,
-        media_type="application/json",
+    header_lines = (
+        []
+        if rate is None
+        else [
+            (b"ratelimit-limit", str(rate.limit).encode()),
+            (b"ratelimit-remaining", str(rate.remaining).encode()),
+            (b"ratelimit-reset", str(rate.reset_s).encode()),
+        ]
     )
+    header_lines += [(b"content-length", str(len(body)).encode()), _JSON_CONTENT_TYPE]
+    return TriggerAnswer(body, status_code=202 if admitted.created else 200, raw=header_lines)
+
+
+_JSON_CONTENT_TYPE = (b"content-type", b"application/json")
+
+
+class TriggerAnswer(Response):
+    """A JSON response whose header lines come ready-made.
+
+    The lines (and their order) are those ``Response(body, headers=rate_limit_headers(...),
+    media_type="application/json")`` would build; ``tests/api/test_runs.py`` compares them.
+    """
+
+    media_type = "application/json"
+
+    def __init__(self, body: bytes, *, status_code: int, raw: list[tuple[bytes, bytes]]) -> None:
+        self.status_code = status_code
+        self.background = None
+        self.body = body
+        self.raw_headers = raw
 
 
 async def get_run(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) -> RunOut:
@@ -443,14 +468,20 @@ async def _send(
         slots.give_back(slot)
 
 
-def build_router() -> APIRouter:
-    """A new router with the run routes."""
-    router = APIRouter(prefix="/v1", tags=["runs"], route_class=JSONBodyRoute)
-    router.add_api_route(
-        "/workflows/{workflow}/runs",
+def install(app: FastAPI) -> None:
+    """Add the run routes to ``app``.
+
+    The trigger route goes on the app's own router rather than through
+    :func:`build_router`'s: FastAPI matches a route of an included router twice per request
+    (once to choose the router, once inside it), and triggers are the hot path. Its path,
+    tags and everything else in the OpenAPI document are those of the included route.
+    """
+    app.router.add_api_route(
+        "/v1/workflows/{workflow}/runs",
         trigger_run,
         methods=["POST"],
         route_class_override=TriggerRoute,
+        tags=["runs"],
         status_code=202,
         response_model=RunAccepted,
         responses={
@@ -468,6 +499,16 @@ def build_router() -> APIRouter:
         },
         summary="Start a run of a workflow",
     )
+    # First of all, ahead of the documentation's routes (/openapi.json, /docs, /redoc) that
+    # FastAPI added when the app was built: no path matches both, so only the time changes.
+    routes = app.router.routes
+    routes.insert(0, routes.pop())
+    app.include_router(build_router())
+
+
+def build_router() -> APIRouter:
+    """A new router with the run routes but the trigger (see :func:`install`)."""
+    router = APIRouter(prefix="/v1", tags=["runs"], route_class=JSONBodyRoute)
     router.add_api_route(
         "/runs",
         list_runs,

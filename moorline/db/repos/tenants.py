@@ -211,7 +211,10 @@ class TenantsRepo:
         and revoked keys all do the same work and get the same answer. With ``auth_ttl_s``, a
         key found is trusted that long, and concurrent lookups of one key share one read.
         """
-        digest = hash_api_key(api_key)
+        return await self.authenticate_digest(hash_api_key(api_key))
+
+    async def authenticate_digest(self, digest: str) -> Tenant | None:
+        """:meth:`authenticate` for a key already hashed (:func:`hash_api_key`)."""
         if self._auth_ttl_s <= 0:
             found = await self._look_up(digest)
             return None if found is None else found.tenant
