@@ -107,6 +107,10 @@ class _Request:
     """Set by the gate: the run is stored ``rate_limited`` with it."""
 
 
+_Gated = tuple[list[_Request], dict[_Request, Claims]]
+"""A gated batch: the requests to write, and the claims of those whose unit the gate took."""
+
+
 class Submitter:
     """Enqueues runs for many concurrent callers with few transactions (group commit)."""
 
@@ -215,8 +219,11 @@ class Submitter:
 
     async def _run(self) -> None:
         try:
-            while await self._write_next():
-                pass
+            if self._gate is None:
+                while await self._write_next():
+                    pass
+            else:
+                await self._run_gated(self._gate)
         finally:
             self._closed = True
             error = RuntimeError(_CLOSED)
@@ -225,8 +232,8 @@ class Submitter:
                     request.future.set_exception(error)
             self._fail_waiting(error)
 
-    async def _write_next(self) -> bool:
-        """Take the next batch off the queue and write it; False once the stop marker came."""
+    async def _take_next(self) -> tuple[list[_Request], bool]:
+        """The next batch off the queue, and False once the stop marker came."""
         request = await self._queue.get()
         batch: list[_Request] = []
         while request is not None:
@@ -236,19 +243,61 @@ class Submitter:
             if len(batch) == self._max_batch or self._queue.empty():
                 break
             request = self._queue.get_nowait()
-        self._in_flight = batch
-        try:
-            if batch:
-                await self._write_batch(batch)
-        finally:
-            self._in_flight = []
-        return request is not None
+        self._in_flight = [pending for pending in self._in_flight if not pending.future.done()]
+        self._in_flight.extend(batch)
+        return batch, request is not None
 
-    async def _write_batch(self, batch: list[_Request]) -> None:
-        held: dict[_Request, Claims] = {}
-        if self._gate is not None:
-            batch, held = await self._enter_gate(self._gate, batch)
-        outcomes = await self._write(batch) if batch else {}
+    async def _write_next(self) -> bool:
+        """Take the next batch off the queue and write it; False once the stop marker came."""
+        batch, more = await self._take_next()
+        if batch:
+            await self._write_batch(batch, {})
+        return more
+
+    async def _run_gated(self, gate: Gate) -> None:
+        """Gate batches here while a second task writes the batches gated before.
+
+        The two stages overlap: a batch's Redis round trips happen while the batch before is
+        being written, instead of one after the other on every batch's way to its callers.
+        The writer takes every batch gated meanwhile into one transaction, so the write's batch
+        size still follows the load.
+        """
+        gated: asyncio.Queue[_Gated | None] = asyncio.Queue()
+        writer = asyncio.create_task(self._write_gated(gated), name="moorline-submitter-write")
+        try:
+            more = True
+            while more:
+                batch, more = await self._take_next()
+                if batch:
+                    passed, held = await self._enter_gate(gate, batch)
+                    if passed:
+                        gated.put_nowait((passed, held))
+        except BaseException:
+            writer.cancel()
+            raise
+        gated.put_nowait(None)
+        await writer
+
+    async def _write_gated(self, gated: "asyncio.Queue[_Gated | None]") -> None:
+        """Write the gated batches, all those waiting in one transaction, until the marker."""
+        while True:
+            item = await gated.get()
+            batch: list[_Request] = []
+            held: dict[_Request, Claims] = {}
+            while item is not None:
+                batch.extend(item[0])
+                held.update(item[1])
+                if len(batch) >= self._max_batch or gated.empty():
+                    break
+                item = gated.get_nowait()
+            if batch:
+                await self._write_batch(batch, held)
+            if item is None:
+                return
+
+    async def _write_batch(self, batch: list[_Request], held: dict[_Request, Claims]) -> None:
+        """Write ``batch``; give back the units ``held`` for runs not stored; answer the callers."""
+        outcomes = await self._write(batch)
         unwritten = [
             claims for request, claims in held.items() if not isinstance(outcomes[request], Run)
         ]
