@@ -2,20 +2,24 @@
 
 With Redis, a trigger's rate-limit hit and its quota unit are two scripts in Redis. Run per
 trigger they are two round trips, which cost the API process more CPU than anything else a
-trigger does, so the Submitter hands this gate the claims of every run of its batch (the batch
-that one transaction will store) and the gate settles them all in two pipelined round trips:
+trigger did, so the Submitter hands this gate the claims of every run of its batch and the
+gate settles them all in one pipelined round trip: the rate-limit hits
+(:meth:`RateLimiter.script_calls`), and one quota script per tenant and day taking as many
+units as the batch has claims and the quota leaves (:meth:`RedisQuotaStore.take_calls`).
 
-1. the rate-limit hits (:meth:`RateLimiter.hit_many`): a hit over its limit refuses its run
-   (429 ``rate_limited``, nothing stored); when Redis does not answer every hit is let through,
-   as a single hit is;
-2. then, for the runs still in, the quota units, one script per tenant and day taking as many
-   units as the batch wants and the quota leaves (:meth:`RedisQuotaStore.take`). The runs after
-   the last unit, in the batch's order, are stored ``rate_limited`` with the quota's refusal;
-   when Redis does not answer, no run of the batch is stored (the quota fails closed).
+- A hit over its limit refuses its run: 429 ``rate_limited``, nothing stored.
+- The units go to the runs the rate limit let through, in the batch's order; the runs after
+  the last unit are stored ``rate_limited`` with the quota's refusal (429 ``quota_exceeded``).
+- A hit refused in the same round trip took a unit it must not keep: the gate gives those
+  back at once (a second round trip, paid only by a batch with a refused hit). Until then,
+  for that one round trip, another API process can find the counter higher by those units and
+  refuse a trigger near the end of the quota: never one unit more than the quota, at worst
+  one less, and only while some caller is over its rate limit. Taking the units after the hits
+  would cost every batch a second round trip instead.
+- When Redis does not answer, no run of the batch is stored (the quota fails closed; 503).
 
-The hits come first so that a refused hit never takes a unit. A run whose unit was taken but
-that was not stored after all (the batch's transaction failed) gives it back
-(:meth:`give_back`).
+A run whose unit was taken but that was not stored after all (the batch's transaction failed,
+or its idempotency key was taken meanwhile) gives it back (:meth:`give_back`).
 """
 
 from collections import Counter
@@ -37,39 +41,51 @@ class RedisGate(Gate):
 
     async def enter(self, claims: Sequence[Claims]) -> list[Verdict]:
         verdicts: list[Verdict] = [None] * len(claims)
-        hits: list[tuple[int, RateClaim]] = [
+        rates: list[tuple[int, RateClaim]] = [
             (index, claim.rate) for index, claim in enumerate(claims) if claim.rate is not None
         ]
-        if hits:
-            states = await self._rate_limiter.hit_many(
-                [(rate.identity, rate.rate) for _, rate in hits]
-            )
-            for (index, rate), state in zip(hits, states, strict=True):
-                if isinstance(state, RateLimited):
-                    verdicts[index] = state
-                else:
-                    rate.state = state
         # One counter per tenant and day (and limit: a plan changed mid-batch is its own group),
         # its runs in the batch's order: the first ones get the units.
         groups: dict[tuple[TenantId, str, int], list[int]] = {}
         for index, claim in enumerate(claims):
-            if verdicts[index] is None and claim.quota is not None:
+            if claim.quota is not None:
                 key = (claim.tenant_id, claim.quota.day, claim.quota.limit)
                 groups.setdefault(key, []).append(index)
-        if not groups:
-            return verdicts
-        taken = await self._quotas.take(
-            [
-                (tenant_id, quota, len(indexes))
-                for (tenant_id, _, _), indexes in groups.items()
-                if (quota := claims[indexes[0]].quota) is not None
-            ]
-        )
-        for indexes, units in zip(groups.values(), taken, strict=True):
-            for index in indexes[units:]:
+        hits = [(rate.identity, rate.rate) for _, rate in rates]
+        wants = [
+            (tenant_id, quota, len(indexes))
+            for (tenant_id, _, _), indexes in groups.items()
+            if (quota := claims[indexes[0]].quota) is not None
+        ]
+        calls = []
+        if hits and self._rate_limiter.is_shared:
+            calls = self._rate_limiter.script_calls(hits)
+        replies = await self._quotas.run([*calls, *self._quotas.take_calls(wants)])
+        if calls:
+            states: Sequence[object] = self._rate_limiter.read_replies(hits, replies[: len(calls)])
+        else:
+            states = await self._rate_limiter.hit_many(hits)
+        for (index, rate), state in zip(rates, states, strict=True):
+            if isinstance(state, RateLimited):
+                verdicts[index] = state
+            else:
+                rate.state = state
+        surplus: list[tuple[TenantId, str, int]] = []
+        for (tenant_id, day, _), indexes, (taken, _) in zip(
+            groups, groups.values(), replies[len(calls) :], strict=True
+        ):
+            # Units were taken for every claim of the group, hits refused included: those go
+            # back, and the claims the rate limit let through get the units in their order.
+            admitted = [index for index in indexes if verdicts[index] is None]
+            units = min(int(taken), len(admitted))
+            for index in admitted[units:]:
                 quota = claims[index].quota
                 if quota is not None:
                     verdicts[index] = quota.refusal
+            if int(taken) > units:
+                surplus.append((tenant_id, day, int(taken) - units))
+        if surplus:
+            await self._quotas.give_back(surplus)
         return verdicts
 
     async def give_back(self, claims: Sequence[Claims]) -> None:

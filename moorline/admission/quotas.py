@@ -24,7 +24,7 @@ clock; the quota resets at 00:00 UTC.
 import math
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, date, datetime, time, timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.quotas import QuotaClaim, QuotasRepo
@@ -32,6 +32,9 @@ from moorline.errors import BackendUnavailable, ConfigError
 from moorline.runtime.keys import RedisKeys
 from moorline.settings import Settings
 from moorline.types import TenantId
+
+if TYPE_CHECKING:
+    from moorline.runtime.redis import ScriptCall
 
 DAY_FORMAT = "%Y-%m-%d"
 
@@ -215,21 +218,31 @@ class RedisQuotaStore(QuotaStore):
         Raises:
             BackendUnavailable: Redis did not answer; whether units were taken is unknown.
         """
-        try:
-            replies = await self._run_scripts(
-                self._client,
-                [
-                    (
-                        self._consume,
-                        [self.keys.quota(tenant_id, claim.day)],
-                        [claim.limit, self._ttl_ms(claim.day), wanted],
-                    )
-                    for tenant_id, claim, wanted in wants
-                ],
+        return [int(taken) for taken, _ in await self.run(self.take_calls(wants))]
+
+    def take_calls(self, wants: Sequence[tuple[TenantId, QuotaClaim, int]]) -> "list[ScriptCall]":
+        """The script calls of :meth:`take`, for :meth:`run`; each replies ``[taken, used]``."""
+        return [
+            (
+                self._consume,
+                [self.keys.quota(tenant_id, claim.day)],
+                [claim.limit, self._ttl_ms(claim.day), wanted],
             )
+            for tenant_id, claim, wanted in wants
+        ]
+
+    async def run(self, calls: "Sequence[ScriptCall]") -> list[Any]:
+        """Run script calls in one round trip on this store's connections.
+
+        The calls may be other users' too: admission's gate sends the rate limit's with these.
+
+        Raises:
+            BackendUnavailable: Redis did not answer.
+        """
+        try:
+            return await self._run_scripts(self._client, calls)
         except self._redis_error as exc:
             raise BackendUnavailable(f"Redis quota store: {exc}") from exc
-        return [int(taken) for taken, _ in replies]
 
     async def give_back(self, units: Sequence[tuple[TenantId, str, int]]) -> None:
         """Give back units of several counters (tenant, day, units) in one round trip."""

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis as AsyncRedis
     from redis.commands.core import AsyncScript
 
+    from moorline.runtime.redis import ScriptCall
+
 logger = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 1.0
@@ -205,37 +207,49 @@ class RateLimiter:
             (nothing was counted for it); or None when the storage did not answer (every hit is
             let through).
         """
-        items = [self._item(rate) for _, rate in hits]
         if self._redis is None:
             states: list[RateLimitState | RateLimited | None] = []
-            for (identity, rate), item in zip(hits, items, strict=True):
+            for identity, rate in hits:
+                item = self._item(rate)
                 allowed = self._memory.hit(item, identity)
                 reset_at, remaining = self._memory.get_window_stats(item, identity)
                 states.append(self._state(item, rate, allowed, reset_at, remaining))
             return states
-        client, script, redis_error = self._redis
-        now = time.time()
+        client, _, redis_error = self._redis
         try:
-            replies = await self._run_scripts(
-                client,
-                [
-                    (
-                        script,
-                        [f"{self._key_prefix}:{item.key_for(identity)}"],
-                        [now, item.amount, item.get_expiry()],
-                    )
-                    for (identity, _), item in zip(hits, items, strict=True)
-                ],
-            )
+            replies = await self._run_scripts(client, self.script_calls(hits))
         except redis_error as exc:
             logger.warning("rate limit storage unavailable, letting the request through: %s", exc)
             return [None] * len(hits)
-        return [
-            self._state(
-                item, rate, allowed == 1, float(oldest) + item.get_expiry(), item.amount - count
-            )
-            for (_, rate), item, (allowed, oldest, count) in zip(hits, items, replies, strict=True)
-        ]
+        return list(self.read_replies(hits, replies))
+
+    def script_calls(self, hits: Sequence[tuple[str, str]]) -> "list[ScriptCall]":
+        """The Redis script calls that count ``hits`` (see :meth:`hit_many`), for a pipeline.
+
+        With :meth:`read_replies`, lets another Redis user (admission's gate) send them in its
+        own round trip. Only with Redis storage (:attr:`is_shared`).
+        """
+        if self._redis is None:
+            raise RuntimeError("the rate limits are in memory, not in Redis")
+        _, script, _ = self._redis
+        now = time.time()
+        calls: list[ScriptCall] = []
+        for identity, rate in hits:
+            item = self._item(rate)
+            key = f"{self._key_prefix}:{item.key_for(identity)}"
+            calls.append((script, [key], [now, item.amount, item.get_expiry()]))
+        return calls
+
+    def read_replies(
+        self, hits: Sequence[tuple[str, str]], replies: Sequence[Any]
+    ) -> list[RateLimitState | RateLimited]:
+        """Per hit, the window after it or its refusal, from the replies of :meth:`script_calls`."""
+        states: list[RateLimitState | RateLimited] = []
+        for (_, rate), (allowed, oldest, count) in zip(hits, replies, strict=True):
+            item = self._item(rate)
+            reset_at = float(oldest) + item.get_expiry()
+            states.append(self._state(item, rate, allowed == 1, reset_at, item.amount - count))
+        return states
 
     @staticmethod
     def _state(

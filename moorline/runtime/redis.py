@@ -99,9 +99,11 @@ def load_script(name: str) -> str:
     return resources.files("moorline.runtime").joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
-async def run_scripts(
-    client: Redis, calls: Sequence[tuple[AsyncScript, Sequence[Any], Sequence[Any]]]
-) -> list[Any]:
+ScriptCall = tuple[AsyncScript, Sequence[Any], Sequence[Any]]
+"""One script call of a pipeline: the script, its keys, its arguments."""
+
+
+async def run_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     """Run several scripts (each ``(script, keys, args)``) in one round trip: a pipeline.
 
     The pipeline sends ``EVALSHA`` without the ``SCRIPT EXISTS`` check that redis-py's own
@@ -131,9 +133,7 @@ async def run_scripts(
     return replies
 
 
-async def _pipelined(
-    client: Redis, calls: Sequence[tuple[AsyncScript, Sequence[Any], Sequence[Any]]]
-) -> list[Any]:
+async def _pipelined(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     pipeline = client.pipeline(transaction=False)
     for script, keys, args in calls:
         pipeline.evalsha(script.sha, len(keys), *keys, *args)

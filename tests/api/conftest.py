@@ -1,8 +1,8 @@
 """An API app over a database of the test module, driven through ``httpx.ASGITransport``.
 
 Every test gets a fresh app (its own admission state, rate-limit memory, submitter), with a
-plans file whose rates are high enough never to bind, except the ``trickle`` plan's, which
-tests of the limits use. The sandbox plan's rate is per minute, so that its rate-limit keys in
+plans file whose rates are high enough never to bind, except the ``trickle`` and ``burst``
+plans', which tests of the limits use. The sandbox plan's rate is per minute, so that its rate-limit keys in
 Redis (which expire one window after the last hit) are still there when a test looks for them.
 ``make_api`` builds more apps, with Redis for instance. Tests keep
 apart by creating their own tenants.
@@ -57,6 +57,13 @@ plans:
     lane: workflow_trickle
     priority: 1
     daily_quota: 2
+    rate_limit: "3/minute"
+    tenant_concurrency: 1
+    lane_slots: 1
+  burst:
+    lane: workflow_burst
+    priority: 1
+    daily_quota: 100
     rate_limit: "3/minute"
     tenant_concurrency: 1
     lane_slots: 1

@@ -444,6 +444,27 @@ async def test_rate_limit_hits_are_counted_before_quota_units(
         assert await deployment.immortal_keys() == []
 
 
+async def test_a_trigger_refused_by_the_rate_limit_keeps_no_unit(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    # With Redis the gate takes a unit for every trigger of its batch in the round trip that
+    # counts their hits, and gives back those of the hits it refused: none may stay taken.
+    async with make_api(**deployment.settings) as api:
+        caller = await api.tenant("burst")  # 3/minute, daily quota 100
+        answers = await asyncio.gather(
+            *(api.trigger(caller, input={"message": str(i)}) for i in range(8))
+        )
+        codes = Counter(
+            "accepted" if answer.status_code == 202 else answer.json()["error"]["code"]
+            for answer in answers
+        )
+        assert codes == {"accepted": 3, "rate_limited": 5}
+        usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+        assert (usage["used_today"], usage["remaining"]) == (3, 97)
+        assert await api.count_runs(caller) == 3
+        assert await deployment.immortal_keys() == []
+
+
 class FailingRuns(RunsRepo):
     """A repository whose batches never reach the database."""
 
