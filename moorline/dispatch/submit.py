@@ -16,10 +16,13 @@ run refused by the quota comes back stored ``rate_limited``.
 A submitter may have a :class:`Gate`: counters kept outside the database (admission's, in
 Redis) that decide the batch before it is written. A submission then carries its claims (a
 :class:`RateClaim` of the API rate limit and its quota unit), and the gate settles the claims of
-the whole batch in a round trip or two, however many runs it holds, instead of each trigger
-paying its own. Its verdict per run: refused (the caller gets the error; nothing is stored),
-stored ``rate_limited`` with the quota's refusal, or written. A run written by nobody after its
-unit was taken (the batch failed, or its key was taken meanwhile) gives the unit back.
+the whole batch in one round trip, however many runs it holds, instead of each trigger paying
+its own. Its verdict per run: refused (the caller gets the error; nothing is stored), stored
+``rate_limited`` with the quota's refusal, or written. A run written by nobody after its unit
+was taken (the batch failed, or its key was taken meanwhile) gives the unit back. With a gate
+the submitter works in two stages, each a task: one gates a batch while the other writes the
+batches gated before it, all those waiting in one transaction, so a batch's way to its callers
+is not a Redis round trip and then a database one, one after the other.
 
 The coalescing is hand-written rather than a library's because it must know the repository's
 error semantics: a batch refused for one bad row (an idempotency conflict, say) is retried run
