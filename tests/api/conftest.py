@@ -2,8 +2,9 @@
 
 Every test gets a fresh app (its own admission state, rate-limit memory, submitter), with a
 plans file whose rates are high enough never to bind, except the ``trickle`` and ``burst``
-plans', which tests of the limits use. The sandbox plan's rate is per minute, so that its rate-limit keys in
-Redis (which expire one window after the last hit) are still there when a test looks for them.
+plans', which tests of the limits use. The sandbox plan's rate is per minute, so that its
+rate-limit keys in Redis (which expire one window after the last hit) are still there when a
+test looks for them.
 ``make_api`` builds more apps, with Redis for instance. Tests keep
 apart by creating their own tenants.
 
