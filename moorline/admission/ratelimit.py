@@ -32,6 +32,7 @@ daily quota, which is an account, fails closed.
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -59,22 +60,30 @@ memory: a window's count ignores expired entries whether or not they were swept.
 
 
 MOVING_WINDOW_HIT = """
--- One hit on a moving window, then the window's state: the limits library's
--- acquire_moving_window.lua and moving_window.lua (limits 5.x) in one script.
+-- Hits on a moving window, then the window's state: the limits library's
+-- acquire_moving_window.lua and moving_window.lua (limits 5.x) in one script, the first run
+-- once per hit.
 -- KEYS[1] the window: a list of hit timestamps (seconds), newest first.
--- ARGV[1] now (seconds), ARGV[2] the limit, ARGV[3] the window's length (whole seconds).
--- Returns {allowed (1 or 0), oldest timestamp in the window, hits in the window}.
+-- ARGV[1] now (seconds), ARGV[2] the limit, ARGV[3] the window's length (whole seconds),
+-- ARGV[4] the hits (1 when absent): counted one by one until the window is full.
+-- Returns {hits counted, oldest timestamp in the window, hits in the window}.
 local now = tonumber(ARGV[1])
 local limit = tonumber(ARGV[2])
 local expiry = tonumber(ARGV[3])
 local start = now - expiry
 local allowed = 0
-local entry = redis.call('LINDEX', KEYS[1], limit - 1)
-if not (entry and tonumber(entry) >= start) then
+for _ = 1, tonumber(ARGV[4] or 1) do
+    -- The window is full when its limit-th newest hit is still in it.
+    local entry = redis.call('LINDEX', KEYS[1], limit - 1)
+    if entry and tonumber(entry) >= start then
+        break
+    end
     redis.call('LPUSH', KEYS[1], ARGV[1])
+    allowed = allowed + 1
+end
+if allowed > 0 then
     redis.call('LTRIM', KEYS[1], 0, limit - 1)
     redis.call('EXPIRE', KEYS[1], expiry)
-    allowed = 1
 end
 -- Entries are newest first: find the last one still in the window (binary search).
 local low = 0
@@ -226,29 +235,42 @@ class RateLimiter:
     def script_calls(self, hits: Sequence[tuple[str, str]]) -> "list[ScriptCall]":
         """The Redis script calls that count ``hits`` (see :meth:`hit_many`), for a pipeline.
 
-        With :meth:`read_replies`, lets another Redis user (admission's gate) send them in its
-        own round trip. Only with Redis storage (:attr:`is_shared`).
+        One call per credential and rate, however many of its hits: a burst from one API key
+        costs Redis one script, not one per trigger. With :meth:`read_replies`, lets another
+        Redis user (admission's gate) send them in its own round trip. Only with Redis
+        storage (:attr:`is_shared`).
         """
         if self._redis is None:
             raise RuntimeError("the rate limits are in memory, not in Redis")
         _, script, _ = self._redis
         now = time.time()
         calls: list[ScriptCall] = []
-        for identity, rate in hits:
+        for (identity, rate), count in Counter(hits).items():
             item = self._item(rate)
             key = f"{self._key_prefix}:{item.key_for(identity)}"
-            calls.append((script, [key], [now, item.amount, item.get_expiry()]))
+            calls.append((script, [key], [now, item.amount, item.get_expiry(), count]))
         return calls
 
     def read_replies(
         self, hits: Sequence[tuple[str, str]], replies: Sequence[Any]
     ) -> list[RateLimitState | RateLimited]:
-        """Per hit, the window after it or its refusal, from the replies of :meth:`script_calls`."""
+        """Per hit, the window after it or its refusal, from the replies of :meth:`script_calls`.
+
+        A credential's hits were counted in their order until its window was full: the first
+        ones see the window fill up one hit at a time, the rest are refused.
+        """
+        windows = dict(zip(Counter(hits), replies, strict=True))
+        seen: Counter[tuple[str, str]] = Counter()
         states: list[RateLimitState | RateLimited] = []
-        for (_, rate), (allowed, oldest, count) in zip(hits, replies, strict=True):
-            item = self._item(rate)
+        for hit in hits:
+            allowed, oldest, count = windows[hit]
+            nth = seen[hit]
+            seen[hit] += 1
+            item = self._item(hit[1])
             reset_at = float(oldest) + item.get_expiry()
-            states.append(self._state(item, rate, allowed == 1, reset_at, item.amount - count))
+            # The nth counted hit left count - (allowed - 1 - nth) hits in the window.
+            remaining = item.amount - (int(count) - (int(allowed) - 1 - nth))
+            states.append(self._state(item, hit[1], nth < int(allowed), reset_at, remaining))
         return states
 
     @staticmethod

@@ -542,3 +542,21 @@ async def test_the_gate_loads_the_scripts_redis_forgot(
         assert [answer.status_code for answer in answers] == [202] * 5
         usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
         assert usage["used_today"] == 6
+
+
+async def test_hits_of_one_credential_in_one_call_count_one_by_one(
+    deployment: Deployment,
+) -> None:
+    # A batch's hits of one API key go to Redis as one script call; each still sees the window
+    # it would have seen alone, and those past the limit are refused.
+    limiter = RateLimiter(Settings(**deployment.settings))
+    try:
+        states = await limiter.hit_many([("key:a", "3/minute")] * 2 + [("key:b", "3/minute")])
+        states += await limiter.hit_many([("key:a", "3/minute")] * 3)
+    finally:
+        await limiter.close()
+    remaining = [
+        "refused" if isinstance(state, RateLimited) else state and state.remaining
+        for state in states
+    ]
+    assert remaining == [2, 1, 2, 0, "refused", "refused"]
