@@ -20,14 +20,14 @@ from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import Interrupt
-from moorline.db.repos.steps import LeaseLost, StepMismatch
+from moorline.db.repos.steps import LeaseLost, StepMismatch, StepsRepo
 from moorline.db.schema import runs
 from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import NotInStep
 from moorline.engine.runner import WorkflowRunner
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
-from moorline.types import JSONValue, RunId
+from moorline.types import JSONValue, RunId, StepStatus
 from moorline.worker.worker import Worker
 from tests.contract.queue_helpers import (
     NO_CAP,
@@ -408,10 +408,13 @@ async def test_a_worker_writes_nothing_for_an_attempt_that_lost_its_lease(
     running = asyncio.create_task(worker.run(stop))
     try:
 
-        async def one_ran() -> bool:
-            return ran == ["one"]
+        async def one_recorded() -> bool:
+            # Its checkpoint committed, not only its function run: a requeue in between would
+            # leave attempt 1 no step to record, and attempt 2 would rightly run it again.
+            step = await StepsRepo(harness.db).get(run_id, "one")
+            return ran == ["one"] and step is not None and step.status is StepStatus.SUCCEEDED
 
-        await wait_for(one_ran, message="the first step")
+        await wait_for(one_recorded, message="the first step's checkpoint")
         # Taken from attempt 1 (as by the reaper); the worker's only slot is still busy.
         await requeue_all(harness.db, harness.tenants.created[-1])
         gate.set()
