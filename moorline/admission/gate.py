@@ -22,18 +22,21 @@ A run whose unit was taken but that was not stored after all (the batch's transa
 or its idempotency key was taken meanwhile) gives it back (:meth:`give_back`).
 """
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 
 from moorline.admission.quotas import QuotaStore, RedisQuotaStore
 from moorline.admission.ratelimit import RateLimiter
 from moorline.dispatch.submit import Claims, Gate, RateClaim, Verdict
-from moorline.errors import RateLimited
+from moorline.errors import BackendUnavailable, RateLimited
 from moorline.types import TenantId
+
+logger = logging.getLogger(__name__)
 
 
 class RedisGate(Gate):
-    """Counts a batch's rate-limit hits, then takes its quota units, in Redis."""
+    """Counts a batch's rate-limit hits and takes its quota units in one Redis round trip."""
 
     def __init__(self, rate_limiter: RateLimiter, quotas: RedisQuotaStore) -> None:
         self._rate_limiter = rate_limiter
@@ -85,8 +88,17 @@ class RedisGate(Gate):
             if int(taken) > units:
                 surplus.append((tenant_id, day, int(taken) - units))
         if surplus:
-            await self._quotas.give_back(surplus)
+            await self._return_surplus(surplus)
         return verdicts
+
+    async def _return_surplus(self, surplus: list[tuple[TenantId, str, int]]) -> None:
+        """Give back the units taken for hits the rate limit refused."""
+        try:
+            await self._quotas.give_back(surplus)
+        except BackendUnavailable as exc:
+            # The batch's verdicts stand (its units are taken); the refused hits' units stay
+            # taken too, so the tenant is refused early rather than let past its quota.
+            logger.warning("giving back the units of refused hits failed: %s", exc)
 
     async def give_back(self, claims: Sequence[Claims]) -> None:
         units = Counter(
