@@ -39,6 +39,13 @@ class RedisGate(Gate):
     """Counts a batch's rate-limit hits and takes its quota units in one Redis round trip."""
 
     def __init__(self, rate_limiter: RateLimiter, quotas: RedisQuotaStore) -> None:
+        """Settle batches with ``rate_limiter``'s windows and ``quotas``' counters.
+
+        Raises:
+            ValueError: the rate limiter keeps its windows in memory, not in Redis.
+        """
+        if not rate_limiter.is_shared:
+            raise ValueError("the gate needs the rate limits in Redis, as the quota counters")
         self._rate_limiter = rate_limiter
         self._quotas = quotas
 
@@ -60,14 +67,9 @@ class RedisGate(Gate):
             for (tenant_id, _, _), indexes in groups.items()
             if (quota := claims[indexes[0]].quota) is not None
         ]
-        calls = []
-        if hits and self._rate_limiter.is_shared:
-            calls = self._rate_limiter.script_calls(hits)
+        calls = self._rate_limiter.script_calls(hits)
         replies = await self._quotas.run([*calls, *self._quotas.take_calls(wants)])
-        if calls:
-            states: Sequence[object] = self._rate_limiter.read_replies(hits, replies[: len(calls)])
-        else:
-            states = await self._rate_limiter.hit_many(hits)
+        states = self._rate_limiter.read_replies(hits, replies[: len(calls)])
         for (index, rate), state in zip(rates, states, strict=True):
             if isinstance(state, RateLimited):
                 verdicts[index] = state

@@ -206,22 +206,16 @@ class RedisQuotaStore(QuotaStore):
     async def release(self, tenant_id: TenantId, day: str) -> None:
         await self.give_back([(tenant_id, day, 1)])
 
-    async def take(self, wants: Sequence[tuple[TenantId, QuotaClaim, int]]) -> list[int]:
-        """Take units for several counters in one round trip (a batch of triggers).
+    def take_calls(self, wants: Sequence[tuple[TenantId, QuotaClaim, int]]) -> "list[ScriptCall]":
+        """Script calls that take units of several counters, for :meth:`run` (one round trip).
 
         Args:
             wants: Per counter: the tenant, its claim (day and limit), and the units wanted.
 
         Returns:
-            The units taken of each, in order: as many as its limit leaves, up to those wanted.
-
-        Raises:
-            BackendUnavailable: Redis did not answer; whether units were taken is unknown.
+            One call per counter; each replies ``[units taken, used after]``, the units as many
+            as its limit leaves, up to those wanted.
         """
-        return [int(taken) for taken, _ in await self.run(self.take_calls(wants))]
-
-    def take_calls(self, wants: Sequence[tuple[TenantId, QuotaClaim, int]]) -> "list[ScriptCall]":
-        """The script calls of :meth:`take`, for :meth:`run`; each replies ``[taken, used]``."""
         return [
             (
                 self._consume,
@@ -246,16 +240,12 @@ class RedisQuotaStore(QuotaStore):
 
     async def give_back(self, units: Sequence[tuple[TenantId, str, int]]) -> None:
         """Give back units of several counters (tenant, day, units) in one round trip."""
-        try:
-            await self._run_scripts(
-                self._client,
-                [
-                    (self._release, [self.keys.quota(tenant_id, day)], [count])
-                    for tenant_id, day, count in units
-                ],
-            )
-        except self._redis_error as exc:
-            raise BackendUnavailable(f"Redis quota store: {exc}") from exc
+        await self.run(
+            [
+                (self._release, [self.keys.quota(tenant_id, day)], [count])
+                for tenant_id, day, count in units
+            ]
+        )
 
     async def used(self, tenant_id: TenantId, day: str) -> int:
         try:
