@@ -274,12 +274,10 @@ def solved_by(solve: ArgumentSolver) -> type[JSONBodyRoute]:
     class HandSolvedRoute(JSONBodyRoute):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            endpoint = self.endpoint
+            respond = self._responder()
 
             async def solve_then_answer(scope: Scope, receive: Receive, send: Send) -> None:
-                request = JSONRequest(scope, receive)
-                await request.parse()
-                response: Response = await endpoint(**await solve(request))
+                response = await respond(scope, receive)
                 await response(scope, receive, send)
 
             # In place of FastAPI's request_response(self.get_route_handler()): without a
@@ -290,14 +288,23 @@ def solved_by(solve: ArgumentSolver) -> type[JSONBodyRoute]:
             self.app = solve_then_answer
 
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-            endpoint = self.endpoint
+            respond = self._responder()
 
             async def solve_then_handle(request: Request) -> Response:
-                parsed = JSONRequest(request.scope, request.receive)
-                await parsed.parse()
-                response: Response = await endpoint(**await solve(parsed))
-                return response
+                return await respond(request.scope, request.receive)
 
             return solve_then_handle
+
+        def _responder(self) -> Callable[[Scope, Receive], Coroutine[Any, Any, Response]]:
+            """Parse the body, solve the endpoint's arguments, call it: its response."""
+            endpoint = self.endpoint
+
+            async def respond(scope: Scope, receive: Receive) -> Response:
+                request = JSONRequest(scope, receive)
+                await request.parse()
+                response: Response = await endpoint(**await solve(request))
+                return response
+
+            return respond
 
     return HandSolvedRoute
