@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
+from moorline.db.backends import backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.settings import Settings
@@ -24,10 +25,9 @@ from tests.servers import MYSQL_ADMIN_URL, PG_ADMIN_URL, require_server, run_sql
 
 BACKENDS = ["sqlite", "postgresql", "mysql"]
 
+# The same Capabilities the code branches on: one vocabulary for code and tests.
 CAPABILITIES: dict[str, frozenset[str]] = {
-    "sqlite": frozenset({"embedded"}),
-    "postgresql": frozenset({"server", "skip_locked", "listen_notify", "terminate_backend"}),
-    "mysql": frozenset({"server", "skip_locked"}),
+    name: backend_for(name).capabilities.names() for name in ("sqlite", "postgresql", "mysql")
 }
 
 

@@ -47,6 +47,7 @@ from sqlalchemy.pool import QueuePool, StaticPool
 from sqlalchemy.util import greenlet_spawn
 
 from moorline.db import mysql_driver, sqlite_driver
+from moorline.db.backends import Backend, backend_for
 from moorline.db.dialects import (
     DialectName,
     is_read_only_error,
@@ -122,6 +123,7 @@ class DatabaseManager:
         self.dialect: DialectName = (
             "sqlite" if "sqlite" in drivers else "postgresql" if "postgres" in drivers else "mysql"
         )
+        self.backend: Backend = backend_for(self.dialect)
         self.engine = self._create_engine()
         # MariaDB/MySQL: connections that stay in autocommit, for write_statement.
         self._autocommit_engine = (
