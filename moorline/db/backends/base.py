@@ -1,9 +1,19 @@
 """The backend seam: :class:`Capabilities` and the strategies each database implements."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import ClassVar, Literal
+from datetime import datetime
+from typing import Any, ClassVar, Literal, TypeVar
+
+from sqlalchemy import Insert, Select, Table
+from sqlalchemy.engine import Dialect
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.types import TypeEngine
 
 DialectName = Literal["sqlite", "postgresql", "mysql"]
+
+_SelectT = TypeVar("_SelectT", bound=Select[Any])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,6 +55,81 @@ class Backend:
 
     name: ClassVar[DialectName]
     capabilities: ClassVar[Capabilities]
+
+    # --- SQL fragments (delegating to moorline.db.dialects until it is folded in here) -----
+
+    @property
+    def write_isolation_level(self) -> str | None:
+        """The isolation level of dispatch write transactions, or None for the default."""
+        from moorline.db import dialects
+
+        return dialects.write_isolation_level(self.name)
+
+    def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
+        """The database's current UTC time (plus an offset), as an SQL expression."""
+        from moorline.db import dialects
+
+        return dialects.db_now(self.name, plus_s=plus_s)
+
+    def select_now(self) -> Select[Any]:
+        """``SELECT`` of the database's current time."""
+        from moorline.db import dialects
+
+        return dialects.select_db_now(self.name)
+
+    def transaction_time(self) -> ColumnElement[datetime] | None:
+        """The database's time at the start of the transaction, or None where there is none."""
+        from moorline.db import dialects
+
+        return dialects.transaction_time(self.name)
+
+    def rows_parameter(
+        self, parameter: str, columns: Mapping[str, TypeEngine[Any]]
+    ) -> TableValuedAlias | None:
+        """A table whose rows are bound as one parameter, or None where there is none."""
+        from moorline.db import dialects
+
+        return dialects.rows_parameter(self.name, parameter, columns)
+
+    def statement_time(
+        self, dialect: Dialect
+    ) -> tuple[ColumnElement[datetime], ColumnElement[datetime]] | None:
+        """For an INSERT that returns what it stored: its time, and it plus ``delay_us``."""
+        from moorline.db import dialects
+
+        return dialects.statement_time(dialect)
+
+    def lock_rows(self, stmt: _SelectT) -> _SelectT:
+        """``stmt`` taking exclusive row locks that wait, held until the transaction ends."""
+        from moorline.db import dialects
+
+        return dialects.lock_rows(stmt, self.name)
+
+    def lock_rows_skip_locked(self, stmt: _SelectT) -> _SelectT:
+        """``stmt`` as ``SELECT … FOR UPDATE SKIP LOCKED`` where there are row locks."""
+        from moorline.db import dialects
+
+        return dialects.lock_rows_skip_locked(stmt, self.name)
+
+    def insert_ignoring_duplicates(self, table: Table) -> Insert:
+        """An INSERT into ``table`` that inserts nothing (rowcount 0) on a duplicate key."""
+        from moorline.db import dialects
+
+        return dialects.insert_ignoring_duplicates(table, self.name)
+
+    def insert_or_lock_existing(self, table: Table, column: str) -> Insert:
+        """An INSERT into ``table`` that leaves an existing row (same key) as it is, locked."""
+        from moorline.db import dialects
+
+        return dialects.insert_or_lock_existing(table, self.name, column)
+
+    def increment_below(
+        self, table: Table, *, column: str, limit: int, keys: dict[str, Any]
+    ) -> Insert | None:
+        """One statement adding 1 to ``column`` while below ``limit``, or None where none."""
+        from moorline.db import dialects
+
+        return dialects.increment_below(table, self.name, column=column, limit=limit, keys=keys)
 
 
 def backend_for(name: DialectName) -> Backend:
