@@ -414,6 +414,15 @@ class RuntimeStore(Protocol):
         """
         ...
 
+    async def check_available(self, timeout_s: float) -> None:
+        """Prove the store answers within ``timeout_s``; the in-memory store always does.
+
+        Raises:
+            BackendUnavailable: no answer in time, or the server refused; the message is
+                ``<backend> is down: <reason>``.
+        """
+        ...
+
     async def shutdown(self) -> None:
         """Wake every waiter in this process with :class:`StoreShutdown` and end subscriptions.
 

@@ -297,6 +297,9 @@ class InMemoryRuntimeStore(RuntimeStore):
         self._runs.pop(run_id, None)
         self._wake(run_id)
 
+    async def check_available(self, timeout_s: float) -> None:
+        return  # the store is this process's memory: it answers whenever the process does
+
     async def shutdown(self) -> None:
         self._is_shut_down = True
         for waiters in self._waiters.values():

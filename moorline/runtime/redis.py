@@ -430,6 +430,18 @@ class RedisRuntimeStore(RuntimeStore):
         pipe.publish(self.keys.signal_channel(run_id), SIGNAL_CLEANUP)
         await pipe.execute()
 
+    async def check_available(self, timeout_s: float) -> None:
+        # Bounded by the caller's time, not the client's retries: a load balancer's probe must
+        # answer before its own timeout, whatever the connection pool is doing.
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._client.ping()
+        except TimeoutError:
+            raise BackendUnavailable(f"redis is down: no answer within {timeout_s:g}s") from None
+        except (OSError, RedisError) as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise BackendUnavailable(f"redis is down: {reason}") from exc
+
     async def shutdown(self) -> None:
         self._is_shut_down = True
         for watch in tuple(self._watches):

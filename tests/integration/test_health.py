@@ -20,7 +20,7 @@ from moorline.db.dsn import DatabaseUnreachable
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.settings import Settings
-from tests.servers import PG_ADMIN_URL, run_sql, unique_name
+from tests.servers import PG_ADMIN_URL, REDIS_TEST_URL, require_server, run_sql, unique_name
 
 
 @asynccontextmanager
@@ -152,3 +152,26 @@ async def test_readyz_is_503_when_no_database_answers() -> None:
     error = response.json()["error"]
     assert error["message"].startswith("database is down: no database address answered")
     assert error["checks"] == {"database": "down"}
+
+
+async def test_readyz_checks_redis_when_the_process_uses_it(
+    settings: Settings, db: DatabaseManager
+) -> None:
+    require_server("redis")
+    update = {"redis_url": REDIS_TEST_URL, "redis_prefix": unique_name("ready")}
+    app = create_app(settings.model_copy(update=update), db)
+    async with app.router.lifespan_context(app), client_for(app) as client:
+        response = await client.get("/readyz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ready", "checks": {"database": "ok", "redis": "ok"}}
+
+
+async def test_readyz_is_503_when_redis_is_down(settings: Settings, db: DatabaseManager) -> None:
+    # Nothing listens on port 1: every trigger of this process would answer 503, so must /readyz.
+    app = create_app(settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"}), db)
+    async with app.router.lifespan_context(app), client_for(app) as client:
+        ready = await client.get("/readyz")
+    assert ready.status_code == 503
+    error = ready.json()["error"]
+    assert error["checks"] == {"database": "ok", "redis": "down"}
+    assert error["message"].startswith("redis is down: ")

@@ -2,7 +2,8 @@
 
 ``/healthz`` answers whenever the process serves HTTP, so an orchestrator restarts only a hung
 process. ``/readyz`` answers 200 only when every backend this process depends on accepts work
-(the database: a real write probe, see :mod:`moorline.db.health`), so a load balancer stops
+(the database: a real write probe, see :mod:`moorline.db.health`; Redis, when configured: a
+``PING`` within :data:`REDIS_PROBE_TIMEOUT_S`), so a load balancer stops
 routing to a process whose database went read-only or away, without restarting it.
 """
 
@@ -13,9 +14,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from moorline.api.deps import Services
 from moorline.db.health import check_writable
 from moorline.db.manager import DatabaseManager
 from moorline.errors import BackendUnavailable
+
+REDIS_PROBE_TIMEOUT_S = 2.0
+"""How long ``/readyz`` waits for Redis's ``PING``: shorter than a load balancer's probe."""
 
 
 class Health(BaseModel):
@@ -53,10 +58,15 @@ async def healthz() -> Health:
 async def readyz(request: Request) -> Readiness | JSONResponse:
     """Answer 200 when every backend accepts work, else 503 naming what is down.
 
-    The database must accept a write, not only a read (see ``moorline.db.health``).
+    The database must accept a write, not only a read (see ``moorline.db.health``); Redis,
+    when the process uses it, must answer a ``PING`` in time.
     """
     db: DatabaseManager = request.app.state.db
+    services: Services = request.app.state.services
     probes: dict[str, Callable[[], Awaitable[None]]] = {"database": lambda: check_writable(db)}
+    if services.settings.redis_url:
+        # Triggers go through Redis (rate limits, quotas, wake-ups): down, they all answer 503.
+        probes["redis"] = lambda: services.store.check_available(REDIS_PROBE_TIMEOUT_S)
     checks: dict[str, str] = {}
     failures: list[str] = []
     for name, probe in probes.items():
