@@ -6,6 +6,7 @@ API, FastAPI and uvicorn cost a worker process over a second of start-up it has 
 
 import asyncio
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated
@@ -24,6 +25,7 @@ from moorline.cli.main import configure_logging
 from moorline.db.manager import DatabaseManager
 from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
+from moorline.errors import ConfigError
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import AccessLog, Settings, load_settings
 from moorline.worker.process import run_worker_process
@@ -67,10 +69,38 @@ def serve(
     settings = load_settings()
     configure_logging(settings)
     application = load_app(app or settings.app)
-    with asyncio.Runner(loop_factory=_fast_event_loop()) as runner:
-        started = runner.run(_serve(settings, application, host=host, port=port, loops=workers))
+    # The port first: a port in use must be one line before anything is printed, generated or
+    # connected to (no banner, no admin token, no worker against the database).
+    listening = bind_socket(host, port)
+    with listening, asyncio.Runner(loop_factory=_fast_event_loop()) as runner:
+        serving = _serve(settings, application, listening=listening, host=host, loops=workers)
+        started = runner.run(serving)
     if not started:
         raise typer.Exit(EXIT_STARTUP_FAILED)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, ready for uvicorn to listen on.
+
+    Raises:
+        ConfigError: the address cannot be resolved or bound (in use, not this host's, no
+            permission); one line naming it.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    # As uvicorn binds: a restarted server may take the port while old connections linger.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
 
 
 def _fast_event_loop() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -88,7 +118,7 @@ def _fast_event_loop() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def _serve(
-    settings: Settings, app: Moorline, *, host: str, port: int, loops: int = 1
+    settings: Settings, app: Moorline, *, listening: socket.socket, host: str, loops: int = 1
 ) -> bool:
     """Run the API server, the reaper and ``loops`` worker loops; whether the server started.
 
@@ -100,6 +130,7 @@ async def _serve(
     except BaseException:
         await db.dispose()
         raise
+    port: int = listening.getsockname()[1]
     banner = start_banner(settings, host=host, port=port, database=db.display_url)
     if banner.settings is not settings:
         # A generated admin token: log lines must blank it like a configured one.
@@ -116,8 +147,6 @@ async def _serve(
     server = uvicorn.Server(
         uvicorn.Config(
             logged,
-            host=host,
-            port=port,
             lifespan="on",
             log_config=None,
             access_log=settings.access_log is AccessLog.ALL,
@@ -125,7 +154,7 @@ async def _serve(
     )
     Console(soft_wrap=True, highlight=False).print("\n".join(banner.lines), markup=False)
     with _shutdown_signals_end_cleanly():
-        await server.serve()
+        await server.serve(sockets=[listening])
     return server.started
 
 

@@ -182,3 +182,21 @@ async def test_serve_on_sqlite_is_ready_and_stops_cleanly_on_sigterm(tmp_path: P
     assert b"Traceback" not in stderr
     assert f"http://127.0.0.1:{port}".encode() in stdout
     assert (tmp_path / "moorline.db").exists()
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        database = tmp_path / "moorline.db"
+        result = run_cli(
+            "serve",
+            "--port",
+            str(port),
+            cwd=tmp_path,
+            MOORLINE_DATABASE_URL=f"sqlite+aiosqlite:///{database}",
+        )
+    assert_one_line_error(result, f"127.0.0.1:{port}", "in use")
+    assert result.stdout == ""  # no banner, no generated admin token
+    assert not database.exists()  # nothing connected to the database
