@@ -1,6 +1,8 @@
 """Conversations at run time: the conversation lease and the interactive window of an attempt.
 
-At most one run per ``conversation_id`` is active. The database decides at admission
+At most one run per conversation of a tenant is active (conversation ids are the tenant's own
+names: the store keys them with the tenant, :func:`~moorline.runtime.base.conversation_key`).
+The database decides at admission
 (:meth:`~moorline.db.repos.runs.RunsRepo.submit_many` refuses a second active run with
 :class:`~moorline.errors.ConversationBusy`); at run time the RuntimeStore holds two states with
 different lifetimes (seed 000):
@@ -33,7 +35,7 @@ from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import RunsRepo
 from moorline.errors import BackendUnavailable, ConversationBusy
-from moorline.runtime.base import RuntimeStore
+from moorline.runtime.base import RuntimeStore, conversation_key
 from moorline.types import Attempt, RunId, RunStatus
 
 logger = logging.getLogger(__name__)
@@ -59,9 +61,17 @@ def parse_holder(holder: str) -> tuple[RunId, Attempt] | None:
     return RunId(run_id), Attempt(int(attempt))
 
 
+def lease_key(run: Run) -> str | None:
+    """The store's key of a run's conversation lease; None for a run without a conversation."""
+    if run.conversation_id is None:
+        return None
+    return conversation_key(run.tenant_id, run.conversation_id)
+
+
 def window_key(run: Run) -> str:
-    """The key of a run's interactive window: its conversation, else the run itself."""
-    return run.conversation_id if run.conversation_id is not None else run.run_id
+    """The key of a run's interactive window: its conversation's, else the run id."""
+    key = lease_key(run)
+    return key if key is not None else run.run_id
 
 
 @dataclass(eq=False, slots=True)
@@ -94,10 +104,10 @@ class Conversations:
             ConversationBusy: Another run of the conversation holds the lease and is live.
         """
         live = self._live.setdefault(_key(claim), _Live(claim))
-        conversation_id = claim.run.conversation_id
+        key = lease_key(claim.run)
         try:
-            if conversation_id is not None:
-                await self._acquire(claim, conversation_id)
+            if key is not None:
+                await self._acquire(claim, key)
                 live.holds_lease = True
             await self._store.mark_interactive(
                 window_key(claim.run), claim.fence.run_id, self._ttl_s
@@ -128,11 +138,9 @@ class Conversations:
         """The attempt is over: close its window and give its conversation lease up."""
         await self.leave(claim)
         live = self._live.pop(_key(claim), None)
-        conversation_id = claim.run.conversation_id
-        if live is not None and live.holds_lease and conversation_id is not None:
-            await self._quietly(
-                claim, self._store.release_lease(conversation_id, lease_holder(claim))
-            )
+        key = lease_key(claim.run)
+        if live is not None and live.holds_lease and key is not None:
+            await self._quietly(claim, self._store.release_lease(key, lease_holder(claim)))
 
     async def renew(self, claims: Sequence[Claim]) -> None:
         """Extend the leases and windows of these attempts (the worker's heartbeat)."""
@@ -141,22 +149,20 @@ class Conversations:
 
     async def _renew_one(self, live: _Live) -> None:
         claim = live.claim
-        conversation_id = claim.run.conversation_id
-        if live.holds_lease and conversation_id is not None:
+        key = lease_key(claim.run)
+        if live.holds_lease and key is not None:
             holder = lease_holder(claim)
-            renewed = await self._quietly(
-                claim, self._store.renew_lease(conversation_id, holder, self._ttl_s)
-            )
+            renewed = await self._quietly(claim, self._store.renew_lease(key, holder, self._ttl_s))
             if renewed is False:
                 # Expired (a store restart, a long pause): take it again if nobody else has.
                 taken = await self._quietly(
-                    claim, self._store.acquire_lease(conversation_id, holder, self._ttl_s)
+                    claim, self._store.acquire_lease(key, holder, self._ttl_s)
                 )
                 if taken is not None and not taken.acquired:
                     logger.warning(
                         "run %s: conversation %r is now held by %s",
                         claim.fence.run_id,
-                        conversation_id,
+                        claim.run.conversation_id,
                         taken.holder,
                         extra=_extra(claim),
                     )
@@ -168,18 +174,19 @@ class Conversations:
                 ),
             )
 
-    async def _acquire(self, claim: Claim, conversation_id: str) -> None:
+    async def _acquire(self, claim: Claim, key: str) -> None:
         mine = lease_holder(claim)
-        acquired, holder = await self._store.acquire_lease(conversation_id, mine, self._ttl_s)
+        acquired, holder = await self._store.acquire_lease(key, mine, self._ttl_s)
         if acquired:
             return
         if await self._is_stale(holder):
             # Compare-and-delete: only that holder's lease goes, never a newer one.
-            await self._store.release_lease(conversation_id, holder)
-            acquired, holder = await self._store.acquire_lease(conversation_id, mine, self._ttl_s)
+            await self._store.release_lease(key, holder)
+            acquired, holder = await self._store.acquire_lease(key, mine, self._ttl_s)
             if acquired:
                 return
         parsed = parse_holder(holder)
+        conversation_id = claim.run.conversation_id or key
         raise ConversationBusy(conversation_id, parsed[0] if parsed is not None else holder)
 
     async def _is_stale(self, holder: str) -> bool:

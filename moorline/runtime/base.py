@@ -46,7 +46,7 @@ from types import TracebackType
 from typing import NamedTuple, Protocol, Self
 
 from moorline.errors import LimitExceeded, MoorlineError
-from moorline.types import JSONObject, RunId
+from moorline.types import JSONObject, RunId, TenantId
 
 CANCELLED_DECISION: JSONObject = {"approved": False, "reason": "cancelled"}
 """The decision an interrupt gets when its run is cancelled while the interrupt is pending."""
@@ -103,6 +103,16 @@ class LeaseAcquisition(NamedTuple):
     acquired: bool
     holder: str
     """The holder after the call: the caller when acquired, else whoever holds the lease."""
+
+
+def conversation_key(tenant_id: TenantId, conversation_id: str) -> str:
+    """The store's name of one tenant's conversation: ``<tenant id>:<conversation id>``.
+
+    Conversation ids are each tenant's own names, so two tenants may use the same one; the
+    store's lease and window methods take this key, never the bare id, so that one tenant's
+    conversation never holds up, or names a run of, another's. Tenant ids contain no ``:``.
+    """
+    return f"{tenant_id}:{conversation_id}"
 
 
 def encode_decision(decision: JSONObject) -> str:
@@ -251,7 +261,7 @@ class RuntimeStore(Protocol):
         """Take the conversation's lease unless someone else holds it.
 
         Args:
-            conversation_id: The conversation to lock.
+            conversation_id: The conversation to lock, as :func:`conversation_key` names it.
             holder: Who takes it (a run id); acquiring again as the holder refreshes the TTL.
             ttl_s: Seconds the lease lives without a renewal.
 

@@ -4,8 +4,8 @@ All names start with the configured prefix (``MOORLINE_REDIS_PREFIX``, default `
 entity follows in a ``{hash tag}``, so every key of one conversation, or of one run, lands in the
 same Redis Cluster slot and multi-key scripts never fail with ``CROSSSLOT``::
 
-    <prefix>:{conv:<conversation_id>}:lease          STRING holder            TTL of the lease
-    <prefix>:{conv:<conversation_id>}:interactive    STRING run id            TTL of the window
+    <prefix>:{conv:<tenant_id>:<conversation_id>}:lease        STRING holder  TTL of the lease
+    <prefix>:{conv:<tenant_id>:<conversation_id>}:interactive  STRING run id  TTL of the window
     <prefix>:{run:<run_id>}:interrupt:<interrupt_id> HASH status, decision    TTL of the interrupt
     <prefix>:{run:<run_id>}:interrupts               SET interrupt ids        longest interrupt TTL
     <prefix>:{run:<run_id>}:cancel                   STRING "1"               retention
@@ -15,6 +15,8 @@ same Redis Cluster slot and multi-key scripts never fail with ``CROSSSLOT``::
     <prefix>:{tenant:<tenant_id>}:quota:<YYYY-MM-DD> STRING units used        past the UTC day
     <prefix>:ratelimit:<limits library key>          the ``limits`` library   its window
 
+A conversation is named with its tenant (``runtime.base.conversation_key``): two tenants may
+use the same conversation id. A run without a conversation uses its run id as its window's name.
 Every key of a run starts with the same ``<prefix>:{run:<run_id>}``, so the hash tag is the
 same for all of them whatever characters the id contains. The quota and rate-limit keys belong
 to admission (:mod:`moorline.admission`), not to the runtime store; they are built here so that

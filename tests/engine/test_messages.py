@@ -18,7 +18,7 @@ from moorline.db.repos.runs import NewRun, Succeeded
 from moorline.db.schema import runs
 from moorline.engine.conversations import lease_holder
 from moorline.errors import ConversationBusy, InvalidInput, RunNotFound, RunNotInteractive
-from moorline.runtime.base import RuntimeStore
+from moorline.runtime.base import RuntimeStore, conversation_key
 from moorline.settings import Settings
 from moorline.types import JSONValue, RunId, RunStatus
 from tests.contract.queue_helpers import Tenants
@@ -27,6 +27,12 @@ from tests.helpers import wait_for
 
 HEARTBEAT_LEASE_S = 1.2
 """Lease TTL of the heartbeat test: renewals every 0.4 s, self-fencing at 1.0 s."""
+
+
+def conv_key(engine: EngineHarness) -> str:
+    """The store's key of the conversation "conv" of the harness's tenant."""
+    assert engine.tenant is not None
+    return conversation_key(engine.tenant, "conv")
 
 
 @pytest.fixture
@@ -130,19 +136,19 @@ async def test_the_conversation_lease_lives_until_the_outcome_is_written(
     run_id = await engine.new_run("turn", conversation_id="conv")
     async with engine.worker():
         await asyncio.wait_for(entered.wait(), 10)
-        assert await store.get_lease_holder("conv") == f"{run_id}#1"
-        assert await store.is_interactive("conv", run_id)
+        assert await store.get_lease_holder(conv_key(engine)) == f"{run_id}#1"
+        assert await store.is_interactive(conv_key(engine), run_id)
         with pytest.raises(ConversationBusy) as busy:
             await engine.new_run("turn", conversation_id="conv")
         assert busy.value.active_run_id == run_id
         gate.set()
 
         async def released() -> bool:
-            return await store.get_lease_holder("conv") is None
+            return await store.get_lease_holder(conv_key(engine)) is None
 
         await wait_for(released, message="the conversation lease to be released")
         assert await engine.status(run_id) is RunStatus.SUCCEEDED, "released after the outcome"
-        assert not await store.is_interactive("conv", run_id)
+        assert not await store.is_interactive(conv_key(engine), run_id)
         # The conversation is free: its next run is admitted and runs.
         following = await engine.new_run("turn", conversation_id="conv")
         await engine.until_status(following, RunStatus.SUCCEEDED)
@@ -170,8 +176,8 @@ async def test_the_heartbeat_keeps_the_lease_and_the_window_alive(
             await asyncio.wait_for(entered.wait(), 10)
             # Time passing is what is tested: without renewals both would expire.
             await asyncio.sleep(1.5 * HEARTBEAT_LEASE_S)
-            assert await store.get_lease_holder("conv") == f"{run_id}#1"
-            assert await store.is_interactive("conv", run_id)
+            assert await store.get_lease_holder(conv_key(engine)) == f"{run_id}#1"
+            assert await store.is_interactive(conv_key(engine), run_id)
             gate.set()
             await engine.until_status(run_id, RunStatus.SUCCEEDED)
     finally:
@@ -181,22 +187,22 @@ async def test_the_heartbeat_keeps_the_lease_and_the_window_alive(
 async def test_a_stale_holder_is_replaced_and_a_live_one_refuses(engine: EngineHarness) -> None:
     @engine.app.workflow("turn")
     async def turn(ctx: Context) -> JSONValue:
-        return await engine.store.get_lease_holder("conv")
+        return await engine.store.get_lease_holder(conv_key(engine))
 
     # An earlier run of the conversation ended, but its worker died before releasing.
     ended = await engine.new_run("turn", conversation_id="conv")
     ended_claim = await engine.claim()
     assert await engine.runs.finish_many([Succeeded(fence=ended_claim.fence, output=None)])
-    await engine.store.acquire_lease("conv", lease_holder(ended_claim), 30.0)
+    await engine.store.acquire_lease(conv_key(engine), lease_holder(ended_claim), 30.0)
     current = await engine.new_run("turn", conversation_id="conv")
     claim = await engine.claim()
     assert claim.fence.run_id == current and ended_claim.fence.run_id == ended
     assert await engine.runner.run(claim) == f"{current}#1"
     await engine.runner.release(claim)
-    assert await engine.store.get_lease_holder("conv") is None
+    assert await engine.store.get_lease_holder(conv_key(engine)) is None
 
     # A run stored behind admission's back while another of the conversation is live.
-    await engine.store.acquire_lease("conv", f"{current}#1", 30.0)
+    await engine.store.acquire_lease(conv_key(engine), f"{current}#1", 30.0)
     assert engine.tenant is not None
     [intruder] = await engine.runs.submit_many(
         [NewRun(tenant_id=engine.tenant, workflow="turn", input={}, lane=engine.lane)]
@@ -210,4 +216,35 @@ async def test_a_stale_holder_is_replaced_and_a_live_one_refuses(engine: EngineH
     with pytest.raises(ConversationBusy) as busy:
         await engine.runner.run(intruding)
     assert busy.value.active_run_id == RunId(current)
-    assert await engine.store.get_lease_holder("conv") == f"{current}#1"
+    assert await engine.store.get_lease_holder(conv_key(engine)) == f"{current}#1"
+
+
+async def test_two_tenants_may_use_the_same_conversation_id_at_once(
+    engine: EngineHarness,
+) -> None:
+    """Conversation ids are each tenant's own names: their leases and windows never meet."""
+    entered = {1: asyncio.Event(), 2: asyncio.Event()}
+    gate = asyncio.Event()
+
+    @engine.app.workflow("turn")
+    async def turn(ctx: Context) -> JSONValue:
+        entered[1 if ctx.tenant_id == first_tenant else 2].set()
+        await gate.wait()
+        return ctx.attempt
+
+    first = await engine.new_run("turn", conversation_id="conv")
+    assert engine.tenant is not None
+    first_tenant = engine.tenant
+    engine.tenant = await engine.tenants.new()
+    second = await engine.new_run("turn", conversation_id="conv")
+    async with engine.worker():
+        # Both workflows execute together: neither run was refused by the other's lease.
+        await asyncio.wait_for(asyncio.gather(entered[1].wait(), entered[2].wait()), 10)
+        assert await engine.store.is_interactive(conversation_key(first_tenant, "conv"), first)
+        assert await engine.store.is_interactive(conv_key(engine), second)
+        gate.set()
+        await engine.until_status(first, RunStatus.SUCCEEDED)
+        await engine.until_status(second, RunStatus.SUCCEEDED)
+    # One attempt each: neither was refused with ConversationBusy and retried.
+    assert [e.attempt for e in await engine.stored(first, "started")] == [1]
+    assert [e.attempt for e in await engine.stored(second, "started")] == [1]
