@@ -6,7 +6,7 @@ attempt out exactly as the reaper would.
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from sqlalchemy import select
@@ -104,14 +104,19 @@ class EngineHarness:
         return [e for e in events if event_type is None or e.type == event_type]
 
     @asynccontextmanager
-    async def worker(self, *, slots: int = 4) -> AsyncIterator[Worker]:
+    async def worker(
+        self,
+        *,
+        slots: int = 4,
+        tenant_caps: Callable[[], Awaitable[Mapping[str, int]]] = no_caps,
+    ) -> AsyncIterator[Worker]:
         """A real Worker on the lane, stopped (gracefully) when the block ends."""
         worker = Worker(
             self.db,
             self.runner,
             lanes={self.lane: slots},
             lease_ttl_s=self.settings.lease_ttl,
-            tenant_caps=no_caps,
+            tenant_caps=tenant_caps,
             retry_policy=RetryPolicy(base_s=0.0, cap_s=0.0),
             poll_interval_s=0.05,
             grace_s=5.0,

@@ -64,12 +64,13 @@ def test_defaults_follow_design_table() -> None:
     }
 
 
-def test_cloud_lane_slots_are_8_4_2() -> None:
+def test_cloud_lane_slots_are_one_above_each_plans_cap() -> None:
     plans = resolve_plans(Settings())
+    # 8/4/2 of the plans' lane_slots, raised to one above each plan's tenant cap.
     assert default_lane_slots(plans) == {
-        "workflow_professional": 8,
-        "workflow_team": 4,
-        "workflow_sandbox": 2,
+        "workflow_professional": 9,
+        "workflow_team": 5,
+        "workflow_sandbox": 3,
     }
     assert tenant_caps(plans) == {"professional": 8, "team": 4, "sandbox": 2}
 
