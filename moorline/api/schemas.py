@@ -28,7 +28,13 @@ WORKFLOW = r"^[A-Za-z][A-Za-z0-9_.-]*$"
 MAX_DELAY_S = 30 * 86400.0
 """Longest ``delay_seconds``: thirty days."""
 
-Name = Annotated[str, Field(min_length=1, max_length=200, pattern=PRINTABLE)]
+DISPLAY_NAME = r"^[^\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]+$"
+"""Text without control characters (C0, C1), zero-width, line-separator or bidi-override
+characters: a name shown to operators must read as what it is. Written with escapes that
+pydantic's (Rust) and Python's regex engines read alike, so clients generating from the OpenAPI
+document agree with the server."""
+
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=DISPLAY_NAME)]
 PlanName = Annotated[
     str,
     Field(
@@ -138,7 +144,13 @@ class RunCreate(RequestBody):
         default=None, description="At most one active run per conversation."
     )
     delay_seconds: float = Field(
-        default=0.0, ge=0.0, le=MAX_DELAY_S, allow_inf_nan=False, description="Claim no sooner."
+        default=0.0,
+        ge=0.0,
+        le=MAX_DELAY_S,
+        allow_inf_nan=False,
+        # A number, not a string or a boolean that lax validation would turn into one.
+        strict=True,
+        description="Claim no sooner.",
     )
 
 

@@ -101,6 +101,20 @@ async def test_tenant_names_are_unique_and_plans_must_exist(api: Api) -> None:
     assert await TenantsRepo(api.db).get_by_name(f"{name}-2") is None
 
 
+async def test_tenant_names_refuse_control_and_bidi_characters(api: Api) -> None:
+    for name in ("bell\u0007", "next\u0085line", "rtl\u202eoverride", "isolate\u2067", "zw\u200dj"):
+        response = await api.client.post(
+            "/v1/admin/tenants", json={"name": name, "plan": "team"}, headers=ADMIN
+        )
+        error_of(response, 422, "invalid_request")
+    accepted = await api.client.post(
+        "/v1/admin/tenants",
+        json={"name": f"équipe 漢 {uuid.uuid4()}", "plan": "team"},
+        headers=ADMIN,
+    )
+    assert accepted.status_code == 201, accepted.text
+
+
 async def test_plan_change_of_an_unknown_tenant_is_404(api: Api) -> None:
     for tenant_id in (str(uuid.uuid4()), "not-an-id!"):
         response = await api.client.patch(
@@ -174,6 +188,8 @@ async def test_bodies_that_do_not_fit_the_schema_are_422_and_store_nothing(api: 
         {"input": {}, "status": "succeeded"},
         {"input": []},
         {"input": {}, "delay_seconds": -1},
+        {"input": {}, "delay_seconds": False},  # not a number of seconds
+        {"input": {}, "delay_seconds": "10"},
         {"input": {}, "conversation_id": "room:{1}"},
         {"input": {}, "idempotency_key": "has space"},
         {"input": {"message": "nul\u0000byte"}},
