@@ -73,6 +73,20 @@ def test_redaction_blanks_keys_and_credential_parameters() -> None:
     assert "api_key=[redacted]" in blanked and "ml_[redacted]" in blanked
 
 
+def test_redaction_decodes_percent_encoded_keys_and_names() -> None:
+    encoded_key = KEY.replace("_", "%5F", 1)
+    for line in (
+        f"GET /v1/runs?x={encoded_key} HTTP/1.1",
+        f"GET /v1/runs?x=%6D%6C%5F{KEY[3:]} HTTP/1.1",
+        f"GET /v1/runs?api%5Fkey={KEY[3:]} HTTP/1.1",
+    ):
+        blanked = redact(line)
+        assert KEY[3:] not in blanked, blanked
+        assert blanked.startswith("GET /v1/runs?") and blanked.endswith(" HTTP/1.1")
+    harmless = "GET /v1/runs?name=caf%C3%A9 HTTP/1.1"
+    assert redact(harmless) == harmless  # nothing to blank: left as it was
+
+
 def test_the_quota_day_and_its_reset_are_utc() -> None:
     late = datetime.fromisoformat("2030-05-31T23:59:59.200+00:00")
     assert quota_day(late) == "2030-05-31"
