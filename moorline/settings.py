@@ -7,6 +7,7 @@ environment anywhere else. Tests construct ``Settings(...)`` directly.
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -89,6 +90,11 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     """Bearer token of the admin routes; unset disables them."""
 
+    public_url: str | None = None
+    """The address clients reach the API at (``https://moorline.example.com``); webhook URLs
+    are built from it, never from a request's ``Host`` header. ``moorline serve`` defaults it to
+    the address it listens on; unset elsewhere, a webhook's ``url`` is its path alone."""
+
     edition: Edition = Edition.CLOUD
     plans_file: Path | None = None
     """YAML file whose plans replace the defaults of the same name."""
@@ -139,6 +145,18 @@ class Settings(BaseSettings):
     access_log: AccessLog = AccessLog.ERRORS
     """Requests ``moorline serve`` logs a line for: ``errors`` (answered 4xx/5xx), ``all``, or
     ``off`` (see :class:`AccessLog`)."""
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url_is_a_base(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parsed = urlsplit(value)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        if parsed.query or parsed.fragment:
+            raise ValueError(f"{value!r} has a query or a fragment")
+        return value.rstrip("/")
 
     @field_validator("database_urls", mode="before")
     @classmethod

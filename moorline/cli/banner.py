@@ -50,6 +50,10 @@ def start_banner(settings: Settings, *, host: str, port: int, database: str) -> 
     # A wildcard address is not a URL to reach the server at: name the loopback one instead.
     reach = url if host not in ("0.0.0.0", "::") else f"http://127.0.0.1:{port}"
     create = f"moorline tenants create my-team --plan team --url {shlex.quote(reach)}"
+    if settings.public_url is None:
+        # Webhook URLs are built from the configured address, never from a request's Host.
+        settings = settings.model_copy(update={"public_url": reach})
+        lines.append(f"  webhooks:  {reach}/v1/hooks/… (set MOORLINE_PUBLIC_URL to change)")
     if settings.admin_token is not None:
         lines += [
             "Create a first tenant (MOORLINE_ADMIN_TOKEN as set for this server):",

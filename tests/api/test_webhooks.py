@@ -8,7 +8,7 @@ import pytest
 from moorline.api.routes.webhooks import sign, verify_signature
 from moorline.errors import InvalidSignature
 from moorline.types import RunStatus
-from tests.api.conftest import Api, Caller
+from tests.api.conftest import Api, Caller, MakeApi
 
 # GitHub's published test vector ("Validating webhook deliveries").
 GITHUB_SECRET = "It's a Secret to Everybody"
@@ -46,18 +46,24 @@ async def new_hook(api: Api, caller: Caller, secret: str | None = None) -> dict[
     created = await api.client.post("/v1/webhooks", json=body, headers=caller.headers)
     assert created.status_code == 201, created.text
     hook: dict[str, str] = created.json()
-    assert hook["url"] == f"http://moorline.test/v1/hooks/{hook['webhook_id']}"
+    # No MOORLINE_PUBLIC_URL in these apps: the path alone, never the request's Host.
+    assert hook["url"] == f"/v1/hooks/{hook['webhook_id']}"
     assert hook["secret"] == secret if secret is not None else len(hook["secret"]) == 64
     return hook
 
 
 async def deliver(
-    api: Api, hook: dict[str, str], body: bytes, *, signature: str | None, delivery: str = ""
+    api: Api,
+    hook: dict[str, str],
+    body: bytes,
+    *,
+    signature: str | None,
+    delivery: str | None = "a-delivery-id",
 ) -> tuple[int, dict[str, object]]:
     headers = {"X-GitHub-Event": "pull_request", "Content-Type": "application/json"}
     if signature is not None:
         headers["X-Hub-Signature-256"] = signature
-    if delivery:
+    if delivery is not None:
         headers["X-GitHub-Delivery"] = delivery
     response = await api.client.post(
         f"/v1/hooks/{hook['webhook_id']}", content=body, headers=headers
@@ -137,3 +143,30 @@ async def test_unknown_hooks_and_workflows_are_404(api: Api) -> None:
         "/v1/webhooks", json={"workflow": "review", "secret": "short"}, headers=caller.headers
     )
     assert short.status_code == 422
+
+
+async def test_a_delivery_without_its_id_is_refused_and_stores_nothing(api: Api) -> None:
+    caller = await api.tenant()
+    hook = await new_hook(api, caller)
+    payload = json.dumps({"action": "opened"}).encode()
+    signature = sign(hook["secret"], payload)
+    # A captured signed body sent again without an id would otherwise start a run each time.
+    for delivery in (None, "", "has space"):
+        status, error = await deliver(api, hook, payload, signature=signature, delivery=delivery)
+        assert (status, error["error"]["code"]) == (422, "invalid_request"), delivery  # type: ignore[index]
+    assert await api.count_runs(caller) == 0
+
+
+async def test_the_webhook_url_comes_from_the_public_url_not_the_host_header(
+    make_api: MakeApi,
+) -> None:
+    async with make_api(public_url="https://hooks.example.com/") as api:
+        caller = await api.tenant()
+        created = await api.client.post(
+            "/v1/webhooks",
+            json={"workflow": "review"},
+            headers={**caller.headers, "Host": "attacker.example"},
+        )
+    assert created.status_code == 201, created.text
+    hook = created.json()
+    assert hook["url"] == f"https://hooks.example.com/v1/hooks/{hook['webhook_id']}"

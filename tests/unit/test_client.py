@@ -160,7 +160,15 @@ def test_serve_on_loopback_without_an_admin_token_generates_one_for_the_process(
     assert public.settings.admin_token is None
     assert "Admin routes are off" in "\n".join(public.lines)
 
-    chosen = settings.model_copy(update={"admin_token": SecretStr("operator-secret")})
+    # Webhook URLs: the address served on, unless MOORLINE_PUBLIC_URL says otherwise.
+    assert local.settings.public_url == "http://127.0.0.1:8000"
+    assert public.settings.public_url == "http://127.0.0.1:8000"
+    chosen = settings.model_copy(
+        update={
+            "admin_token": SecretStr("operator-secret"),
+            "public_url": "https://moorline.example.com",
+        }
+    )
     configured = start_banner(chosen, host="127.0.0.1", port=8000, database="sqlite")
     assert configured.settings is chosen
     assert "operator-secret" not in "\n".join(configured.lines)

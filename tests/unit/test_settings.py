@@ -72,6 +72,8 @@ def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
         ("MOORLINE_MAX_BODY_BYTES", "0"),
         ("MOORLINE_CANCEL_GRACE", "-1"),
         ("MOORLINE_REDIS_PREFIX", "has space"),
+        ("MOORLINE_PUBLIC_URL", "moorline.example.com"),
+        ("MOORLINE_PUBLIC_URL", "https://moorline.example.com/?x=1"),
     ],
 )
 def test_bad_value_is_one_line_naming_the_variable(

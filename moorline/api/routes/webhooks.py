@@ -78,13 +78,16 @@ def verify_signature(secret: str, body: bytes, signatures: list[str]) -> None:
 
 
 async def create_webhook(
-    body: WebhookCreate, caller: CallerDep, services: ServicesDep, request: Request
+    body: WebhookCreate, caller: CallerDep, services: ServicesDep
 ) -> WebhookCreated:
     """Register a webhook that starts ``workflow``; deliver to ``url`` signed with ``secret``."""
     services.workflows.get(body.workflow)  # WorkflowNotFound
     secret = body.secret or secrets.token_hex(SECRET_BYTES)
     webhook = await services.webhooks.create(caller.tenant.tenant_id, body.workflow, secret)
-    url = str(request.url_for("deliver_webhook", webhook_id=webhook.webhook_id))
+    # From the configured address: the request's Host header is the client's to choose.
+    path = f"/v1/hooks/{webhook.webhook_id}"
+    base = services.settings.public_url
+    url = path if base is None else f"{base}{path}"
     return WebhookCreated(webhook_id=webhook.webhook_id, url=url, secret=secret)
 
 
@@ -111,11 +114,13 @@ async def deliver_webhook(
     tenant = await services.tenants.get(TenantId(webhook.tenant_id))
     if tenant is None:  # pragma: no cover - a tenant's webhooks go with it (ON DELETE CASCADE)
         raise WebhookNotFound(f"no webhook {webhook_id}")
-    key = None
-    if x_github_delivery is not None:
-        if not _DELIVERY.match(x_github_delivery):
-            raise InvalidRequest("X-GitHub-Delivery must be 1-100 visible ASCII characters")
-        key = f"hook:{webhook.webhook_id}:{x_github_delivery}"
+    # Required: it is the idempotency key, and without it a replayed signed body (a captured
+    # delivery sent again) would start a new run each time.
+    if x_github_delivery is None or not _DELIVERY.match(x_github_delivery):
+        raise InvalidRequest(
+            "a delivery needs an X-GitHub-Delivery header of 1-100 visible ASCII characters"
+        )
+    key = f"hook:{webhook.webhook_id}:{x_github_delivery}"
     admitted = await services.admission.admit(
         Trigger(
             tenant_id=tenant.tenant_id,
