@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from moorline.settings import Settings
     from moorline.types import RunStatus
 
-__version__ = "0.1.0"
+    __version__: str
 
 _MODULE_OF = {
     "BackendUnavailable": "moorline.errors",
@@ -42,7 +42,22 @@ imports this package, and a client command needs neither the engine nor the data
 nor a worker the HTTP client."""
 
 
+def _read_version() -> str:
+    """The installed distribution's version: pyproject.toml's ``version`` is the only copy."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("moorline")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        # Read on first use, like the names above: scanning the installed distributions costs
+        # every process start, and few processes ever ask for the version.
+        globals()[name] = version = _read_version()
+        return version
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'moorline' has no attribute {name!r}")

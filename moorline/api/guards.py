@@ -261,8 +261,8 @@ def solved_by(solve: ArgumentSolver) -> type[JSONBodyRoute]:
 
     For the hottest route only (triggers). FastAPI solves each request's parameters and
     dependencies through generic machinery (a cache key per dependency, the sub-dependencies'
-    recursion, each parameter's own validation), which measured about a fifth of a trigger's
-    CPU in one process (2026-11-27); ``solve`` does the same work for one known signature
+    recursion, each parameter's own validation), a large share of a trigger's CPU (see
+    docs/performance.md); ``solve`` does the same work for one known signature
     directly, and must answer as FastAPI would: the same errors in the same order
     (dependencies first, then the path, then the body; ``tests/api/test_runs.py`` compares the
     two). The route is still declared with the endpoint's full signature, so its OpenAPI

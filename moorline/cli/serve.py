@@ -106,8 +106,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _fast_event_loop() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop factory of uvloop when it is installed, else None (asyncio's own).
 
-    An API process spends much of a trigger's CPU in the event loop and the transport (the
-    issue 5 benchmark measured about a third less CPU per trigger with uvloop); uvicorn picks it
+    An API process spends much of a trigger's CPU in the event loop and the transport, which
+    uvloop makes cheaper (``bench/api.py``; docs/performance.md); uvicorn picks it
     only when it creates the loop itself, and ``serve`` creates its own.
     """
     try:

@@ -26,8 +26,8 @@ Two kinds of figure, kept apart on purpose:
   ``mark_process_dead`` bookkeeping is needed when a worker exits. Workers on other hosts
   show in the database figures only.
 
-One scrape over 100,000 stored runs takes about 80 ms on SQLite (median, on a loaded 2-core
-machine; ``bench/metrics_scrape.py``).
+A scrape's database reads are index scans (:mod:`moorline.db.repos.gauges`);
+``bench/metrics_scrape.py`` times one over 100,000 stored runs (figures in docs/performance.md).
 
 Metric objects are built per :class:`Metrics` instance with ``registry=None``: nothing is
 registered in prometheus-client's global registry, and each app or worker process (or test)
