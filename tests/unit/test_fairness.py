@@ -6,13 +6,17 @@ The contract suite (``tests/contract/test_claim.py``) checks the same promises t
 database; these check them over arbitrary inputs.
 """
 
+import ast
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import moorline.db.fairness
 from moorline.db.fairness import (
     QueuedRun,
     WaitingTenant,
@@ -263,3 +267,23 @@ def test_an_expired_lease_is_cancelled_failed_or_requeued(
         assert outcome is RunStatus.FAILED
     else:
         assert outcome is RunStatus.QUEUED
+
+
+# --- purity --------------------------------------------------------------------------------
+
+
+def test_the_policy_module_imports_only_the_standard_library_and_moorline_types() -> None:
+    # No SQL and no I/O: backends may import it, and it can be read and tested on its own.
+    source = Path(moorline.db.fairness.__file__).read_text()
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            imported.add(node.module)
+    outside = {
+        name
+        for name in imported
+        if name.split(".")[0] not in sys.stdlib_module_names and name != "moorline.types"
+    }
+    assert not outside
