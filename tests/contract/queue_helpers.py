@@ -11,7 +11,6 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import delete, func, insert, select, update
 
-from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Fence
 from moorline.db.schema import events, runs, tenants
@@ -156,7 +155,7 @@ async def set_lease_expiry(db: DatabaseManager, run_ids: Sequence[str], plus_s: 
         await conn.execute(
             update(runs)
             .where(runs.c.id.in_(list(run_ids)))
-            .values(lease_expires_at=db_now(db.dialect, plus_s=plus_s))
+            .values(lease_expires_at=db.backend.now(plus_s=plus_s))
         )
 
 

@@ -17,7 +17,6 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import select
 
-from moorline.db.dialects import db_now, lock_rows
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import run_from_row
@@ -98,7 +97,7 @@ async def test_claim_takes_the_lease_and_records_started(
         lane, "worker-a", limit=5, lease_ttl_s=TTL_S, tenant_caps=NO_CAP
     )
     async with db.connect() as conn:
-        now = (await conn.execute(select(db_now(db.dialect)))).scalar_one()
+        now = (await conn.execute(select(db.backend.now()))).scalar_one()
     run = claim.run
     assert (run.run_id, run.status, run.attempt, run.lease_owner) == (
         run_id,
@@ -360,7 +359,7 @@ async def test_a_run_locked_by_another_transaction_is_skipped_not_waited_for(
     lane = unique("lane")
     held, *free_runs = await add_runs(db, tenant, lane, 4)
     async with db.write_transaction() as conn:
-        await conn.execute(lock_rows(select(runs.c.id).where(runs.c.id == held), db.dialect))
+        await conn.execute(db.backend.lock_rows(select(runs.c.id).where(runs.c.id == held)))
         async with asyncio.timeout(10):
             batch = await queue.claim_batch(
                 lane, "w", limit=10, lease_ttl_s=TTL_S, tenant_caps=NO_CAP

@@ -5,7 +5,6 @@ import time
 
 from sqlalchemy import select, update
 
-from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import QueueRepo
 from moorline.db.schema import leader_leases
@@ -64,7 +63,7 @@ async def expire_lease(db: DatabaseManager, name: str) -> None:
         await conn.execute(
             update(leader_leases)
             .where(leader_leases.c.name == name)
-            .values(expires_at=db_now(db.dialect, plus_s=-1.0))
+            .values(expires_at=db.backend.now(plus_s=-1.0))
         )
 
 

@@ -11,7 +11,6 @@ from typing import TypeVar
 import pytest
 from sqlalchemy import select
 
-from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.schema import runs
@@ -53,7 +52,7 @@ async def lease_left_s(db: DatabaseManager, run_id: str) -> float:
     async with db.connect() as conn:
         expires, now = (
             await conn.execute(
-                select(runs.c.lease_expires_at, db_now(db.dialect)).where(runs.c.id == run_id)
+                select(runs.c.lease_expires_at, db.backend.now()).where(runs.c.id == run_id)
             )
         ).one()
     return float((expires - now).total_seconds())

@@ -19,7 +19,6 @@ import pytest
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import make_url
 
-from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import (
     EVENT_CANCELLED,
@@ -96,7 +95,7 @@ async def add_running(
     A negative ``lease_s`` means already expired, as if the worker died that long ago.
     """
     async with db.connect() as conn:
-        now: datetime = (await conn.execute(select(db_now(db.dialect)))).scalar_one()
+        now: datetime = (await conn.execute(select(db.backend.now()))).scalar_one()
     fences = [
         Fence(run_id=RunId(str(uuid.uuid4())), attempt=Attempt(attempt), owner=owner)
         for _ in range(count)
@@ -211,9 +210,7 @@ async def test_expired_runs_are_requeued_and_exhausted_ones_failed(
 async def request_cancel(db: DatabaseManager, run_ids: Sequence[str]) -> None:
     async with db.transaction() as conn:
         await conn.execute(
-            update(runs)
-            .where(runs.c.id.in_(run_ids))
-            .values(cancel_requested_at=db_now(db.dialect))
+            update(runs).where(runs.c.id.in_(run_ids)).values(cancel_requested_at=db.backend.now())
         )
 
 
@@ -272,7 +269,7 @@ async def test_one_call_moves_a_mixed_batch_to_each_outcome(
                     runs.c.finished_at,
                     runs.c.lease_owner,
                     runs.c.lease_expires_at,
-                    db_now(db.dialect).label("now"),
+                    db.backend.now().label("now"),
                 ).where(runs.c.id.in_(ids(requeued + failed + stopped)))
             )
         ).all()
@@ -343,7 +340,7 @@ async def expire_leader_lease(db: DatabaseManager, name: str) -> None:
         await conn.execute(
             update(leader_leases)
             .where(leader_leases.c.name == name)
-            .values(expires_at=db_now(db.dialect, plus_s=-1.0))
+            .values(expires_at=db.backend.now(plus_s=-1.0))
         )
 
 
@@ -371,7 +368,7 @@ async def test_reclaimed_runs_wait_out_the_backoff(db: DatabaseManager, tenants:
     async with db.connect() as conn:
         delay = (
             await conn.execute(
-                select(runs.c.not_before, db_now(db.dialect)).where(runs.c.id == fence.run_id)
+                select(runs.c.not_before, db.backend.now()).where(runs.c.id == fence.run_id)
             )
         ).one()
     assert 55 < (delay[0] - delay[1]).total_seconds() <= 60

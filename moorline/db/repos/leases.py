@@ -1,0 +1,131 @@
+"""Leases of claimed runs: renewed by their worker's heartbeat, released at shutdown.
+
+Every statement is fenced by ``(run_id, attempt)`` and the owner; a lease the reaper took back,
+a cancelled or finished run matches zero rows, and the caller learns it lost the lease.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import and_, select, tuple_, update
+
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.events import EVENT_CANCELLED, EVENT_RELEASED, append_events_txn
+from moorline.db.repos.records import Fence
+from moorline.db.schema import runs
+from moorline.types import Attempt, JSONObject, RunId, RunStatus
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Renewal:
+    """What one heartbeat statement did: the leases it renewed, the cancels it saw.
+
+    Attributes:
+        renewed: ``(run id, attempt)`` of the leases renewed; a fence missing from it lost
+            its lease.
+        cancel_requested: Those renewed runs whose cancel is recorded: their worker learns of
+            it here at the latest, however the RuntimeStore's signal fared.
+    """
+
+    renewed: frozenset[tuple[RunId, Attempt]]
+    cancel_requested: frozenset[RunId]
+
+
+class LeasesRepo:
+    """Lease renewal and release over one :class:`DatabaseManager`."""
+
+    def __init__(self, db: DatabaseManager) -> None:
+        self._db = db
+
+    async def renew_lease(self, fence: Fence, lease_ttl_s: float) -> bool:
+        """Extend one lease (see :meth:`renew_leases`); False when it is lost."""
+        return bool((await self.renew_leases([fence], lease_ttl_s)).renewed)
+
+    async def renew_leases(self, fences: Sequence[Fence], lease_ttl_s: float) -> Renewal:
+        """Extend leases to database time + ``lease_ttl_s``, all in one statement.
+
+        Conditional on each fence only, not on the lease being unexpired: an expired lease that
+        no reaper has taken yet is still this worker's to renew. Together with the reaper's
+        "still expired" predicate that makes a heartbeat and a reap racing at the expiry
+        instant resolve to exactly one winner, whichever statement runs first.
+
+        One statement per heartbeat, whatever the number of runs a worker holds: renewing them
+        one by one would let a busy database push the last renewal past its deadline.
+
+        The read-back that reports the renewed leases also reports which of those runs have a
+        recorded cancel: a cancel whose RuntimeStore signal was lost costs at most one
+        heartbeat interval.
+
+        Returns:
+            The leases renewed (a fence missing from them lost its lease), and the renewed
+            runs whose cancel is recorded.
+        """
+        if not fences:
+            return Renewal(renewed=frozenset(), cancel_requested=frozenset())
+        owners = {fence.owner for fence in fences}
+        if len(owners) != 1:
+            raise ValueError("renew_leases renews the leases of one owner at a time")
+        [owner] = owners
+        keys = sorted({(fence.run_id, fence.attempt) for fence in fences})
+        held = and_(
+            runs.c.lease_owner == owner,
+            runs.c.status == RunStatus.RUNNING.value,
+            tuple_(runs.c.id, runs.c.attempt).in_(keys),
+        )
+        backend = self._db.backend
+
+        async def renew() -> Renewal:
+            async with self._db.write_transaction() as conn:
+                await conn.execute(
+                    update(runs)
+                    .where(held)
+                    .values(
+                        lease_expires_at=backend.now(plus_s=lease_ttl_s),
+                        updated_at=backend.now(),
+                    )
+                )
+                # Read back in the same transaction: the rows matching now are exactly the
+                # ones the UPDATE matched (it holds their locks; no fence can newly match).
+                back = select(runs.c.id, runs.c.attempt, runs.c.cancel_requested_at).where(held)
+                rows = (await conn.execute(back)).all()
+            return Renewal(
+                renewed=frozenset((RunId(row.id), Attempt(row.attempt)) for row in rows),
+                cancel_requested=frozenset(
+                    RunId(row.id) for row in rows if row.cancel_requested_at is not None
+                ),
+            )
+
+        return await self._db.with_retry(renew)
+
+    async def release(self, fence: Fence) -> bool:
+        """Give a running run back to the queue at once (graceful shutdown).
+
+        The lease is cleared and ``not_before`` set to database time, so any worker may claim
+        it immediately; the next claim increments ``attempt``, which fences this one out. A
+        run whose cancel is recorded is not requeued (no claim would take it): it ends
+        ``cancelled`` instead, with its ``cancelled`` event.
+
+        Returns:
+            False when the lease was already lost (reaped, cancelled, finished).
+        """
+        backend = self._db.backend
+        async with self._db.write_transaction() as conn:
+            now = backend.now()
+            cleared = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
+            requeued = await conn.execute(
+                update(runs)
+                .where(fence.clause(), runs.c.cancel_requested_at.is_(None))
+                .values(**cleared, status=RunStatus.QUEUED.value, not_before=now)
+            )
+            event: tuple[str, JSONObject] = (EVENT_RELEASED, {})
+            if requeued.rowcount != 1:
+                cancelled = await conn.execute(
+                    update(runs)
+                    .where(fence.clause(), runs.c.cancel_requested_at.is_not(None))
+                    .values(**cleared, status=RunStatus.CANCELLED.value, finished_at=now)
+                )
+                if cancelled.rowcount != 1:
+                    return False
+                event = (EVENT_CANCELLED, {"reason": "cancelled"})
+            await append_events_txn(conn, backend.name, [(fence.run_id, fence.attempt, *event)])
+        return True
