@@ -12,7 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -41,7 +41,15 @@ from moorline.dispatch.wakeups import LocalWakeups
 from moorline.observability.metrics import Metrics
 from moorline.settings import Settings
 from moorline.types import Attempt, JSONValue, RunId, RunStatus, TenantId
-from tests.contract.queue_helpers import Tenants, event_counts, event_types, statuses, unique
+from tests.contract.queue_helpers import (
+    NO_CAP,
+    Tenants,
+    add_runs,
+    event_counts,
+    event_types,
+    statuses,
+    unique,
+)
 from tests.helpers import sampled, wait_for
 from tests.servers import run_sql
 
@@ -358,6 +366,24 @@ async def test_reaper_notifies_the_lanes_that_got_runs_back(
     assert await woken
     # A lane whose run only failed has nothing new to claim.
     assert not await wakeups.wait(failed_lane, 0)
+
+
+async def test_a_reclaimed_run_keeps_its_place_ahead_of_the_backlog(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    """Recovery takes the lease and a reaper pass, not the time to drain the whole backlog."""
+    tenant = await tenants.new()
+    lane = unique("lane")
+    # Claimed an hour ago (add_running's not_before); the backlog was queued after it.
+    [crashed] = await add_running(db, tenant, lane, 1, lease_s=-5.0)
+    await add_runs(db, tenant, lane, 20, not_before=datetime.now(UTC) - timedelta(minutes=30))
+    reaper = new_reaper(db, unique("lease"), "reaper")
+    assert [r.run_id for r in await reaper.tick()] == [crashed.run_id]
+    [first] = await QueueRepo(db).claim_batch(
+        lane, "next-worker", limit=1, lease_ttl_s=30.0, tenant_caps=NO_CAP
+    )
+    assert first.fence.run_id == crashed.run_id, "the reclaimed run went behind the backlog"
+    assert first.fence.attempt == 2
 
 
 async def test_reclaimed_runs_wait_out_the_backoff(db: DatabaseManager, tenants: Tenants) -> None:

@@ -145,7 +145,8 @@ class ReapingRepo:
         * ``attempt >= max_attempts`` → ``failed`` with ``error.reason == "max attempts"``,
           event ``failed``;
         * otherwise → ``queued`` with ``attempt`` unchanged (the next claim increments it),
-          ``not_before`` = database time + ``backoff(attempt)``, event ``reclaimed``.
+          event ``reclaimed``; ``not_before`` unchanged (its place in the lane's order) or,
+          with a ``backoff``, database time + ``backoff(attempt)``.
 
         A call that finds nothing expired is that one plain read: no write transaction, so an
         idle reaper never takes SQLite's write lock.
@@ -281,7 +282,7 @@ class ReapingRepo:
             )
         moves += _fail_moves(failed, cleared, now)
         if requeued:
-            moves.append(_requeue_move(requeued, cleared, now, backoff, self._db.backend))
+            moves.append(_requeue_move(requeued, cleared, backoff, self._db.backend))
         moved: set[RunId] = set()
         for group, outcome, values in moves:
             for offset in range(0, len(group), _REAP_CHUNK):
@@ -362,23 +363,26 @@ def _fail_moves(
 def _requeue_move(
     requeued: list[_Expired],
     cleared: Mapping[str, Any],
-    now: datetime,
     backoff: Callable[[Attempt], float] | None,
     backend: Backend,
 ) -> _Move:
-    """The move of runs with attempts left back to ``queued``, each after its backoff."""
+    """The move of runs with attempts left back to ``queued``, each after its backoff.
+
+    Without a backoff a run keeps its ``not_before`` (in the past: it was claimed), which is
+    its place in its lane's FIFO order: it is claimed again ahead of what was queued after
+    it, so recovery costs the lease and a reaper pass, not the time to drain the backlog. A
+    backoff places it at the time it becomes claimable.
+    """
     delays = {e.attempt: backoff(e.attempt) if backoff is not None else 0.0 for e in requeued}
-    not_before: ColumnElement[datetime] | datetime
-    if set(delays.values()) == {0.0}:
-        not_before = now
-    else:
+    values: dict[str, Any] = {**cleared, "status": RunStatus.QUEUED.value}
+    if set(delays.values()) != {0.0}:
         # Database time plus the attempt's backoff, per attempt in one CASE.
-        not_before = case(
+        values["not_before"] = case(
             {a: backend.now(plus_s=s) for a, s in sorted(delays.items())},
             value=runs.c.attempt,
         )
     return (
         requeued,
         and_(runs.c.cancel_requested_at.is_(None), runs.c.attempt < runs.c.max_attempts),
-        {**cleared, "status": RunStatus.QUEUED.value, "not_before": not_before},
+        values,
     )
