@@ -63,6 +63,8 @@ from typing import Any, Protocol, TypeVar
 
 import aiosqlite
 
+from moorline import fastpaths
+
 T = TypeVar("T")
 
 _INLINE_MAX_PARAMETERS = 64
@@ -400,7 +402,9 @@ class Connection(aiosqlite.Connection):
         return connection is not None and connection.in_transaction
 
 
-def connector(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Callable[[], Connection]:
+def connector(
+    args: Sequence[Any], kwargs: Mapping[str, Any], *, fast: bool = True
+) -> Callable[[], aiosqlite.Connection]:
     """An ``async_creator`` for ``create_async_engine``: connections ``sqlite3.connect`` opens.
 
     Args:
@@ -410,12 +414,28 @@ def connector(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Callable[[], Co
             module (``?mode=ro&uri=true``, ``?timeout=``, ``check_same_thread=False``); the
             engine's ``connect`` listener then applies the pragmas and hands transactions to
             the ``begin`` listener.
+        fast: This module's :class:`Connection` (the setting ``fast_paths``); False gives
+            plain ``aiosqlite.connect`` connections, which use none of aiosqlite's internals
+            and cross to the thread for every call (the engine's listeners then send
+            ``BEGIN`` as a statement, as they do for ``:memory:``).
+
+    Raises:
+        ConfigError: ``fast`` and the installed aiosqlite lacks an internal this module uses.
     """
+    if not fast:
+        return partial(_public_connection, args, kwargs)
+    fastpaths.require("aiosqlite")
 
     def create() -> Connection:
         return Connection(lambda: sqlite3.connect(*args, **kwargs))
 
     return create
+
+
+def _public_connection(args: Sequence[Any], kwargs: Mapping[str, Any]) -> aiosqlite.Connection:
+    # aiosqlite's own thread is not a daemon; the pool closes every connection it opened
+    # (DatabaseManager.dispose), as it must with SQLAlchemy's own aiosqlite connections.
+    return aiosqlite.connect(*args, **kwargs)
 
 
 def _is_begin(sql: str) -> bool:
