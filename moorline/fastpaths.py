@@ -50,7 +50,7 @@ class PrivateName:
 
     Attributes:
         library: The distribution (``pip`` name) that defines it.
-        owner: The dotted path of the class that holds it (``module.Class``).
+        owner: The dotted path of the class (or module) that holds it.
         name: The attribute on that class (mangled names spelt mangled).
         shape: What the code expects it to be.
         details: Parameters, attributes or source fragments, per :class:`Shape`.
@@ -127,6 +127,16 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         shape=Shape.INIT_SETS,
         details=("background", "body", "raw_headers", "status_code"),
         user=_RUNS,
+    ),
+    # DatabaseManager.write_statement runs its sync body in one greenlet, as SQLAlchemy's
+    # asyncio extension does (exported by sqlalchemy.util, but not documented).
+    PrivateName(
+        library="sqlalchemy",
+        owner="sqlalchemy.util",
+        name="greenlet_spawn",
+        shape=Shape.KEYWORDS,
+        details=("fn",),
+        user="moorline/db/manager.py",
     ),
     # guards.solved_by's route replaces the ASGI app FastAPI builds for an APIRoute.
     PrivateName(
