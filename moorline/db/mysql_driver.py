@@ -39,8 +39,9 @@ needs ``CLIENT.MULTI_STATEMENTS``: without it the ``COMMIT`` is a round trip of 
 submission and claim, which is dispatch latency (dropping it would change the benchmarks' figures,
 which this refactor must not). The flag is the connection's, so what confines it is:
 
-- only :func:`connect` with ``fast=True`` sets it; with ``fast=False`` (``MOORLINE_FAST_PATHS``)
-  the connection is plain ``aiomysql.connect``'s, without the flag and without this class;
+- aiomysql itself asks for it on every connection, so it is not this module that widens what
+  an injection could do: with ``fast=False`` (``MOORLINE_FAST_PATHS``) :func:`connect` gives
+  aiomysql's own class with the flag cleared, and the server refuses a second statement;
 - the only text this module adds to a statement is the constant :data:`COMMIT_SUFFIX`, in
   :meth:`Connection._query_and_commit`, and only for a statement a repository marked as its
   transaction's last; every statement is SQLAlchemy's, its values bound as parameters and
@@ -168,20 +169,35 @@ async def connect(*, fast: bool = True, **kwargs: Any) -> aiomysql.Connection:
     Args:
         fast: A :class:`Connection` (the setting ``fast_paths``), which accepts several
             statements in one query, for :meth:`Connection.commit_with_next_statement`. False
-            gives ``aiomysql.connect``'s own connection, single statements only: it has no
-            ``is_closed`` and no ``commit_with_next_statement``, so its engine checks
-            connections with SQLAlchemy's ``pool_pre_ping`` and commits with ``COMMIT``.
+            gives aiomysql's own connection class, single statements only (see
+            :func:`_connect_single_statement`): it has no ``is_closed`` and no
+            ``commit_with_next_statement``, so its engine checks connections with
+            SQLAlchemy's ``pool_pre_ping`` and commits with ``COMMIT``.
         kwargs: ``aiomysql.connect``'s arguments.
 
     Raises:
         ConfigError: ``fast`` and the installed aiomysql lacks an internal this class uses.
     """
     if not fast:
-        public: aiomysql.Connection = await aiomysql.connect(**kwargs)
-        return public
+        return await _connect_single_statement(**kwargs)
     fastpaths.require("aiomysql")
     flags = kwargs.pop("client_flag", 0) | CLIENT.MULTI_STATEMENTS
     connection = Connection(client_flag=flags, **kwargs)
     # What aiomysql.connect does with its own class (aiomysql.connection._connect).
     await connection._connect()
+    return connection
+
+
+async def _connect_single_statement(**kwargs: Any) -> aiomysql.Connection:
+    """Open aiomysql's own connection, without ``CLIENT.MULTI_STATEMENTS``.
+
+    aiomysql asks for multi-statements on every connection (its ``Connection.__init__`` adds
+    the flag to ``client_flag`` whatever it is given), so ``aiomysql.connect`` cannot leave it
+    out. The connection is built with aiomysql's public class, its flag cleared before the
+    handshake, and opened by its public ``ping(reconnect=True)``, which connects a connection
+    not yet open (one ``COM_PING`` more per new connection, on the fallback only).
+    """
+    connection = aiomysql.Connection(**kwargs)
+    connection.client_flag &= ~CLIENT.MULTI_STATEMENTS
+    await connection.ping(reconnect=True)
     return connection
