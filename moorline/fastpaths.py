@@ -173,9 +173,20 @@ def _aiosqlite_connection(cls: type[Any]) -> Any:
     return cls(lambda: sqlite3.connect(":memory:"), iter_chunk_size=64)
 
 
+def _aiomysql_connection(cls: type[Any]) -> Any:
+    import asyncio
+
+    # Given a loop of its own, or it would make one for the thread and leave it open.
+    loop = asyncio.new_event_loop()
+    try:
+        return cls(loop=loop)
+    finally:
+        loop.close()
+
+
 _PROBES: dict[str, Callable[[type[Any]], Any]] = {
     "aiosqlite.Connection": _aiosqlite_connection,
-    "aiomysql.Connection": lambda cls: cls(),
+    "aiomysql.Connection": _aiomysql_connection,
     "starlette.responses.Response": lambda cls: cls(b""),
 }
 """How to build an instance of an owner as its library would, to see its instance attributes."""

@@ -6,6 +6,7 @@ naming the library, the name and the setting that falls back to the public path.
 """
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,50 @@ def test_each_shape_says_how_a_name_differs(name: PrivateName, expected: str) ->
     problem = fastpaths.mismatch(name)
     assert problem == expected
     assert ONE_LINE.match(fastpaths.describe(name, problem))
+
+
+@pytest.fixture
+def fresh_checks() -> Iterator[None]:
+    """Forget the checks made so far (require() makes each once per process)."""
+    fastpaths._checked.cache_clear()
+    yield
+    fastpaths._checked.cache_clear()
+
+
+@pytest.mark.usefixtures("fresh_checks")
+async def test_each_fast_path_checks_its_names_and_its_fallback_needs_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aiosqlite
+    from fastapi import APIRouter, FastAPI
+
+    from moorline.admission.ratelimit import RateLimiter
+    from moorline.api.routes import runs as runs_routes
+    from moorline.db import mysql_driver, sqlite_driver
+    from moorline.settings import Settings
+
+    monkeypatch.delattr(aiosqlite.Connection, "_execute")
+    with pytest.raises(ConfigError, match=r"aiosqlite .* Connection\._execute:"):
+        sqlite_driver.connector([":memory:"], {})
+    assert callable(sqlite_driver.connector([":memory:"], {}, fast=False))
+
+    monkeypatch.delattr(MemoryStorage, "_MemoryStorage__schedule_expiry")
+    with pytest.raises(
+        ConfigError, match=r"limits .* MemoryStorage\._MemoryStorage__schedule_expiry:"
+    ):
+        RateLimiter(Settings())
+    await RateLimiter(Settings(fast_paths=False)).close()
+
+    monkeypatch.setattr(APIRouter, "add_api_route", lambda self, path: None)
+    app = FastAPI()
+    app.state.settings = Settings()
+    with pytest.raises(
+        ConfigError, match=r"fastapi .* APIRouter\.add_api_route without its route_class_override"
+    ):
+        runs_routes.install(app)
+
+    import aiomysql
+
+    monkeypatch.delattr(aiomysql.Connection, "_connect")
+    with pytest.raises(ConfigError, match=r"aiomysql .* Connection\._connect:"):
+        await mysql_driver.connect(host="127.0.0.1", port=1)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from typing import Any
 
+import aiomysql
 import pytest
 from pymysql.constants import CLIENT
 from sqlalchemy import select, text
@@ -134,14 +135,14 @@ async def test_the_suffix_is_the_only_text_the_driver_adds(
     db: DatabaseManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     queries: list[str] = []
-    query = mysql_driver.aiomysql.Connection.query
+    query = aiomysql.Connection.query
 
     async def recorded(self: Any, sql: Any, unbuffered: bool = False) -> int:
         queries.append(sql.decode() if isinstance(sql, bytes | bytearray) else sql)
         affected: int = await query(self, sql, unbuffered)
         return affected
 
-    monkeypatch.setattr(mysql_driver.aiomysql.Connection, "query", recorded)
+    monkeypatch.setattr(aiomysql.Connection, "query", recorded)
     async with db.write_transaction() as conn:
         await db.commit_with_next_statement(conn)
         await conn.execute(text("SELECT :v"), {"v": HOSTILE})
