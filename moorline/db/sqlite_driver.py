@@ -53,6 +53,11 @@ Three things still cross:
 No maintained async SQLite driver for SQLAlchemy offers any of this, which is why it is written
 here; it plugs in through ``create_async_engine(async_creator=...)``, SQLAlchemy's documented
 hook for supplying the driver connection.
+
+It subclasses aiosqlite's classes and uses their private attributes, listed in
+:data:`moorline.fastpaths.PRIVATE_NAMES`; :func:`connector` checks them before the first
+connection. With the setting ``fast_paths`` False it gives plain ``aiosqlite.connect``
+connections instead, which cross to the thread for every call.
 """
 
 import sqlite3

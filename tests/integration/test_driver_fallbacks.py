@@ -5,9 +5,8 @@
 and reads run on both, and must leave the same rows.
 """
 
-from collections.abc import AsyncIterator
-from functools import partial
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy import text
@@ -17,6 +16,7 @@ from moorline.db import mysql_driver, sqlite_driver
 from moorline.db.manager import DatabaseManager
 from moorline.settings import Settings
 
+T = TypeVar("T")
 HOSTILE = "it's \\'; DROP TABLE probe; -- \" ` \u00bf' */ ;"
 FAST_CLASSES: dict[str, type[Any]] = {
     "sqlite": sqlite_driver.Connection,
@@ -36,11 +36,18 @@ def fast(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> boo
     if not chosen:
         # Until DatabaseManager passes Settings.fast_paths to the drivers itself: the drivers'
         # public connections, as the manager will ask for them.
-        monkeypatch.setattr(
-            sqlite_driver, "connector", partial(sqlite_driver.connector, fast=False)
-        )
-        monkeypatch.setattr(mysql_driver, "connect", partial(mysql_driver.connect, fast=False))
+        monkeypatch.setattr(sqlite_driver, "connector", public(sqlite_driver.connector))
+        monkeypatch.setattr(mysql_driver, "connect", public(mysql_driver.connect))
     return chosen
+
+
+def public(function: Callable[..., T]) -> Callable[..., T]:
+    """``function`` called with ``fast=False``, whatever its caller passes."""
+
+    def call(*args: Any, **kwargs: Any) -> T:
+        return function(*args, **{**kwargs, "fast": False})
+
+    return call
 
 
 @pytest.fixture

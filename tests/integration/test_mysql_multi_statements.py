@@ -10,7 +10,6 @@ query that returns several results fails, and the public fallback asks for no mu
 
 import re
 from collections.abc import AsyncIterator, Iterator
-from functools import partial
 from typing import Any
 
 import aiomysql
@@ -21,7 +20,6 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ProgrammingError
 
 from moorline.db import mysql_driver
-from moorline.db.dsn import make_failover_creator
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.db.repos.queue import QueueRepo
@@ -158,11 +156,8 @@ async def test_a_query_of_several_statements_elsewhere_fails(db: DatabaseManager
         assert (await conn.execute(text("SELECT 3"))).scalar_one() == 3
 
 
-async def test_the_public_fallback_asks_for_no_multi_statements(
-    db: DatabaseManager, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(mysql_driver, "connect", partial(mysql_driver.connect, fast=False))
-    connection = await make_failover_creator(db.targets)()
+async def test_the_public_fallback_asks_for_no_multi_statements(db: DatabaseManager) -> None:
+    connection = await mysql_driver.connect(fast=False, **db.targets[0].kwargs)
     try:
         assert not isinstance(connection, mysql_driver.Connection)
         assert connection.client_flag & CLIENT.MULTI_STATEMENTS == 0
