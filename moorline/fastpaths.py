@@ -211,6 +211,14 @@ def mismatch(name: PrivateName) -> str | None:
         cls = _resolve(name.owner)
     except (ImportError, AttributeError):
         return f"no longer has {name.owner}"
+    try:
+        return _mismatch(name, cls)
+    except Exception as exc:  # a probe or a signature that broke is a mismatch too
+        reason = " ".join(str(exc).split())[:120]
+        return f"has a {name.owner} that cannot be checked ({type(exc).__name__}: {reason})"
+
+
+def _mismatch(name: PrivateName, cls: type[Any]) -> str | None:
     short = f"{name.owner.rpartition('.')[2]}.{name.name}"
     found = inspect.getattr_static(cls, name.name, None)
     if name.shape is Shape.ATTRIBUTE:

@@ -190,3 +190,18 @@ async def test_each_fast_path_checks_its_names_and_its_fallback_needs_none(
     monkeypatch.delattr(aiomysql.Connection, "_connect")
     with pytest.raises(ConfigError, match=r"aiomysql .* Connection\._connect:"):
         await mysql_driver.connect(host="127.0.0.1", port=1)
+
+
+def test_a_library_that_breaks_the_check_itself_still_gets_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from starlette.responses import Response
+
+    def changed(self: object, *args: object, **kwargs: object) -> None:
+        raise TypeError("__init__() missing 1 required keyword-only argument: 'status'")
+
+    monkeypatch.setattr(Response, "__init__", changed)
+    found = fastpaths.problems("starlette")
+    assert len(found) == 1
+    assert ONE_LINE.match(found[0]), found[0]
+    assert "Response that cannot be checked (TypeError: __init__() missing" in found[0]
