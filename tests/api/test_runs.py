@@ -255,13 +255,13 @@ async def test_a_trigger_is_answered_as_fastapis_own_solver_would_answer_it(
         return await runs_routes.solve_trigger(request)
 
     monkeypatch.setattr(runs_routes, "TriggerRoute", solved_by(solve))
-    async with make_api() as api:
+    async with make_api(fast_paths=True) as api:
         caller = await api.tenant()
         by_hand = [await send_trigger(api, caller, trigger) for trigger in TRIGGERS]
         openapi = api.app.openapi()
     assert len(solved) == len(TRIGGERS) - 2  # all but the two refused before any route runs
     monkeypatch.setattr(runs_routes, "TriggerRoute", JSONBodyRoute)
-    async with make_api() as api:
+    async with make_api(fast_paths=True) as api:
         caller = await api.tenant()
         by_fastapi = [await send_trigger(api, caller, trigger) for trigger in TRIGGERS]
         assert api.app.openapi() == openapi

@@ -30,7 +30,7 @@ async def test_the_limiter_refuses_with_the_time_until_there_is_room(fast: bool)
 async def test_hits_start_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     # The library's memory storage starts a timer thread to sweep expired entries whenever its
     # last one has ended; under load that was a thread start every few triggers.
-    limiter = RateLimiter(Settings())
+    limiter = RateLimiter(Settings(fast_paths=True))
     started: list[threading.Thread] = []
     start = threading.Thread.start
 
