@@ -7,10 +7,11 @@ PYTEST_ARGS ?=
 
 .PHONY: install run test test-full lint format bench soak clean chromium
 
-$(STAMP): pyproject.toml
+# constraints.txt: the tested versions (see its header), so CI and users install those.
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[all,dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[all,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -78,6 +78,17 @@ class Settings(BaseSettings):
     ``DatabaseManager``).
     """
 
+    fast_paths: bool = True
+    """Use the fast paths that reach into dependencies' internals (``moorline.fastpaths``).
+
+    ``false`` takes each library's public path instead, as uvicorn takes h11 without
+    httptools: plain aiosqlite and aiomysql connections (MariaDB without multi-statements),
+    the ``limits`` memory storage as it is, Starlette's ``Response`` and FastAPI's own
+    dependency solving and route order. Same answers, more CPU and round trips; the way out
+    when an upgraded dependency fails ``tests/compat/test_private_names.py`` or the check a
+    fast path makes when it starts.
+    """
+
     db_retry_base: float = Field(default=1.0, ge=0)
     """First backoff of ``with_retry`` in seconds; doubles per attempt (1 → 2 → 4)."""
 

@@ -41,6 +41,7 @@ import limits
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter as SyncMovingWindowRateLimiter
 
+from moorline import fastpaths
 from moorline.admission.quotas import REDIS_CONNECTIONS
 from moorline.errors import RateLimited
 from moorline.runtime.keys import RedisKeys
@@ -112,8 +113,10 @@ class SweptMemoryStorage(MemoryStorage):
     The library schedules its sweep through the private ``__schedule_expiry`` on every write;
     this class replaces that method (by its mangled name) with a sweep done in line at most
     once per :data:`SWEEP_INTERVAL_S`. Only ``__init__`` still starts the library's timer,
-    once. ``tests/unit/test_ratelimit.py`` checks that no hit starts a thread, so a version of
-    the library that renames the method fails there rather than silently going back to threads.
+    once. ``tests/unit/test_ratelimit.py`` checks that no hit starts a thread, and
+    ``tests/compat/test_private_names.py`` that both mangled names are still there
+    (:mod:`moorline.fastpaths`), so a version of the library that renames them fails there
+    rather than silently going back to threads.
     """
 
     def __init__(self) -> None:
@@ -129,6 +132,21 @@ class SweptMemoryStorage(MemoryStorage):
     def sweep(self) -> None:
         """Drop every expired entry and counter now."""
         self._MemoryStorage__expire_events()  # type: ignore[attr-defined]  # mangled private
+
+
+def _memory_storage(*, fast: bool) -> MemoryStorage:
+    """:class:`SweptMemoryStorage`, or the library's own storage without ``fast``.
+
+    ``fast`` is the setting ``fast_paths``; the library's storage sweeps from its timer thread
+    and needs none of its internals.
+
+    Raises:
+        ConfigError: ``fast`` and the installed ``limits`` lacks the method replaced here.
+    """
+    if not fast:
+        return MemoryStorage()
+    fastpaths.require("limits")
+    return SweptMemoryStorage()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,7 +172,7 @@ class RateLimiter:
         """Choose the storage: Redis when ``MOORLINE_REDIS_URL`` is set, else memory."""
         self._pool: Any = None
         self._redis: tuple[AsyncRedis, AsyncScript, type[Exception]] | None = None
-        self._memory = SyncMovingWindowRateLimiter(SweptMemoryStorage())
+        self._memory = SyncMovingWindowRateLimiter(_memory_storage(fast=settings.fast_paths))
         self._key_prefix = RedisKeys(settings.redis_prefix).rate_limits()
         if settings.redis_url:
             from redis.asyncio import BlockingConnectionPool, Redis

@@ -33,6 +33,23 @@ trips of real work, those were two more, one of them on the dispatch latency's c
 No maintained async MySQL driver for SQLAlchemy does this (aiomysql and asyncmy both send the
 statement), which is why it is written here; it plugs in through the manager's
 ``async_creator``, as the SQLite driver does.
+
+Multi-statements are kept, confined to one code path. :meth:`Connection.commit_with_next_statement`
+needs ``CLIENT.MULTI_STATEMENTS``: without it the ``COMMIT`` is a round trip of its own on every
+submission and claim, which is dispatch latency (dropping it would change the benchmarks' figures,
+which this refactor must not). The flag is the connection's, so what confines it is:
+
+- aiomysql itself asks for it on every connection, so it is not this module that widens what
+  an injection could do: with ``fast=False`` (``MOORLINE_FAST_PATHS``) :func:`connect` gives
+  aiomysql's own class with the flag cleared, and the server refuses a second statement;
+- the only text this module adds to a statement is the constant :data:`COMMIT_SUFFIX`, in
+  :meth:`Connection._query_and_commit`, and only for a statement a repository marked as its
+  transaction's last; every statement is SQLAlchemy's, its values bound as parameters and
+  escaped by the driver into quoted literals (``tests/integration/test_mysql_multi_statements.py``
+  sends hostile text through each marked path and checks that, outside the literals, the query
+  sent is one statement and the suffix);
+- a query that returns more than one result anywhere else (several statements reached the
+  server) fails at once (:class:`SeveralStatements`) instead of being read as one.
 """
 
 from typing import Any
@@ -40,9 +57,18 @@ from typing import Any
 import aiomysql
 from pymysql.constants import CLIENT, SERVER_STATUS
 
+from moorline import fastpaths
+
 _AUTOCOMMIT = SERVER_STATUS.SERVER_STATUS_AUTOCOMMIT
 _OUTSIDE_TRANSACTION = SERVER_STATUS.SERVER_STATUS_AUTOCOMMIT | SERVER_STATUS.SERVER_STATUS_IN_TRANS
 """The flags that, equal to ``_AUTOCOMMIT``, say a completed statement left nothing open."""
+
+COMMIT_SUFFIX = "; COMMIT"
+"""The only text this module adds to a statement (:meth:`Connection.commit_with_next_statement`)."""
+
+
+class SeveralStatements(aiomysql.ProgrammingError):  # type: ignore[misc]
+    """A query outside :meth:`Connection.commit_with_next_statement` ran several statements."""
 
 
 class Connection(aiomysql.Connection):  # type: ignore[misc]
@@ -77,12 +103,17 @@ class Connection(aiomysql.Connection):  # type: ignore[misc]
             self._commits_with_next = False
             return await self._query_and_commit(sql)
         affected: int = await super().query(sql, unbuffered)
+        result: Any = self._result
+        if not unbuffered and result is not None and result.has_next:
+            # Multi-statements are for _query_and_commit alone (see the module docstring).
+            raise SeveralStatements("a query outside commit_with_next_statement ran several")
         # An unbuffered result's flags come with its last row, read later.
         self._is_idle = not unbuffered and self.server_status & _OUTSIDE_TRANSACTION == _AUTOCOMMIT
         return affected
 
     async def _query_and_commit(self, sql: Any) -> int:
-        suffix = b"; COMMIT" if isinstance(sql, bytes | bytearray) else "; COMMIT"
+        # The one place a query carries two statements; the second is a constant.
+        suffix = COMMIT_SUFFIX.encode() if isinstance(sql, bytes | bytearray) else COMMIT_SUFFIX
         await super().query(sql + suffix)
         result: Any = self._result
         if not (result is not None and result.has_next):  # pragma: no cover - server bug
@@ -90,6 +121,8 @@ class Connection(aiomysql.Connection):  # type: ignore[misc]
         # The COMMIT's reply (its error, if it failed); then the statement's result is put
         # back for the cursor, with nothing left to read behind it.
         await self.next_result()
+        if self._result is not None and self._result.has_next:
+            raise SeveralStatements("a statement sent with its COMMIT ran more than one")
         result.has_next = False
         self._result = result
         self._affected_rows = result.affected_rows
@@ -130,15 +163,41 @@ class Connection(aiomysql.Connection):  # type: ignore[misc]
         )
 
 
-async def connect(**kwargs: Any) -> Connection:
-    """Open a :class:`Connection`: ``aiomysql.connect`` with this module's class.
+async def connect(*, fast: bool = True, **kwargs: Any) -> aiomysql.Connection:
+    """Open a connection: ``aiomysql.connect``, with this module's class when ``fast``.
 
-    The connection accepts several statements in one query, for
-    :meth:`Connection.commit_with_next_statement`. Every statement this project sends is
-    built by SQLAlchemy with its values escaped by the driver, as before.
+    Args:
+        fast: A :class:`Connection` (the setting ``fast_paths``), which accepts several
+            statements in one query, for :meth:`Connection.commit_with_next_statement`. False
+            gives aiomysql's own connection class, single statements only (see
+            :func:`_connect_single_statement`): it has no ``is_closed`` and no
+            ``commit_with_next_statement``, so its engine checks connections with
+            SQLAlchemy's ``pool_pre_ping`` and commits with ``COMMIT``.
+        kwargs: ``aiomysql.connect``'s arguments.
+
+    Raises:
+        ConfigError: ``fast`` and the installed aiomysql lacks an internal this class uses.
     """
+    if not fast:
+        return await _connect_single_statement(**kwargs)
+    fastpaths.require("aiomysql")
     flags = kwargs.pop("client_flag", 0) | CLIENT.MULTI_STATEMENTS
     connection = Connection(client_flag=flags, **kwargs)
     # What aiomysql.connect does with its own class (aiomysql.connection._connect).
     await connection._connect()
+    return connection
+
+
+async def _connect_single_statement(**kwargs: Any) -> aiomysql.Connection:
+    """Open aiomysql's own connection, without ``CLIENT.MULTI_STATEMENTS``.
+
+    aiomysql asks for multi-statements on every connection (its ``Connection.__init__`` adds
+    the flag to ``client_flag`` whatever it is given), so ``aiomysql.connect`` cannot leave it
+    out. The connection is built with aiomysql's public class, its flag cleared before the
+    handshake, and opened by its public ``ping(reconnect=True)``, which connects a connection
+    not yet open (one ``COM_PING`` more per new connection, on the fallback only).
+    """
+    connection = aiomysql.Connection(**kwargs)
+    connection.client_flag &= ~CLIENT.MULTI_STATEMENTS
+    await connection.ping(reconnect=True)
     return connection

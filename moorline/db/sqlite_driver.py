@@ -53,6 +53,11 @@ Three things still cross:
 No maintained async SQLite driver for SQLAlchemy offers any of this, which is why it is written
 here; it plugs in through ``create_async_engine(async_creator=...)``, SQLAlchemy's documented
 hook for supplying the driver connection.
+
+It subclasses aiosqlite's classes and uses their private attributes, listed in
+:data:`moorline.fastpaths.PRIVATE_NAMES`; :func:`connector` checks them before the first
+connection. With the setting ``fast_paths`` False it gives plain ``aiosqlite.connect``
+connections instead, which cross to the thread for every call.
 """
 
 import sqlite3
@@ -62,6 +67,8 @@ from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import aiosqlite
+
+from moorline import fastpaths
 
 T = TypeVar("T")
 
@@ -400,7 +407,9 @@ class Connection(aiosqlite.Connection):
         return connection is not None and connection.in_transaction
 
 
-def connector(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Callable[[], Connection]:
+def connector(
+    args: Sequence[Any], kwargs: Mapping[str, Any], *, fast: bool = True
+) -> Callable[[], aiosqlite.Connection]:
     """An ``async_creator`` for ``create_async_engine``: connections ``sqlite3.connect`` opens.
 
     Args:
@@ -410,12 +419,28 @@ def connector(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Callable[[], Co
             module (``?mode=ro&uri=true``, ``?timeout=``, ``check_same_thread=False``); the
             engine's ``connect`` listener then applies the pragmas and hands transactions to
             the ``begin`` listener.
+        fast: This module's :class:`Connection` (the setting ``fast_paths``); False gives
+            plain ``aiosqlite.connect`` connections, which use none of aiosqlite's internals
+            and cross to the thread for every call (the engine's listeners then send
+            ``BEGIN`` as a statement, as they do for ``:memory:``).
+
+    Raises:
+        ConfigError: ``fast`` and the installed aiosqlite lacks an internal this module uses.
     """
+    if not fast:
+        return partial(_public_connection, args, kwargs)
+    fastpaths.require("aiosqlite")
 
     def create() -> Connection:
         return Connection(lambda: sqlite3.connect(*args, **kwargs))
 
     return create
+
+
+def _public_connection(args: Sequence[Any], kwargs: Mapping[str, Any]) -> aiosqlite.Connection:
+    # aiosqlite's own thread is not a daemon; the pool closes every connection it opened
+    # (DatabaseManager.dispose), as it must with SQLAlchemy's own aiosqlite connections.
+    return aiosqlite.connect(*args, **kwargs)
 
 
 def _is_begin(sql: str) -> bool:

@@ -255,13 +255,13 @@ async def test_a_trigger_is_answered_as_fastapis_own_solver_would_answer_it(
         return await runs_routes.solve_trigger(request)
 
     monkeypatch.setattr(runs_routes, "TriggerRoute", solved_by(solve))
-    async with make_api() as api:
+    async with make_api(fast_paths=True) as api:
         caller = await api.tenant()
         by_hand = [await send_trigger(api, caller, trigger) for trigger in TRIGGERS]
         openapi = api.app.openapi()
     assert len(solved) == len(TRIGGERS) - 2  # all but the two refused before any route runs
     monkeypatch.setattr(runs_routes, "TriggerRoute", JSONBodyRoute)
-    async with make_api() as api:
+    async with make_api(fast_paths=True) as api:
         caller = await api.tenant()
         by_fastapi = [await send_trigger(api, caller, trigger) for trigger in TRIGGERS]
         assert api.app.openapi() == openapi
@@ -270,10 +270,38 @@ async def test_a_trigger_is_answered_as_fastapis_own_solver_would_answer_it(
     assert {status for status, _ in by_hand} >= {200, 400, 401, 404, 409, 422}
 
 
+async def test_the_fast_and_the_public_trigger_paths_answer_alike(make_api: MakeApi) -> None:
+    # fast_paths=False: FastAPI's own solver and route order, and Starlette's own Response.
+    answers: dict[bool, list[Any]] = {}
+    documents: dict[bool, Any] = {}
+    for fast in (True, False):
+        async with make_api(fast_paths=fast) as api:
+            caller = await api.tenant()
+            answers[fast] = [await send_trigger(api, caller, trigger) for trigger in TRIGGERS]
+            accepted = await api.trigger(caller, idempotency_key="same")
+            again = await api.trigger(caller, idempotency_key="same")
+            answers[fast] += [
+                [(name, value) for name, value in answer.headers.raw if name != b"content-length"]
+                for answer in (accepted, again)
+            ]
+            documents[fast] = api.app.openapi()
+            hand_solved = [r for r in api.app.routes if isinstance(r, runs_routes.TriggerRoute)]
+            assert len(hand_solved) == (1 if fast else 0)
+            assert (api.app.routes[0] in hand_solved) is fast
+    assert answers[True] == answers[False]
+    assert documents[True] == documents[False]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "public"])
 async def test_a_trigger_is_answered_with_the_header_lines_starlette_would_build(
-    api: Api,
+    make_api: MakeApi, fast: bool
 ) -> None:
     # runs.TriggerAnswer writes its header lines itself; they must be Starlette's own.
+    async with make_api(fast_paths=fast) as api:
+        await check_header_lines(api)
+
+
+async def check_header_lines(api: Api) -> None:
     caller = await api.tenant()
     for expected_status, key in ((202, "k"), (200, "k"), (202, None)):
         body: dict[str, Any] = {} if key is None else {"idempotency_key": key}

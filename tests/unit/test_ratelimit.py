@@ -12,8 +12,10 @@ from moorline.errors import RateLimited
 from moorline.settings import Settings
 
 
-async def test_the_limiter_refuses_with_the_time_until_there_is_room() -> None:
-    limiter = RateLimiter(Settings())
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "public"])
+async def test_the_limiter_refuses_with_the_time_until_there_is_room(fast: bool) -> None:
+    # fast_paths=False: the library's own memory storage, its sweep on its timer thread.
+    limiter = RateLimiter(Settings(fast_paths=fast))
     state = await limiter.hit("key:a", "2/minute")
     assert state is not None and (state.limit, state.remaining) == (2, 1)
     assert 59 <= state.reset_s <= 60
@@ -28,7 +30,7 @@ async def test_the_limiter_refuses_with_the_time_until_there_is_room() -> None:
 async def test_hits_start_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     # The library's memory storage starts a timer thread to sweep expired entries whenever its
     # last one has ended; under load that was a thread start every few triggers.
-    limiter = RateLimiter(Settings())
+    limiter = RateLimiter(Settings(fast_paths=True))
     started: list[threading.Thread] = []
     start = threading.Thread.start
 

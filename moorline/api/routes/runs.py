@@ -23,13 +23,16 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
+from enum import Enum
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from moorline import fastpaths
 from moorline.admission.admit import Admitted, Trigger
 from moorline.api.deps import (
     CallerDep,
@@ -40,7 +43,7 @@ from moorline.api.deps import (
     caller_of_key,
     owned_run,
 )
-from moorline.api.errors import BODY_ERRORS, responses
+from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
 from moorline.api.guards import JSONBodyRoute, JSONRequest, solved_by
 from moorline.api.schemas import (
     CONVERSATION,
@@ -81,6 +84,7 @@ from moorline.errors import (
     WorkflowNotFound,
 )
 from moorline.runtime.base import RuntimeStore
+from moorline.settings import Settings
 from moorline.types import JSONObject, RunId, RunStatus
 
 logger = logging.getLogger(__name__)
@@ -166,7 +170,7 @@ async def trigger_run(
             delay_s=body.delay_seconds,
         )
     )
-    return answer_trigger(admitted)
+    return answer_trigger(admitted, fast=services.settings.fast_paths)
 
 
 _WORKFLOW_PATH: TypeAdapter[str] = TypeAdapter(WorkflowPath)
@@ -211,17 +215,24 @@ TriggerRoute = solved_by(solve_trigger)
 """The trigger route's class: FastAPI declares it, :func:`solve_trigger` solves it."""
 
 
-def answer_trigger(admitted: Admitted) -> Response:
+def answer_trigger(admitted: Admitted, *, fast: bool = True) -> Response:
     """The answer to an admitted trigger: its status, rate-limit headers and body.
 
     A finished response, serialized here, rather than the :class:`RunAccepted` FastAPI would
     validate again against the route's ``response_model`` and then serialize (the route keeps
     ``response_model=RunAccepted`` for its OpenAPI schema; FastAPI sends a returned Response
     as it is). On the trigger path that round trip through pydantic is measurable, and so is
-    Starlette's generic header building, which :class:`TriggerAnswer` skips.
+    Starlette's generic header building, which :class:`TriggerAnswer` skips; with ``fast``
+    False (the setting ``fast_paths``) Starlette's own ``Response`` builds the same lines.
     """
     body = accepted(admitted.run).model_dump_json().encode()
+    status_code = 202 if admitted.created else 200
     rate = admitted.rate
+    if not fast:
+        headers = (
+            None if rate is None else rate_limit_headers(rate.limit, rate.remaining, rate.reset_s)
+        )
+        return Response(body, status_code=status_code, headers=headers, media_type=_JSON)
     header_lines = (
         []
         if rate is None
@@ -232,9 +243,10 @@ def answer_trigger(admitted: Admitted) -> Response:
         ]
     )
     header_lines += [(b"content-length", str(len(body)).encode()), _JSON_CONTENT_TYPE]
-    return TriggerAnswer(body, status_code=202 if admitted.created else 200, raw=header_lines)
+    return TriggerAnswer(body, status_code=status_code, raw=header_lines)
 
 
+_JSON = "application/json"
 _JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 
 
@@ -245,7 +257,7 @@ class TriggerAnswer(Response):
     media_type="application/json")`` would build; ``tests/api/test_runs.py`` compares them.
     """
 
-    media_type = "application/json"
+    media_type = _JSON
 
     def __init__(self, body: bytes, *, status_code: int, raw: list[tuple[bytes, bytes]]) -> None:
         self.status_code = status_code
@@ -469,19 +481,46 @@ async def _send(
 
 
 def install(app: FastAPI) -> None:
-    """Add the run routes to ``app``.
+    """Add the run routes to ``app`` (whose ``state.settings`` is set).
 
     The trigger route goes on the app's own router rather than through
     :func:`build_router`'s: FastAPI matches a route of an included router twice per request
     (once to choose the router, once inside it), and triggers are the hot path. Its path,
-    tags and everything else in the OpenAPI document are those of the included route.
+    tags and everything else in the OpenAPI document are those of the included route. With
+    the setting ``fast_paths`` False it is an ordinary route of the included router, its
+    arguments solved by FastAPI (:class:`~moorline.api.guards.JSONBodyRoute`).
+
+    Raises:
+        ConfigError: ``fast_paths``, and the installed FastAPI or Starlette lacks an internal
+            the trigger route's fast path uses.
     """
-    app.router.add_api_route(
-        "/v1/workflows/{workflow}/runs",
+    settings: Settings = app.state.settings
+    if not settings.fast_paths:
+        app.include_router(build_router(with_trigger=True))
+        return
+    fastpaths.require("fastapi")
+    fastpaths.require("starlette")
+    _add_trigger_route(app.router, "/v1/workflows/{workflow}/runs", TriggerRoute, tags=["runs"])
+    # First of all, ahead of the documentation's routes (/openapi.json, /docs, /redoc) that
+    # FastAPI added when the app was built: no path matches both, so only the time changes.
+    routes = app.router.routes
+    routes.insert(0, routes.pop())
+    app.include_router(build_router())
+
+
+def _add_trigger_route(
+    router: APIRouter,
+    path: str,
+    route_class: type[APIRoute],
+    *,
+    tags: list[str | Enum] | None = None,
+) -> None:
+    router.add_api_route(
+        path,
         trigger_run,
         methods=["POST"],
-        route_class_override=TriggerRoute,
-        tags=["runs"],
+        route_class_override=route_class,
+        tags=tags,
         status_code=202,
         response_model=RunAccepted,
         responses={
@@ -499,16 +538,13 @@ def install(app: FastAPI) -> None:
         },
         summary="Start a run of a workflow",
     )
-    # First of all, ahead of the documentation's routes (/openapi.json, /docs, /redoc) that
-    # FastAPI added when the app was built: no path matches both, so only the time changes.
-    routes = app.router.routes
-    routes.insert(0, routes.pop())
-    app.include_router(build_router())
 
 
-def build_router() -> APIRouter:
-    """A new router with the run routes but the trigger (see :func:`install`)."""
+def build_router(*, with_trigger: bool = False) -> APIRouter:
+    """A new router with the run routes, the trigger only ``with_trigger`` (see :func:`install`)."""
     router = APIRouter(prefix="/v1", tags=["runs"], route_class=JSONBodyRoute)
+    if with_trigger:
+        _add_trigger_route(router, "/workflows/{workflow}/runs", JSONBodyRoute)
     router.add_api_route(
         "/runs",
         list_runs,

@@ -131,7 +131,7 @@ async def deliver_webhook(
             idempotency_key=key,
         )
     )
-    return answer_trigger(admitted)
+    return answer_trigger(admitted, fast=services.settings.fast_paths)
 
 
 def build_router() -> APIRouter:
