@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-full lint format bench soak clean chromium
+.PHONY: install run test test-full fuzz lint format bench soak clean chromium
 
 # constraints.txt: the tested versions (see its header), so CI and users install those.
 $(STAMP): pyproject.toml constraints.txt
@@ -35,6 +35,14 @@ test: install chromium
 test-full: install chromium
 	$(BIN)/python -m compileall -q moorline tests
 	MOORLINE_FULL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Schemathesis against a live `moorline serve` with tenant and admin credentials, every operation
+# of the served OpenAPI document: no 5xx, every answer as documented. `make test` runs the same
+# test with 15 examples an operation; FUZZ_EXAMPLES sets it here.
+FUZZ_EXAMPLES ?= 1000
+fuzz: install
+	MOORLINE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/api/test_server.py \
+		-k every_operation -p no:randomly $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check moorline tests bench

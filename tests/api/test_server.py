@@ -40,7 +40,11 @@ from tests.helpers import wait_for
 from tests.integration.test_cli import cli_env, free_port
 
 MAX_BODY_BYTES = 64 * 1024
-EXAMPLES = 200 if os.environ.get("MOORLINE_FULL") == "1" else 15
+EXAMPLES = int(
+    os.environ.get("MOORLINE_FUZZ_EXAMPLES", 200 if os.environ.get("MOORLINE_FULL") == "1" else 15)
+)
+"""Examples per operation: 15 in ``make test``, 200 with ``MOORLINE_FULL=1``; ``make fuzz``
+sets ``MOORLINE_FUZZ_EXAMPLES`` higher."""
 STARTUP_S = 30.0
 
 
