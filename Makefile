@@ -42,7 +42,7 @@ test-full: install chromium
 FUZZ_EXAMPLES ?= 1000
 fuzz: install
 	MOORLINE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/api/test_server.py \
-		-k every_operation -p no:randomly $(PYTEST_ARGS)
+		-k every_operation $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check moorline tests bench
