@@ -177,8 +177,25 @@ async def tenant_caller(
     Raises:
         Unauthorized: no key, or one that names no tenant (unknown or revoked).
     """
+    authenticated: Caller | None = getattr(request.state, "caller", None)
+    if authenticated is not None:
+        return authenticated  # by authenticate_tenant, before the body was read
     key = None if credentials is None else credentials.credentials
     return await caller_of_key(request.app.state.services, key)
+
+
+async def authenticate_tenant(request: Request) -> None:
+    """:func:`tenant_caller`'s check from the headers alone, before a body is read.
+
+    The routes with a body run it first (:func:`~moorline.api.guards.authenticated_by`), so
+    a request without a valid key costs no body read or parse; the caller is kept on
+    ``request.state`` for :func:`tenant_caller`.
+
+    Raises:
+        Unauthorized: no key, or one that names no tenant.
+    """
+    services: Services = request.app.state.services
+    request.state.caller = await caller_of_key(services, bearer_credential(request))
 
 
 def bearer_credential(request: Request) -> str | None:
@@ -220,7 +237,9 @@ async def caller_of_key(services: Services, key: str | None) -> Caller:
 
 
 async def require_admin(
-    services: ServicesDep, credentials: Annotated[Credentials, Depends(admin_scheme)]
+    request: Request,
+    services: ServicesDep,
+    credentials: Annotated[Credentials, Depends(admin_scheme)],
 ) -> None:
     """Let only the admin token through.
 
@@ -228,15 +247,33 @@ async def require_admin(
         Unauthorized: no credential, or one that is neither the admin token nor an API key.
         Forbidden: a tenant's API key, or any credential while admin routes are off.
     """
-    if credentials is None:
+    if getattr(request.state, "is_admin", False):
+        return  # by authenticate_admin, before the body was read
+    await check_admin(services, None if credentials is None else credentials.credentials)
+
+
+async def authenticate_admin(request: Request) -> None:
+    """:func:`require_admin`'s check from the headers alone, before a body is read.
+
+    Raises:
+        Unauthorized: as :func:`require_admin`.
+        Forbidden: as :func:`require_admin`.
+    """
+    await check_admin(request.app.state.services, bearer_credential(request))
+    request.state.is_admin = True
+
+
+async def check_admin(services: Services, credential: str | None) -> None:
+    """Whether ``credential`` is the admin token (see :func:`require_admin`)."""
+    if credential is None:
         raise Unauthorized("the admin token is required: send 'Authorization: Bearer <token>'")
     token = services.settings.admin_token
-    presented = credentials.credentials.encode("utf-8")
+    presented = credential.encode("utf-8")
     if token is not None and hmac.compare_digest(
         presented, token.get_secret_value().encode("utf-8")
     ):
         return
-    if await services.tenants.authenticate(credentials.credentials) is not None:
+    if await services.tenants.authenticate(credential) is not None:
         raise Forbidden("this is an admin route; a tenant's API key cannot use it")
     if token is None:
         raise Forbidden("admin routes are off: MOORLINE_ADMIN_TOKEN is not set")

@@ -18,6 +18,7 @@
   applies it to every line, such as the access-log line of a refused ``?api_key=`` request.
 """
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -39,6 +40,10 @@ from moorline.types import JSONValue
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a JSON body may have."""
+
+PARSE_INLINE_BYTES = 64 * 1024
+"""Largest body parsed on the event loop; larger ones are parsed on a thread (see
+:meth:`JSONRequest.parse`). Triggers' bodies are a few hundred bytes."""
 
 
 class RequestGuard:
@@ -223,7 +228,14 @@ class JSONRequest(Request):
             raise InvalidRequest(
                 f"the body must be JSON (Content-Type: application/json), not {declared!r}"
             )
-        self._parsed = parse_json(body)
+        if len(body) <= PARSE_INLINE_BYTES:
+            self._parsed = parse_json(body)
+            return
+        # A large body is parsed and walked on a thread: a megabyte of nested ``{}`` costs
+        # hundreds of milliseconds of pure Python, which on the event loop would stall every
+        # other request of the process. The thread still takes the GIL, but the interpreter
+        # hands it back every few milliseconds, so the loop keeps serving meanwhile.
+        self._parsed = await asyncio.to_thread(parse_json, body)
 
     async def json(self) -> Any:
         if not hasattr(self, "_parsed"):
@@ -236,6 +248,11 @@ class JSONRequest(Request):
         return hasattr(self, "_parsed")
 
 
+Authenticate = Callable[[Request], Awaitable[None]]
+"""Checks a request's credentials from its headers alone, raising what the route's own
+dependency would (``Unauthorized``, ``Forbidden``); run before the body is read."""
+
+
 class JSONBodyRoute(APIRoute):
     """A route whose JSON body goes through :func:`parse_json` (routes without one: as is)."""
 
@@ -243,13 +260,37 @@ class JSONBodyRoute(APIRoute):
         handler = super().get_route_handler()
         if self.body_field is None:
             return handler
+        authenticate = self._authenticate()
 
         async def parse_then_handle(request: Request) -> Response:
             parsed = JSONRequest(request.scope, request.receive)
+            if authenticate is not None:
+                await authenticate(parsed)
             await parsed.parse()
             return await handler(parsed)
 
         return parse_then_handle
+
+    def _authenticate(self) -> Authenticate | None:
+        """What checks the credentials before the body is read; None: nothing (the default)."""
+        return None
+
+
+def authenticated_by(authenticate: Authenticate) -> type[JSONBodyRoute]:
+    """A :class:`JSONBodyRoute` class that runs ``authenticate`` before reading a body.
+
+    FastAPI reads and parses a body before it solves a route's dependencies, so without this
+    a request with no valid credential would have its body read and walked (:func:`parse_json`)
+    before the authentication dependency refused it, and a malformed body would be answered
+    400 instead of 401. ``authenticate`` leaves its result on ``request.state`` for the
+    dependency to take, so credentials are looked up once.
+    """
+
+    class AuthenticatedRoute(JSONBodyRoute):
+        def _authenticate(self) -> Authenticate | None:
+            return authenticate
+
+    return AuthenticatedRoute
 
 
 ArgumentSolver = Callable[[JSONRequest], Awaitable[dict[str, Any]]]
@@ -263,10 +304,12 @@ def solved_by(solve: ArgumentSolver) -> type[JSONBodyRoute]:
     dependencies through generic machinery (a cache key per dependency, the sub-dependencies'
     recursion, each parameter's own validation), a large share of a trigger's CPU (see
     docs/performance.md); ``solve`` does the same work for one known signature
-    directly, and must answer as FastAPI would: the same errors in the same order
-    (dependencies first, then the path, then the body; ``tests/api/test_runs.py`` compares the
-    two). The route is still declared with the endpoint's full signature, so its OpenAPI
-    operation (parameters, body schema, security) is FastAPI's as before. The endpoint must
+    directly, and must answer as the route's ordinary class would: the same errors in the
+    same order (credentials first, before the body is read, as :func:`authenticated_by`; then
+    the path, then the body, which ``solve`` parses with :meth:`JSONRequest.parse`;
+    ``tests/api/test_runs.py`` compares the two). The route is still declared with the
+    endpoint's full signature, so its OpenAPI operation (parameters, body schema, security) is
+    FastAPI's as before. The endpoint must
     return a :class:`~starlette.responses.Response`: nothing validates or serializes what it
     returns.
     """
@@ -300,8 +343,8 @@ def solved_by(solve: ArgumentSolver) -> type[JSONBodyRoute]:
             endpoint = self.endpoint
 
             async def respond(scope: Scope, receive: Receive) -> Response:
+                # ``solve`` reads the body (JSONRequest.parse) once the caller is known.
                 request = JSONRequest(scope, receive)
-                await request.parse()
                 response: Response = await endpoint(**await solve(request))
                 return response
 

@@ -6,6 +6,7 @@ for the quota, exactly one ``rate_limited`` run), a refused admin call changes n
 
 import json
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -13,9 +14,10 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
+from moorline.api import guards
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.tenants import TenantsRepo
-from moorline.types import RunStatus, TenantId
+from moorline.types import JSONValue, RunStatus, TenantId
 from tests.api.conftest import ADMIN, Api, MakeApi
 
 
@@ -403,3 +405,61 @@ async def test_openapi_documents_the_error_shape(api: Api) -> None:
             "$ref": "#/components/schemas/ErrorResponse"
         }
     assert "HTTPValidationError" not in document["components"]["schemas"]
+
+
+# --- bodies and credentials -------------------------------------------------------------------
+
+
+async def test_no_body_is_read_before_the_credentials_are_checked(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caller = await api.tenant()
+    parsed: list[bytes] = []
+    real_parse = guards.parse_json
+
+    def recording_parse(body: bytes) -> JSONValue:
+        parsed.append(body)
+        return real_parse(body)
+
+    monkeypatch.setattr(guards, "parse_json", recording_parse)
+    nested = b'{"input": {"message": ' + b"[{}," * 5000 + b"{}" + b"]" * 5000 + b"}}"
+    without = {"Content-Type": "application/json"}
+    forged = {**without, "Authorization": "Bearer ml_" + "x" * 40}
+    tenant_routes = [
+        "/v1/workflows/echo/runs",
+        f"/v1/runs/{uuid.uuid4()}/messages",
+        f"/v1/runs/{uuid.uuid4()}/resume",
+        "/v1/webhooks",
+    ]
+    for path in tenant_routes:
+        for headers, code in ((without, "unauthorized"), (forged, "unauthorized")):
+            error_of(await api.client.post(path, content=nested, headers=headers), 401, code)
+    for path in ("/v1/admin/tenants", f"/v1/admin/runs/{uuid.uuid4()}/messages"):
+        error_of(await api.client.post(path, content=b"{", headers=without), 401, "unauthorized")
+        refused = await api.client.post(path, content=b"{", headers=caller.headers)
+        error_of(refused, 403, "forbidden")
+    assert parsed == [], "a body was parsed for a request without valid credentials"
+    # With the key, the same malformed body is the body's error.
+    malformed = await api.client.post(
+        "/v1/workflows/echo/runs", content=b"{", headers=caller.headers
+    )
+    error_of(malformed, 400, "invalid_json")
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caller = await api.tenant()
+    threads: list[str] = []
+    real_parse = guards.parse_json
+
+    def recording_parse(body: bytes) -> JSONValue:
+        threads.append(threading.current_thread().name)
+        return real_parse(body)
+
+    monkeypatch.setattr(guards, "parse_json", recording_parse)
+    small = await api.trigger(caller, input={"message": "small"})
+    large = await api.trigger(caller, input={"message": "x" * (guards.PARSE_INLINE_BYTES + 1)})
+    assert (small.status_code, large.status_code) == (202, 202)
+    main = threading.main_thread().name
+    assert threads[0] == main and threads[1] != main, threads

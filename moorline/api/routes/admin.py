@@ -8,9 +8,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
 
-from moorline.api.deps import RUN_ID_PATTERN, ServicesDep, require_admin
+from moorline.api.deps import RUN_ID_PATTERN, ServicesDep, authenticate_admin, require_admin
 from moorline.api.errors import BODY_ERRORS, responses
-from moorline.api.guards import JSONBodyRoute
+from moorline.api.guards import authenticated_by
 from moorline.api.schemas import (
     LaneOut,
     Queues,
@@ -80,7 +80,7 @@ def build_router() -> APIRouter:
     router = APIRouter(
         prefix="/v1/admin",
         tags=["admin"],
-        route_class=JSONBodyRoute,
+        route_class=authenticated_by(authenticate_admin),
         dependencies=[Depends(require_admin)],
     )
     router.add_api_route(

@@ -20,9 +20,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query
 from sse_starlette import EventSourceResponse
 
-from moorline.api.deps import ServicesDep, any_run, require_admin
+from moorline.api.deps import ServicesDep, any_run, authenticate_admin, require_admin
 from moorline.api.errors import BODY_ERRORS, responses
-from moorline.api.guards import JSONBodyRoute
+from moorline.api.guards import authenticated_by
 from moorline.api.routes.runs import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
@@ -176,7 +176,7 @@ def build_router() -> APIRouter:
     router = APIRouter(
         prefix="/v1/admin",
         tags=["admin"],
-        route_class=JSONBodyRoute,
+        route_class=authenticated_by(authenticate_admin),
         dependencies=[Depends(require_admin)],
     )
     router.add_api_route(

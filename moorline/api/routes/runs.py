@@ -39,12 +39,13 @@ from moorline.api.deps import (
     Services,
     ServicesDep,
     StreamSlots,
+    authenticate_tenant,
     bearer_credential,
     caller_of_key,
     owned_run,
 )
 from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
-from moorline.api.guards import JSONBodyRoute, JSONRequest, solved_by
+from moorline.api.guards import JSONRequest, authenticated_by, solved_by
 from moorline.api.schemas import (
     CONVERSATION,
     WORKFLOW,
@@ -187,6 +188,7 @@ async def solve_trigger(request: JSONRequest) -> dict[str, Any]:
         RequestValidationError: the workflow name or the body does not fit.
     """
     caller = await caller_of_key(request.app.state.services, bearer_credential(request))
+    await request.parse()  # once the caller is known, as authenticated_by's routes do
     errors: list[Any] = []
     workflow = request.path_params["workflow"]
     try:
@@ -210,6 +212,9 @@ async def solve_trigger(request: JSONRequest) -> dict[str, Any]:
 def _located(exc: ValidationError, prefix: tuple[str, ...]) -> list[Any]:
     return [{**error, "loc": prefix + error["loc"]} for error in exc.errors(include_url=False)]
 
+
+TenantRoute = authenticated_by(authenticate_tenant)
+"""The run routes' class: the caller's key is checked before a body is read."""
 
 TriggerRoute = solved_by(solve_trigger)
 """The trigger route's class: FastAPI declares it, :func:`solve_trigger` solves it."""
@@ -488,7 +493,7 @@ def install(app: FastAPI) -> None:
     (once to choose the router, once inside it), and triggers are the hot path. Its path,
     tags and everything else in the OpenAPI document are those of the included route. With
     the setting ``fast_paths`` False it is an ordinary route of the included router, its
-    arguments solved by FastAPI (:class:`~moorline.api.guards.JSONBodyRoute`).
+    arguments solved by FastAPI (:data:`TenantRoute`).
 
     Raises:
         ConfigError: ``fast_paths``, and the installed FastAPI or Starlette lacks an internal
@@ -542,9 +547,9 @@ def _add_trigger_route(
 
 def build_router(*, with_trigger: bool = False) -> APIRouter:
     """A new router with the run routes, the trigger only ``with_trigger`` (see :func:`install`)."""
-    router = APIRouter(prefix="/v1", tags=["runs"], route_class=JSONBodyRoute)
+    router = APIRouter(prefix="/v1", tags=["runs"], route_class=TenantRoute)
     if with_trigger:
-        _add_trigger_route(router, "/workflows/{workflow}/runs", JSONBodyRoute)
+        _add_trigger_route(router, "/workflows/{workflow}/runs", TenantRoute)
     router.add_api_route(
         "/runs",
         list_runs,

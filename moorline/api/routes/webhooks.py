@@ -22,9 +22,9 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Request, Response
 
 from moorline.admission.admit import Trigger
-from moorline.api.deps import RUN_ID_PATTERN, CallerDep, ServicesDep
+from moorline.api.deps import RUN_ID_PATTERN, CallerDep, ServicesDep, authenticate_tenant
 from moorline.api.errors import BODY_ERRORS, responses
-from moorline.api.guards import JSONBodyRoute, parse_json
+from moorline.api.guards import authenticated_by, parse_json
 from moorline.api.routes.runs import answer_trigger
 from moorline.api.schemas import RunAccepted, WebhookCreate, WebhookCreated
 from moorline.errors import (
@@ -136,7 +136,9 @@ async def deliver_webhook(
 
 def build_router() -> APIRouter:
     """A new router with the webhook routes."""
-    router = APIRouter(prefix="/v1", tags=["webhooks"], route_class=JSONBodyRoute)
+    router = APIRouter(
+        prefix="/v1", tags=["webhooks"], route_class=authenticated_by(authenticate_tenant)
+    )
     router.add_api_route(
         "/webhooks",
         create_webhook,
