@@ -15,7 +15,8 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.selectable import TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
-from moorline.db.backends.base import Backend, DialectName, SelectT
+from moorline.db.backends import Backend, DialectName, backend_for
+from moorline.db.backends.base import SelectT
 from moorline.db.backends.mysql import MySQLBackend
 from moorline.db.backends.postgresql import PostgreSQLBackend, microseconds_after
 from moorline.db.backends.sqlite import SQLiteBackend
@@ -58,7 +59,7 @@ _CLASSES: Mapping[str, type[Backend]] = {
 
 
 def _backend(name: str) -> Backend:
-    return _CLASSES[name]()
+    return backend_for(_CLASSES[name].name)
 
 
 def dialect_name_of(dialect: Dialect) -> DialectName:

@@ -44,6 +44,11 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database is out of reach: transient, or no pooled connection."""
+    return is_transient(exc) or isinstance(exc, PoolTimeoutError)
+
+
 def as_unavailable(exc: BaseException) -> BackendUnavailable | None:
     """``exc`` as Moorline's :class:`~moorline.errors.BackendUnavailable`, if it is an outage.
 
@@ -51,7 +56,7 @@ def as_unavailable(exc: BaseException) -> BackendUnavailable | None:
     connection in time; anything else is a bug (or a constraint the caller should have
     translated) and gives None.
     """
-    if is_transient(exc) or isinstance(exc, PoolTimeoutError):
+    if is_unavailable(exc):
         return BackendUnavailable("the database is unavailable; retry later")
     return None
 

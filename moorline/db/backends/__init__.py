@@ -9,6 +9,22 @@ Imports: SQLAlchemy, the drivers, ``moorline.db.types``, ``moorline.db.dsn``,
 ``moorline.settings`` and ``moorline.errors``; never a repository.
 """
 
-from moorline.db.backends.base import Backend, Capabilities, DialectName, backend_for
+from collections.abc import Mapping
 
-__all__ = ["Backend", "Capabilities", "DialectName", "backend_for"]
+from moorline.db.backends.base import Backend, Capabilities, DialectName, Pools
+from moorline.db.backends.mysql import MySQLBackend
+from moorline.db.backends.postgresql import PostgreSQLBackend
+from moorline.db.backends.sqlite import SQLiteBackend
+
+__all__ = ["Backend", "Capabilities", "DialectName", "Pools", "backend_for"]
+
+_CLASSES: Mapping[str, type[Backend]] = {
+    "sqlite": SQLiteBackend,
+    "postgresql": PostgreSQLBackend,
+    "mysql": MySQLBackend,
+}
+
+
+def backend_for(name: DialectName) -> Backend:
+    """A new backend of the dialect ``name``: no pools yet, and cheap to make."""
+    return _CLASSES[name]()

@@ -192,6 +192,10 @@ class Backend(abc.ABC):
             keys: The row's primary key, by column name.
         """
 
+    def analyze_statement(self, tables: Sequence[str]) -> str:
+        """The statement refreshing the planner's statistics of ``tables`` (or of all)."""
+        return "ANALYZE"
+
     # --- Connections and transactions ---------------------------------------------------------
 
     @abc.abstractmethod
@@ -252,18 +256,3 @@ def upsert_below(
         .returning(counter)
     )
     return stmt
-
-
-def backend_for(name: DialectName) -> Backend:
-    """A new backend of the dialect ``name``."""
-    # Imported here: the subclasses import this module.
-    from moorline.db.backends.mysql import MySQLBackend
-    from moorline.db.backends.postgresql import PostgreSQLBackend
-    from moorline.db.backends.sqlite import SQLiteBackend
-
-    classes: dict[str, type[Backend]] = {
-        "sqlite": SQLiteBackend,
-        "postgresql": PostgreSQLBackend,
-        "mysql": MySQLBackend,
-    }
-    return classes[name]()

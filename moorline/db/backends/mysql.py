@@ -91,6 +91,10 @@ class MySQLBackend(ServerBackend):
         """None: no ``INSERT … ON CONFLICT … RETURNING`` on MySQL or MariaDB."""
         return None
 
+    def analyze_statement(self, tables: Sequence[str]) -> str:
+        """``ANALYZE TABLE`` of ``tables``: MySQL names the tables it analyses."""
+        return f"ANALYZE TABLE {', '.join(tables)}"
+
     def create_pools(self, settings: Settings, url: str, targets: Sequence[ConnectTarget]) -> Pools:
         return Pools(
             main=self.create_engine(settings, targets, autocommit=False),

@@ -68,13 +68,14 @@ class SQLiteBackend(Backend):
         migrations=False,
     )
 
-    def __init__(self) -> None:
-        # SQLite has one writer at a time. Queueing this process's writers here, in order,
-        # replaces a pile-up in SQLite's busy handler, which sleeps up to 100 ms between
-        # tries: without it, two tasks that want the write lock at once cost the second one
-        # tens of milliseconds. busy_timeout still covers writers in other processes.
-        self._writer = asyncio.Lock()
-        self._checkpointer: sqlite_checkpoint.WalCheckpointer | None = None
+    _writer: asyncio.Lock
+    """This process's writers, queued in order (made with the pools).
+
+    SQLite has one writer at a time. Queueing them here replaces a pile-up in SQLite's busy
+    handler, which sleeps up to 100 ms between tries: without it, two tasks that want the
+    write lock at once cost the second one tens of milliseconds. ``busy_timeout`` still
+    covers writers in other processes."""
+    _checkpointer: sqlite_checkpoint.WalCheckpointer | None = None
 
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
@@ -95,6 +96,7 @@ class SQLiteBackend(Backend):
         if parsed.drivername != "sqlite+aiosqlite":
             parsed = parsed.set(drivername="sqlite+aiosqlite")
         in_memory = parsed.database in (None, "", ":memory:")
+        self._writer = asyncio.Lock()
         kwargs: dict[str, Any]
         if in_memory:
             kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
