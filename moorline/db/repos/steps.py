@@ -68,42 +68,14 @@ from moorline.db.backends import Backend, DialectName, backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Fence, Step
 from moorline.db.schema import runs, steps
+from moorline.errors import CancelRequested as CancelRequested  # re-exported (old home)
+from moorline.errors import LeaseLost as LeaseLost
 from moorline.errors import MoorlineError, TransitionRejected
 from moorline.types import Attempt, JSONValue, RunId, RunStatus, StepStatus
 
 _RUNNING = StepStatus.RUNNING.value
 _SUCCEEDED = StepStatus.SUCCEEDED.value
 _FAILED = StepStatus.FAILED.value
-
-
-class LeaseLost(MoorlineError):
-    """A fenced write found the run no longer held by this attempt and owner; nothing was written.
-
-    The run was reclaimed, released, cancelled or finished. The worker must stop executing it.
-    """
-
-    code = "lease_lost"
-
-    def __init__(self, fence: Fence, action: str) -> None:
-        super().__init__(
-            f"lease lost: run {fence.run_id} is no longer running under attempt "
-            f"{fence.attempt} of owner {fence.owner!r}; {action} was not written"
-        )
-        self.fence = fence
-
-
-class CancelRequested(MoorlineError):
-    """The run's cancel is recorded: no new step or interrupt may start; nothing was written.
-
-    The attempt still holds its lease, and may still record what was already in flight; the
-    engine turns this into :class:`~moorline.engine.context.Cancelled`.
-    """
-
-    code = "cancel_requested"
-
-    def __init__(self, fence: Fence, action: str) -> None:
-        super().__init__(f"run {fence.run_id} has a cancel request; {action} was not started")
-        self.fence = fence
 
 
 class StepMismatch(MoorlineError):
