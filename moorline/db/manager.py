@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import QueuePool
 
-from moorline.db.backends import Backend, DialectName, backend_for
+from moorline.db.backends import Backend, DialectName, backend_for_driver
 from moorline.db.dsn import (
     ConnectTarget,
     DatabaseUnreachable,
@@ -57,17 +57,14 @@ class DatabaseManager:
         if len(drivers) > 1:
             shown = ", ".join(hide_password(url) for url in urls)
             raise ConfigError(f"MOORLINE_DATABASE_URLS mixes database drivers: {shown}")
-        if "sqlite" in drivers and len(urls) > 1:
+        (driver,) = drivers
+        self.backend: Backend = backend_for_driver(driver)
+        server = self.backend.capabilities.server
+        if not server and len(urls) > 1:
             raise ConfigError("MOORLINE_DATABASE_URLS: failover needs PostgreSQL or MySQL URLs")
         self.urls = urls
-        self.targets: list[ConnectTarget] = (
-            [] if "sqlite" in drivers else [parse_target(url) for url in urls]
-        )
-        name: DialectName = (
-            "sqlite" if "sqlite" in drivers else "postgresql" if "postgres" in drivers else "mysql"
-        )
-        self.backend: Backend = backend_for(name)
-        self.dialect: DialectName = name
+        self.targets: list[ConnectTarget] = [parse_target(url) for url in urls] if server else []
+        self.dialect: DialectName = self.backend.name
         """The backend's name, for code not yet asking ``backend`` (the run and queue
         repositories)."""
         self._pools = self.backend.create_pools(settings, urls[0], self.targets)
