@@ -3,13 +3,15 @@
 :class:`~moorline.db.backends.base.Backend` names every point where SQLite, PostgreSQL and
 MySQL/MariaDB differ; :mod:`.sqlite`, :mod:`.postgresql` and :mod:`.mysql` implement them,
 the two servers over what :mod:`.server` shares (the failover pool, autocommit writes), and
-SQLite with its WAL checkpointer (:mod:`.sqlite_checkpoint`). SQL error meanings live beside
-them in :mod:`moorline.db.failures`. The
-rest of ``moorline.db`` asks the manager's ``backend`` (a :class:`Backend`) and its frozen
+SQLite with its WAL checkpointer (:mod:`.sqlite_checkpoint`). What a database error means is
+decided beside them, in :mod:`moorline.db.failures`. The rest of ``moorline.db`` asks the
+manager's ``backend`` (a :class:`Backend`) and its frozen
 :class:`~moorline.db.backends.base.Capabilities`, and never tests a dialect name itself.
 
-Imports: SQLAlchemy, the drivers, ``moorline.db.types``, ``moorline.db.dsn``,
-``moorline.settings`` and ``moorline.errors``; never a repository.
+Imports: SQLAlchemy, the drivers (and Moorline's adapters of them, ``moorline.db.sqlite_driver``
+and ``moorline.db.mysql_driver``), ``moorline.db.types``, ``moorline.db.dsn``,
+``moorline.db.failures``, ``moorline.settings`` and ``moorline.errors``; never the manager or a
+repository.
 """
 
 from collections.abc import Mapping
