@@ -35,14 +35,23 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     └── TimeLimitExceeded      an attempt ran past its hard time limit: the run ends timed_out
 
 Errors defined next to the code that raises them (``TenantExists``, ``InterruptResolved``,
-``LeaseLost``, …) hang off these branches too.
+…) hang off these branches too.
+
+Two stops of an attempt are not errors of the tree but ``BaseException`` subclasses, as
+``asyncio.CancelledError`` is, so that a workflow's ``except Exception:`` cannot swallow them;
+only the engine's attempt runner catches them::
+
+    BaseException
+    └── AttemptStopped
+        ├── LeaseLost          a fenced write found the run no longer held by this attempt
+        └── CancelRequested    the run's cancel is recorded: no new step or interrupt starts
 
 API-facing classes carry ``code`` (the snake_case code of API.md) and ``status`` (the HTTP
 status), and :attr:`MoorlineError.details` holds the extra fields of the error body (a
 ``run_id``, say); ``moorline.api.errors`` is the only place they become HTTP responses.
 """
 
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 Detail = str | int | float | bool | None
 """A value of an error body's extra field (``errors`` sits below ``types``, so no JSONValue)."""
@@ -318,3 +327,60 @@ class TimeLimitExceeded(MoorlineError):
     def __init__(self, limit_s: float) -> None:
         super().__init__(f"the attempt ran past its time limit of {limit_s:g}s")
         self.limit_s = limit_s
+
+
+class Holder(Protocol):
+    """Who holds a run: what :class:`moorline.db.repos.records.Fence` says of itself."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+    @property
+    def owner(self) -> str: ...
+
+
+class AttemptStopped(BaseException):
+    """The attempt holding ``fence`` must stop; the fenced write that found it wrote nothing.
+
+    A ``BaseException``: a workflow's (or a step's) ``except Exception:`` lets it through.
+    """
+
+    code: ClassVar[str]
+
+    def __init__(self, fence: Holder, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fence = fence
+
+
+class LeaseLost(AttemptStopped):
+    """A fenced write found the run no longer held by this attempt and owner; nothing was written.
+
+    The run was reclaimed, released, cancelled or finished. The worker must stop executing it.
+    """
+
+    code = "lease_lost"
+
+    def __init__(self, fence: Holder, action: str) -> None:
+        super().__init__(
+            fence,
+            f"lease lost: run {fence.run_id} is no longer running under attempt "
+            f"{fence.attempt} of owner {fence.owner!r}; {action} was not written",
+        )
+
+
+class CancelRequested(AttemptStopped):
+    """The run's cancel is recorded: no new step or interrupt may start; nothing was written.
+
+    The attempt still holds its lease, and may still record what was already in flight; the
+    engine turns this into :class:`~moorline.engine.context.Cancelled`.
+    """
+
+    code = "cancel_requested"
+
+    def __init__(self, fence: Holder, action: str) -> None:
+        message = f"run {fence.run_id} has a cancel request; {action} was not started"
+        super().__init__(fence, message)

@@ -17,11 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException
 
-from moorline.db.dialects import is_transient
+from moorline.db.failures import DATABASE_ERRORS, as_unavailable
 from moorline.errors import (
     BackendUnavailable,
     BodyTooLarge,
@@ -141,9 +139,10 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _database_error(_request: Request, exc: Exception) -> JSONResponse:
-    if is_transient(exc) or isinstance(exc, PoolTimeoutError):
+    unavailable = as_unavailable(exc)
+    if unavailable is not None:
         logger.warning("database unavailable: %s", type(exc).__name__)
-        return error_response(BackendUnavailable("the database is unavailable; retry later"))
+        return error_response(unavailable)
     # Handled here (Starlette's ExceptionMiddleware), the error is not re-raised as the
     # catch-all's is, so nothing else would log it.
     logger.error("database error answered 500 internal_error", exc_info=exc)
@@ -164,6 +163,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(MoorlineError, _moorline_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    for database_error in (DBAPIError, PoolTimeoutError):
+    # db/failures.py names and translates the driver's errors; none is imported here.
+    for database_error in DATABASE_ERRORS:
         app.add_exception_handler(database_error, _database_error)
     app.add_exception_handler(Exception, _internal_error)

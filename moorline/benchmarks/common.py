@@ -68,11 +68,7 @@ async def analyze(db: DatabaseManager) -> None:
     refresh within about a minute of a large change. A table filled seconds ago has none yet,
     and plans made without them are not what a running system gets.
     """
-    statement = {
-        "sqlite": "ANALYZE",
-        "postgresql": "ANALYZE",
-        "mysql": "ANALYZE TABLE runs, events, tenants",
-    }[db.dialect]
+    statement = db.backend.analyze_statement(("runs", "events", "tenants"))
     async with db.engine.connect() as conn:
         await conn.exec_driver_sql(statement)
         await conn.commit()

@@ -16,8 +16,9 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from sqlalchemy import false, update
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
+from moorline.db.failures import describe_db_error
 from moorline.db.schema import tenants
 from moorline.errors import BackendUnavailable
 
@@ -25,25 +26,6 @@ if TYPE_CHECKING:
     from moorline.db.manager import DatabaseManager
 
 PROBE_TIMEOUT_S = 5.0
-MAX_REASON_CHARS = 300
-
-
-def describe_db_error(exc: BaseException) -> str:
-    """One line saying why a database operation failed, from the driver's own error.
-
-    SQLAlchemy wraps driver errors (and its asyncpg adapter wraps them once more) with the
-    statement and parameters attached; the innermost driver message is what an operator needs.
-    """
-    inner: BaseException = exc
-    if isinstance(exc, DBAPIError) and exc.orig is not None:
-        inner = exc.orig
-        while inner.__cause__ is not None and type(inner).__module__.startswith("sqlalchemy"):
-            inner = inner.__cause__
-    text = " ".join(str(inner).split())
-    reason = f"{type(inner).__name__}: {text}" if text else type(inner).__name__
-    if len(reason) > MAX_REASON_CHARS:
-        reason = reason[: MAX_REASON_CHARS - 1] + "…"
-    return reason
 
 
 async def check_writable(db: "DatabaseManager", *, timeout_s: float = PROBE_TIMEOUT_S) -> None:

@@ -17,9 +17,9 @@ To write a new revision, point ``MOORLINE_DATABASE_URL`` at a PostgreSQL databas
 """
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from alembic import command
 from alembic.config import Config
@@ -27,16 +27,32 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import is_transient
-from moorline.db.health import describe_db_error
+from moorline.db.backends import Backend
+from moorline.db.failures import describe_db_error, is_transient
 from moorline.db.schema import metadata
 from moorline.errors import BackendUnavailable, ConfigError, SchemaOutOfDate
 
-if TYPE_CHECKING:
-    from moorline.db.manager import DatabaseManager
-
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+class Database(Protocol):
+    """What migrating needs of a :class:`~moorline.db.manager.DatabaseManager`.
+
+    A protocol rather than the manager itself, which calls :func:`ensure_schema` at start:
+    naming the manager here would make the two modules import each other.
+    """
+
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def display_url(self) -> str: ...
+
+    def connect(self) -> AbstractAsyncContextManager[AsyncConnection]: ...
+
+    def transaction(self) -> AbstractAsyncContextManager[AsyncConnection]: ...
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -79,7 +95,7 @@ def _upgrade_to_head(conn: Connection) -> None:
 
 
 @asynccontextmanager
-async def _reaching(db: "DatabaseManager") -> AsyncIterator[None]:
+async def _reaching(db: Database) -> AsyncIterator[None]:
     """Turn a database that cannot be reached into one line instead of a driver traceback."""
     try:
         yield
@@ -90,7 +106,7 @@ async def _reaching(db: "DatabaseManager") -> AsyncIterator[None]:
         raise BackendUnavailable(f"database {db.display_url} is unreachable: {reason}") from exc
 
 
-async def current_revision(db: "DatabaseManager") -> str | None:
+async def current_revision(db: Database) -> str | None:
     """The revision recorded in ``alembic_version``; ``None`` for an empty database.
 
     SQLite databases are never migrated, so they always answer ``None``.
@@ -117,7 +133,7 @@ def _create_all_sqlite(conn: Connection) -> None:
         conn.exec_driver_sql(f"DROP INDEX IF EXISTS {retired}")
 
 
-async def ensure_schema(db: "DatabaseManager") -> None:
+async def ensure_schema(db: Database) -> None:
     """Create the schema on SQLite; elsewhere fail unless the migrations are at head.
 
     Raises:
@@ -125,7 +141,7 @@ async def ensure_schema(db: "DatabaseManager") -> None:
         ConfigError: the database is at a revision this code does not know.
         BackendUnavailable: the database did not answer.
     """
-    if db.dialect == "sqlite":
+    if not db.backend.capabilities.migrations:
         async with _reaching(db), db.transaction() as conn:
             await conn.run_sync(_create_all_sqlite)
         return
@@ -143,14 +159,14 @@ async def ensure_schema(db: "DatabaseManager") -> None:
     )
 
 
-async def upgrade(db: "DatabaseManager") -> str | None:
+async def upgrade(db: Database) -> str | None:
     """Bring the schema to the code's version (``moorline db upgrade``).
 
     Returns:
         The revision the database is now at, or ``None`` on SQLite, whose tables are created
         from the metadata instead of migrated.
     """
-    if db.dialect == "sqlite":
+    if not db.backend.capabilities.migrations:
         await ensure_schema(db)
         return None
     # One transaction: PostgreSQL's DDL is transactional, so a failed upgrade leaves nothing

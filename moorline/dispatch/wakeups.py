@@ -35,10 +35,9 @@ from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol
 
 from sqlalchemy import func, select
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from moorline.db.dialects import is_transient
 from moorline.db.dsn import make_failover_creator
+from moorline.db.failures import is_unavailable
 from moorline.db.manager import DatabaseManager
 from moorline.errors import BackendUnavailable, ConfigError
 from moorline.settings import Settings
@@ -369,8 +368,8 @@ class PostgresWakeups(ListeningWakeups):
         Raises:
             ConfigError: ``db`` is not a PostgreSQL database.
         """
-        if db.dialect != "postgresql":
-            raise ConfigError(f"LISTEN/NOTIFY wake-ups need PostgreSQL, not {db.dialect}")
+        if not db.backend.capabilities.listen_notify:
+            raise ConfigError(f"LISTEN/NOTIFY wake-ups need PostgreSQL, not {db.backend.name}")
         super().__init__(
             hub=hub, notify_timeout_s=notify_timeout_s, ping_interval_s=ping_interval_s
         )
@@ -416,8 +415,8 @@ class PostgresWakeups(ListeningWakeups):
         import asyncpg
 
         return (
-            is_transient(exc)
-            or isinstance(exc, BackendUnavailable | PoolTimeoutError | OSError | TimeoutError)
+            is_unavailable(exc)
+            or isinstance(exc, BackendUnavailable | OSError | TimeoutError)
             or isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError)
         )
 
@@ -573,11 +572,16 @@ def make_wakeups(settings: Settings, db: DatabaseManager) -> tuple[Notifier, Wai
     Both halves are one object that fans out to the in-process waiters as well. ``start`` the
     waiter in processes that wait for work; ``close`` it on shutdown in every process, since
     it also releases the notifier's connections.
+
+    The database's backend says whether it offers LISTEN/NOTIFY
+    (``Capabilities.listen_notify``); the transport built on it lives here, in ``dispatch``,
+    because ``moorline.db`` sits below ``dispatch`` and may not import the :class:`Notifier`
+    seam it implements. The backend states the capability, this factory chooses from it.
     """
     wakeups: LocalWakeups | ListeningWakeups
     if settings.redis_url:
         wakeups = RedisWakeups(settings.redis_url, prefix=settings.redis_prefix)
-    elif db.dialect == "postgresql":
+    elif db.backend.capabilities.listen_notify:
         wakeups = PostgresWakeups(db)
     else:
         wakeups = LocalWakeups()

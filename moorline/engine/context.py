@@ -2,7 +2,8 @@
 
 Every write a ``Context`` makes (step checkpoints, events, interrupts) carries the claim's
 fence. When one finds the lease gone it raises
-:class:`~moorline.db.repos.steps.LeaseLost`; the context remembers it and raises it again from
+:class:`~moorline.errors.LeaseLost` (a ``BaseException``, so ``except Exception`` lets it
+through); the context remembers it and raises it again from
 every later call, and the runner raises it even if the workflow swallowed it, so the worker
 stops the attempt and writes nothing more (invariant 2).
 
@@ -46,7 +47,7 @@ from moorline.db.repos.interrupts import InterruptResolved, InterruptsRepo
 from moorline.db.repos.messages import MessagesRepo
 from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt
-from moorline.db.repos.steps import CancelRequested, LeaseLost, StepsRepo
+from moorline.db.repos.steps import StepsRepo
 from moorline.engine.checkpoints import Checkpoints
 from moorline.engine.events import BUFFERED_EVENT_TYPES, EventWriter
 from moorline.engine.steps import (
@@ -56,7 +57,13 @@ from moorline.engine.steps import (
     function_name,
     to_json,
 )
-from moorline.errors import BackendUnavailable, MoorlineError
+from moorline.errors import (
+    AttemptStopped,
+    BackendUnavailable,
+    CancelRequested,
+    LeaseLost,
+    MoorlineError,
+)
 from moorline.runtime.base import CANCELLED_DECISION, RuntimeStore, StoreShutdown
 from moorline.types import Attempt, JSONObject, JSONValue, RunId, TenantId
 
@@ -249,7 +256,9 @@ class Context:
             try:
                 result = await call_step_function(fn, args, kwargs)
                 output = to_json(result, f"the result of step {key!r}")
-            except Exception as exc:
+            except (Exception, AttemptStopped) as exc:
+                # AttemptStopped too, as when it was an Exception: the fail write then meets
+                # the same lost lease and raises it again.
                 await self._fenced(self._checkpoints.fail(key, f"{type(exc).__name__}: {exc}"))
                 failures += 1
                 if failures > retries or isinstance(exc, TypeError):

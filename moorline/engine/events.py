@@ -32,7 +32,7 @@ from datetime import datetime
 
 from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.records import Event, Fence
-from moorline.errors import BackendUnavailable
+from moorline.errors import AttemptStopped, BackendUnavailable
 from moorline.runtime.base import RuntimeStore
 from moorline.types import Attempt, JSONObject, RunId
 
@@ -255,7 +255,7 @@ class EventWriter:
                 self._room.set()
             try:
                 batch = await self._events.append_many(self._fence, items)
-            except Exception as exc:
+            except (Exception, AttemptStopped) as exc:
                 self._pending.clear()
                 self._error = exc
                 self._room.set()
@@ -285,7 +285,7 @@ class EventWriter:
     async def _write_quietly(self) -> None:
         try:
             await self.flush()
-        except Exception as exc:
+        except (Exception, AttemptStopped) as exc:
             # Remembered by _write_locked: the workflow's next emit, checkpoint or outcome
             # raises it.
             logger.debug("run %s: background event write failed: %r", self._fence.run_id, exc)

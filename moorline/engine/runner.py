@@ -7,7 +7,7 @@ lease was lost, the worker is shutting down) must stop the workflow at its next 
 
 Besides the workflow's own result or error, an attempt ends in one of three stops:
 
-* :class:`~moorline.db.repos.steps.LeaseLost` — a fenced write found the run taken over: the
+* :class:`~moorline.errors.LeaseLost` — a fenced write found the run taken over: the
   worker writes nothing more;
 * :class:`~moorline.engine.context.Cancelled` — the run was cancelled: the worker ends it
   ``cancelled``;
@@ -49,7 +49,7 @@ from moorline.engine.events import DEFAULT_BATCH_SIZE, DEFAULT_FLUSH_INTERVAL_S,
 from moorline.engine.limits import AttemptGuard
 from moorline.engine.registry import Moorline, WorkflowDefinition
 from moorline.engine.steps import to_json
-from moorline.errors import BackendUnavailable
+from moorline.errors import AttemptStopped, BackendUnavailable
 from moorline.runtime.base import RuntimeStore, StoreShutdown
 from moorline.settings import Settings
 from moorline.types import JSONValue, RunId
@@ -204,7 +204,9 @@ class WorkflowRunner:
         starting = asyncio.get_running_loop().call_later(CANCEL_WATCH_DELAY_S, watch)
         try:
             output = await guard.run(definition.fn(ctx, **arguments))
-        except Exception as exc:
+        except (Exception, AttemptStopped) as exc:
+            # AttemptStopped (LeaseLost) takes this way too, as when it was an Exception:
+            # winding down raises it again from the buffered events' write.
             try:
                 await self._wind_down(claim, events)
                 # A workflow that caught LeaseLost or Cancelled and failed some other way was

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from moorline.db.dialects import supports_update_returning
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptMismatch, InterruptResolved, InterruptsRepo
 from moorline.db.repos.queue import QueueRepo
@@ -254,5 +253,5 @@ async def test_resolve_writes_and_returns_the_decision_in_one_statement_where_it
     with data_statements(db, "interrupts") as sent:
         resolved = await approve(repo, opened, {"note": "ok"})
     # UPDATE … RETURNING; MySQL/MariaDB have no UPDATE … RETURNING and read the row back.
-    assert len(sent) == (1 if supports_update_returning(db.dialect) else 2), sent
+    assert len(sent) == (1 if db.backend.capabilities.update_returning else 2), sent
     assert resolved == await repo.get(opened.interrupt_id)

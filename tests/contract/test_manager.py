@@ -8,7 +8,6 @@ import pytest
 from sqlalchemy import insert, select, text
 from sqlalchemy.exc import IntegrityError
 
-from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.schema import tenants
 
@@ -26,7 +25,7 @@ async def test_transaction_commits_and_reads_back(db: DatabaseManager) -> None:
 async def test_database_time_is_utc_and_offsets_apply(db: DatabaseManager) -> None:
     async with db.connect() as conn:
         now, later = (
-            await conn.execute(select(db_now(db.dialect), db_now(db.dialect, plus_s=90.5)))
+            await conn.execute(select(db.backend.now(), db.backend.now(plus_s=90.5)))
         ).one()
     assert now.tzinfo is not None
     assert abs(now - datetime.now(UTC)) < timedelta(seconds=5)

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from sqlalchemy import select, update
 
-from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import Fence
@@ -447,7 +446,7 @@ async def test_insert_new_refuses_a_run_with_a_recorded_cancel(
         await conn.execute(
             update(runs)
             .where(runs.c.id == fence.run_id)
-            .values(cancel_requested_at=db_now(db.dialect))
+            .values(cancel_requested_at=db.backend.now())
         )
     with pytest.raises(CancelRequested):
         await repo.insert_new(fence, "next", "fn", "h1")
@@ -461,7 +460,7 @@ def taken(change: str, db: DatabaseManager) -> dict[str, Any]:
     """What another writer does to the run while one-statement step writes wait for its lock."""
     if change == "reclaim":
         return {"attempt": runs.c.attempt + 1, "lease_owner": "next"}
-    return {"cancel_requested_at": db_now(db.dialect)}
+    return {"cancel_requested_at": db.backend.now()}
 
 
 @pytest.mark.parametrize("change", ["reclaim", "cancel"])

@@ -20,11 +20,12 @@ from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import Interrupt
-from moorline.db.repos.steps import LeaseLost, StepMismatch, StepsRepo
+from moorline.db.repos.steps import StepMismatch, StepsRepo
 from moorline.db.schema import runs
 from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import NotInStep
 from moorline.engine.runner import WorkflowRunner
+from moorline.errors import CancelRequested, LeaseLost
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
 from moorline.types import JSONValue, RunId, StepStatus
@@ -258,6 +259,43 @@ async def test_emit_writes_events_in_order_and_nothing_after_the_lease_is_lost(
     live = [await asyncio.wait_for(anext(subscription), 5) for _ in range(3)]
     assert [(e["seq"], e["data"]) for e in live] == [(2, {"i": 0}), (3, {"i": 1}), (4, {"i": 2})]
     await subscription.close()
+
+
+async def test_a_workflows_except_exception_around_a_step_cannot_swallow_a_lost_lease(
+    harness: Harness,
+) -> None:
+    gate = asyncio.Event()
+    swallowed: list[BaseException] = []
+    after: list[str] = []
+
+    async def work() -> JSONValue:
+        return "done"
+
+    @harness.app.workflow("swallower")
+    async def swallower(ctx: Context) -> JSONValue:
+        await gate.wait()
+        try:
+            await ctx.step("work", work)
+        except Exception as exc:  # what user code may write: it must not see the stop
+            swallowed.append(exc)
+        after.append("went on")
+        return "swallowed"
+
+    await harness.new_run("swallower")
+    task = asyncio.create_task(harness.runner.run(await harness.claim()))
+    await harness.reclaim()
+    gate.set()
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(task, 10)
+    assert swallowed == []
+    assert after == []
+
+
+def test_the_attempt_stops_are_not_exceptions() -> None:
+    # A workflow's ``except Exception`` lets them through, as it does asyncio.CancelledError.
+    for stop in (LeaseLost, CancelRequested, Cancelled):
+        assert issubclass(stop, BaseException)
+        assert not issubclass(stop, Exception)
 
 
 def permission_workflow(harness: Harness, timeout: float | None = 10.0) -> list[Decision]:

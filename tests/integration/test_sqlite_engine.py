@@ -15,8 +15,9 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.pool import StaticPool
 
-from moorline.db import manager as manager_module
 from moorline.db import sqlite_driver
+from moorline.db.backends import sqlite as sqlite_backend
+from moorline.db.backends import sqlite_checkpoint
 from moorline.db.manager import DatabaseManager
 from moorline.settings import Settings
 
@@ -375,7 +376,7 @@ async def test_a_lock_held_past_the_busy_timeout_is_refused(
     sqlite_db: DatabaseManager, db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A manager whose connections wait 50 ms for the lock instead of 5 s.
-    monkeypatch.setattr(manager_module, "SQLITE_BUSY_TIMEOUT_MS", 50)
+    monkeypatch.setattr(sqlite_backend, "BUSY_TIMEOUT_MS", 50)
     impatient = DatabaseManager(Settings(database_url=f"sqlite+aiosqlite:///{db_path}"))
     other = raw_connection(db_path)
     try:
@@ -492,11 +493,11 @@ async def test_the_write_ahead_log_is_checkpointed_off_the_write_path(
     async with sqlite_db.connect() as conn:
         assert (await conn.execute(text("PRAGMA wal_autocheckpoint"))).scalar_one() == 0
     await create_blob_table(sqlite_db)
-    chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 4
+    chunk = sqlite_checkpoint.CHECKPOINT_WAL_BYTES // 4
     for _ in range(6):
         await write_blob(sqlite_db, chunk)
     deadline = time.monotonic() + 10
-    while size_of(db_path) < manager_module.SQLITE_CHECKPOINT_WAL_BYTES:
+    while size_of(db_path) < sqlite_checkpoint.CHECKPOINT_WAL_BYTES:
         assert time.monotonic() < deadline, "the database file never received the log's pages"
         await asyncio.sleep(0.01)
     # Once all the log is copied, the next write starts it over and cuts its file back
@@ -508,9 +509,9 @@ async def test_the_write_ahead_log_is_checkpointed_off_the_write_path(
         keeper.execute("SELECT count(*) FROM blob").fetchone()  # opens the log
         await sqlite_db.dispose()  # waits for the checkpoint in progress to end
         keeper.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        assert size_of(Path(f"{db_path}-wal")) > manager_module.SQLITE_CHECKPOINT_WAL_BYTES
+        assert size_of(Path(f"{db_path}-wal")) > sqlite_checkpoint.CHECKPOINT_WAL_BYTES
         await write_blob(sqlite_db, 1)
-        assert size_of(Path(f"{db_path}-wal")) <= manager_module.SQLITE_WAL_KEPT_BYTES
+        assert size_of(Path(f"{db_path}-wal")) <= sqlite_checkpoint.WAL_KEPT_BYTES
     finally:
         keeper.close()
 
@@ -523,15 +524,15 @@ async def test_a_log_that_cannot_start_over_is_not_checkpointed_after_every_writ
     # copy all the log, but the log cannot start over under the reader. The next checkpoint is
     # due once the log has grown by the size again, not after each of the writes meanwhile.
     started: list[bool] = []
-    checkpoint = manager_module._checkpoint
+    checkpoint = sqlite_checkpoint.checkpoint
 
     def counted(database: str, *, truncate: bool) -> bool:
         started.append(truncate)
         return checkpoint(database, truncate=truncate)
 
-    monkeypatch.setattr(manager_module, "_checkpoint", counted)
+    monkeypatch.setattr(sqlite_checkpoint, "checkpoint", counted)
     await create_blob_table(sqlite_db)
-    chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 2
+    chunk = sqlite_checkpoint.CHECKPOINT_WAL_BYTES // 2
     for _ in range(2):
         await write_blob(sqlite_db, chunk)
     # The second write started a checkpoint, whose thread runs at the loop's next turn: the
@@ -542,7 +543,7 @@ async def test_a_log_that_cannot_start_over_is_not_checkpointed_after_every_writ
         reader.execute("SELECT count(*) FROM blob").fetchone()
         await sqlite_db.dispose()  # waits for the checkpoint to end
         assert started == [False]
-        assert size_of(Path(f"{db_path}-wal")) > manager_module.SQLITE_CHECKPOINT_WAL_BYTES
+        assert size_of(Path(f"{db_path}-wal")) > sqlite_checkpoint.CHECKPOINT_WAL_BYTES
         for _ in range(20):
             await write_blob(sqlite_db, 1)
         assert started == [False]
@@ -558,20 +559,20 @@ async def test_a_log_that_readers_keep_from_restarting_is_truncated_past_its_bou
 ) -> None:
     # RELIABILITY.md G3: readers that always overlap keep a PASSIVE checkpoint from ever
     # letting the log start over. Past its bound the checkpointer waits for them (TRUNCATE).
-    monkeypatch.setattr(manager_module, "SQLITE_TRUNCATE_WAL_BYTES", 6 * 1024 * 1024)
+    monkeypatch.setattr(sqlite_checkpoint, "TRUNCATE_WAL_BYTES", 6 * 1024 * 1024)
     wal = Path(f"{db_path}-wal")
     await create_blob_table(sqlite_db)
     reader = sqlite3.connect(db_path, isolation_level=None)
     try:
         reader.execute("BEGIN")
         reader.execute("SELECT count(*) FROM counter").fetchone()  # holds an old snapshot
-        chunk = manager_module.SQLITE_CHECKPOINT_WAL_BYTES // 2
+        chunk = sqlite_checkpoint.CHECKPOINT_WAL_BYTES // 2
         for _ in range(4):
             await write_blob(sqlite_db, chunk)
-        assert size_of(wal) > manager_module.SQLITE_TRUNCATE_WAL_BYTES
+        assert size_of(wal) > sqlite_checkpoint.TRUNCATE_WAL_BYTES
         reader.execute("COMMIT")  # the reader moves on
         deadline = time.monotonic() + 10
-        while size_of(wal) > manager_module.SQLITE_CHECKPOINT_WAL_BYTES:
+        while size_of(wal) > sqlite_checkpoint.CHECKPOINT_WAL_BYTES:
             assert time.monotonic() < deadline, f"the log stayed at {size_of(wal)} bytes"
             # Writes go on, and each one looks at the log's size.
             await write_blob(sqlite_db, 1)

@@ -1,19 +1,32 @@
-"""The backend seam: :class:`Capabilities` and the strategies each database implements."""
+"""The backend seam: :class:`Capabilities` and the strategies each database implements.
 
-from collections.abc import Mapping
+A :class:`Backend` is built per :class:`~moorline.db.manager.DatabaseManager` (it may hold that
+database's process-local state: SQLite's writer queue and WAL checkpointer). Its SQL fragments
+are built once per process by cached module-level helpers of each backend module (SQL
+expressions are immutable, and building them was a measurable part of a submit's CPU), so a
+backend object costs nothing to make.
+"""
+
+import abc
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, ClassVar, Literal, TypeVar
 
-from sqlalchemy import Insert, Select, Table
+from sqlalchemy import Executable, Insert, Row, Select, Table
 from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.selectable import TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
+from moorline.db.dsn import ConnectTarget
+from moorline.settings import Settings
+
 DialectName = Literal["sqlite", "postgresql", "mysql"]
 
-_SelectT = TypeVar("_SelectT", bound=Select[Any])
+SelectT = TypeVar("SelectT", bound=Select[Any])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,7 +42,10 @@ class Capabilities:
     embedded: bool
     """A file in the process (SQLite): one writer at a time, no server to stop or partition."""
     row_locks: bool
-    """Writers are serialised by row locks (``SELECT … FOR UPDATE``), not one write lock."""
+    """Writers are serialised by row locks (``SELECT … FOR UPDATE``), not one write lock.
+
+    With row locks a claim must lock what it counts (the tenant rows) and skip rows other
+    claimers hold; under SQLite's write lock nothing else can write while a claim runs."""
     skip_locked: bool
     """``SELECT … FOR UPDATE SKIP LOCKED``."""
     update_returning: bool
@@ -44,103 +60,199 @@ class Capabilities:
     """``LISTEN``/``NOTIFY``, a wake-up transport without Redis."""
     terminate_backend: bool
     """The server can end another session (``pg_terminate_backend``), as fault tests do."""
+    migrations: bool
+    """The schema is reached through Alembic revisions (``moorline db upgrade``); without,
+    ``create_all`` builds it from the metadata at start."""
 
     def names(self) -> frozenset[str]:
         """The names of the capabilities this backend has."""
         return frozenset(f.name for f in fields(self) if getattr(self, f.name))
 
 
-class Backend:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pools:
+    """The engines a backend made for one manager."""
+
+    main: AsyncEngine
+    """Reads and transactions."""
+    autocommit: AsyncEngine | None = None
+    """Connections that stay in autocommit, for one-statement writes (MariaDB only)."""
+
+    @property
+    def all(self) -> tuple[AsyncEngine, ...]:
+        """Every engine, the main one first."""
+        return (self.main,) if self.autocommit is None else (self.main, self.autocommit)
+
+
+class Backend(abc.ABC):
     """One database's strategies. Subclasses set :attr:`name` and :attr:`capabilities`."""
 
     name: ClassVar[DialectName]
     capabilities: ClassVar[Capabilities]
 
-    # --- SQL fragments (delegating to moorline.db.dialects until it is folded in here) -----
+    # --- SQL fragments ------------------------------------------------------------------------
 
     @property
     def write_isolation_level(self) -> str | None:
-        """The isolation level of dispatch write transactions, or None for the default."""
-        from moorline.db import dialects
+        """The isolation level of dispatch write transactions, or None for the default.
 
-        return dialects.write_isolation_level(self.name)
+        READ COMMITTED on both servers: a claim counts a tenant's running runs *after* waiting
+        for the tenant's row lock and must see what the previous holder committed. SQLite
+        serialises writers with ``BEGIN IMMEDIATE`` and has no such level.
+        """
+        return None
 
+    @abc.abstractmethod
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
-        """The database's current UTC time (plus an offset), as an SQL expression."""
-        from moorline.db import dialects
+        """The database's current UTC time (plus an offset), as an SQL expression.
 
-        return dialects.db_now(self.name, plus_s=plus_s)
+        Leases and the reaper compare against the database clock only, so workers whose clocks
+        disagree cannot reap each other's live runs. Built once per offset and shared; the
+        offsets in use are few (lease TTLs, retry backoffs).
+        """
 
+    @abc.abstractmethod
     def select_now(self) -> Select[Any]:
-        """``SELECT`` of the database's current time."""
-        from moorline.db import dialects
-
-        return dialects.select_db_now(self.name)
+        """``SELECT`` of the database's current time, built once."""
 
     def transaction_time(self) -> ColumnElement[datetime] | None:
-        """The database's time at the start of the transaction, or None where there is none."""
-        from moorline.db import dialects
+        """The database's time at the start of the transaction, or None where there is none.
 
-        return dialects.transaction_time(self.name)
+        For writes that want the database's time without reading it first (a round trip): one
+        value for every row and every statement of the transaction, never later than
+        :meth:`now`. PostgreSQL only.
+        """
+        return None
 
     def rows_parameter(
         self, parameter: str, columns: Mapping[str, TypeEngine[Any]]
     ) -> TableValuedAlias | None:
-        """A table whose rows are bound as one parameter, or None where there is none."""
-        from moorline.db import dialects
+        """A table whose rows are bound as one parameter, or None where there is none.
 
-        return dialects.rows_parameter(self.name, parameter, columns)
+        The parameter ``parameter`` is a list of dicts by column name (a key missing from a
+        dict is NULL); the table has the ``columns`` given. The statement's text is the same
+        whatever the number of rows, so it is compiled and prepared once. PostgreSQL only.
+        """
+        return None
 
     def statement_time(
         self, dialect: Dialect
     ) -> tuple[ColumnElement[datetime], ColumnElement[datetime]] | None:
-        """For an INSERT that returns what it stored: its time, and it plus ``delay_us``."""
-        from moorline.db import dialects
+        """For an INSERT that returns what it stored: its time, and it plus ``delay_us``.
 
-        return dialects.statement_time(dialect)
+        The same value for every row of the statement (its start), so the INSERT stamps its
+        rows and returns the time instead of a ``SELECT`` of the time going first. The second
+        expression adds the bound integer parameter ``delay_us`` microseconds. MariaDB from
+        10.5 only (``dialect.insert_returning``); None elsewhere.
+        """
+        return None
 
-    def lock_rows(self, stmt: _SelectT) -> _SelectT:
-        """``stmt`` taking exclusive row locks that wait, held until the transaction ends."""
-        from moorline.db import dialects
+    def lock_rows(self, stmt: SelectT) -> SelectT:
+        """``stmt`` taking exclusive row locks that wait, held until the transaction ends.
 
-        return dialects.lock_rows(stmt, self.name)
+        Unchanged where there are no row locks (SQLite's write lock covers it).
+        """
+        return stmt
 
-    def lock_rows_skip_locked(self, stmt: _SelectT) -> _SelectT:
+    def lock_rows_skip_locked(self, stmt: SelectT) -> SelectT:
         """``stmt`` as ``SELECT … FOR UPDATE SKIP LOCKED`` where there are row locks."""
-        from moorline.db import dialects
+        return stmt
 
-        return dialects.lock_rows_skip_locked(stmt, self.name)
-
+    @abc.abstractmethod
     def insert_ignoring_duplicates(self, table: Table) -> Insert:
         """An INSERT into ``table`` that inserts nothing (rowcount 0) on a duplicate key."""
-        from moorline.db import dialects
-
-        return dialects.insert_ignoring_duplicates(table, self.name)
 
     def insert_or_lock_existing(self, table: Table, column: str) -> Insert:
-        """An INSERT into ``table`` that leaves an existing row (same key) as it is, locked."""
-        from moorline.db import dialects
+        """An INSERT into ``table`` that leaves an existing row (same key) as it is.
 
-        return dialects.insert_or_lock_existing(table, self.name, column)
+        Unlike :meth:`insert_ignoring_duplicates`, no shared lock is left on the existing row
+        for a later UPDATE of the same transaction to upgrade (two such upgrades deadlock).
 
+        Args:
+            table: The table to insert into.
+            column: A non-key column of ``table``, "updated" to itself on a duplicate.
+        """
+        return self.insert_ignoring_duplicates(table)
+
+    @abc.abstractmethod
     def increment_below(
         self, table: Table, *, column: str, limit: int, keys: dict[str, Any]
     ) -> Insert | None:
-        """One statement adding 1 to ``column`` while below ``limit``, or None where none."""
-        from moorline.db import dialects
+        """One statement adding 1 to ``column`` of the row at ``keys`` while below ``limit``.
 
-        return dialects.increment_below(table, self.name, column=column, limit=limit, keys=keys)
+        The row is inserted with ``column = 1`` when it does not exist; the statement returns
+        the new value, or no row when the value had reached ``limit``. None where there is no
+        ``INSERT … ON CONFLICT … RETURNING``: callers fall back to
+        :meth:`insert_or_lock_existing` and a conditional UPDATE.
+
+        Args:
+            table: The table.
+            column: The counter column.
+            limit: The largest value the counter may reach (at least 1).
+            keys: The row's primary key, by column name.
+        """
+
+    def analyze_statement(self, tables: Sequence[str]) -> str:
+        """The statement refreshing the planner's statistics of ``tables`` (or of all)."""
+        return "ANALYZE"
+
+    # --- Connections and transactions ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def create_pools(self, settings: Settings, url: str, targets: Sequence[ConnectTarget]) -> Pools:
+        """The engines of one manager, over ``url`` (SQLite) or the failover ``targets``."""
+
+    @asynccontextmanager
+    async def transaction(self, pools: Pools) -> AsyncIterator[AsyncConnection]:
+        """One write transaction on ``pools``, committed on exit, rolled back on error."""
+        async with pools.main.connect() as conn, conn.begin():
+            yield conn
+
+    async def commit_with_next_statement(self, conn: AsyncConnection) -> None:
+        """Let the next statement on ``conn`` carry its transaction's commit, where it can.
+
+        Nothing by default: PostgreSQL's commit has a round trip of its own, and SQLite's
+        statements run inline.
+        """
+        return None
+
+    @abc.abstractmethod
+    async def write_statement(
+        self, pools: Pools, statement: Executable, params: dict[str, Any]
+    ) -> int:
+        """Run one write ``statement`` as a transaction of its own; return its rowcount."""
+
+    @abc.abstractmethod
+    async def write_statement_rows(
+        self, pools: Pools, statement: Executable, params: dict[str, Any]
+    ) -> list[Row[Any]]:
+        """As :meth:`write_statement`, for a statement with ``RETURNING``: its rows."""
+
+    def wal_bytes(self) -> int | None:
+        """Size of the write-ahead log file where the backend watches one; else None."""
+        return None
+
+    async def close(self) -> None:
+        """Let background work of the backend end (before the pools are disposed)."""
+        return None
 
 
-def backend_for(name: DialectName) -> Backend:
-    """The backend of the dialect ``name``."""
-    from moorline.db.backends.mysql import MySQLBackend
-    from moorline.db.backends.postgresql import PostgreSQLBackend
-    from moorline.db.backends.sqlite import SQLiteBackend
+def upsert_below(
+    upsert: Any, table: Table, column: str, limit: int, keys: dict[str, Any]
+) -> Insert:
+    """The upsert of :meth:`~moorline.db.backends.base.Backend.increment_below`.
 
-    classes: dict[str, type[Backend]] = {
-        "sqlite": SQLiteBackend,
-        "postgresql": PostgreSQLBackend,
-        "mysql": MySQLBackend,
-    }
-    return classes[name]()
+    The limit is a predicate of the conflict's UPDATE, so it is checked on the locked row.
+    For PostgreSQL and SQLite, whose ``insert`` constructs share ``on_conflict_do_update``.
+    """
+    counter = table.c[column]
+    stmt: Insert = (
+        upsert.values({**keys, column: 1})
+        .on_conflict_do_update(
+            index_elements=list(keys),
+            set_={column: counter + 1},
+            where=counter < limit,
+        )
+        .returning(counter)
+    )
+    return stmt

@@ -1,11 +1,40 @@
-"""PostgreSQL (asyncpg): row locks, SKIP LOCKED, RETURNING everywhere, LISTEN/NOTIFY."""
+"""PostgreSQL (asyncpg): row locks, SKIP LOCKED, RETURNING everywhere, LISTEN/NOTIFY.
 
-from typing import ClassVar
+One pool serves transactions and one-statement writes alike: asyncpg's transaction mode is
+client-side, so a checkout switches to autocommit and back without a round trip.
+"""
 
-from moorline.db.backends.base import Backend, Capabilities, DialectName
+import functools
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    Insert,
+    Interval,
+    Select,
+    Table,
+    bindparam,
+    column,
+    func,
+    literal,
+    literal_column,
+    select,
+    type_coerce,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.types import TypeEngine
+
+from moorline.db.backends.base import Capabilities, DialectName, Pools, SelectT, upsert_below
+from moorline.db.backends.server import ServerBackend
+from moorline.db.dsn import ConnectTarget
+from moorline.db.types import UTCDateTime
+from moorline.settings import Settings
 
 
-class PostgreSQLBackend(Backend):
+class PostgreSQLBackend(ServerBackend):
     """The server backend with every capability."""
 
     name: ClassVar[DialectName] = "postgresql"
@@ -20,4 +49,75 @@ class PostgreSQLBackend(Backend):
         one_statement_submit=True,
         listen_notify=True,
         terminate_backend=True,
+        migrations=True,
     )
+    url_scheme = "postgresql+asyncpg://"
+
+    def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
+        return _now(float(plus_s))
+
+    def select_now(self) -> Select[Any]:
+        return _select_now()
+
+    def transaction_time(self) -> ColumnElement[datetime] | None:
+        """``transaction_timestamp()``: in autocommit, the statement's start."""
+        return _transaction_time()
+
+    def rows_parameter(
+        self, parameter: str, columns: Mapping[str, TypeEngine[Any]]
+    ) -> TableValuedAlias | None:
+        """``jsonb_to_recordset`` of the parameter: one bound value for all the rows."""
+        table = func.jsonb_to_recordset(bindparam(parameter, type_=postgresql.JSONB()))
+        named = [column(each, type_) for each, type_ in columns.items()]
+        return table.table_valued(*named).render_derived(with_types=True)
+
+    def lock_rows(self, stmt: SelectT) -> SelectT:
+        """``FOR NO KEY UPDATE``: it excludes other claimers, not a foreign-key check.
+
+        A foreign-key check takes ``FOR KEY SHARE``, so enqueuing runs for a tenant never
+        waits behind a claim.
+        """
+        return stmt.with_for_update(key_share=True)
+
+    def lock_rows_skip_locked(self, stmt: SelectT) -> SelectT:
+        return stmt.with_for_update(skip_locked=True)
+
+    def insert_ignoring_duplicates(self, table: Table) -> Insert:
+        """``ON CONFLICT DO NOTHING``, which locks nothing."""
+        return postgresql.insert(table).on_conflict_do_nothing()
+
+    def increment_below(
+        self, table: Table, *, column: str, limit: int, keys: dict[str, Any]
+    ) -> Insert | None:
+        return upsert_below(postgresql.insert(table), table, column, limit, keys)
+
+    def create_pools(self, settings: Settings, url: str, targets: Sequence[ConnectTarget]) -> Pools:
+        return Pools(main=self.create_engine(settings, targets, autocommit=False))
+
+
+def microseconds_after(
+    time: ColumnElement[datetime], delay_us: ColumnElement[int]
+) -> ColumnElement[datetime]:
+    """``time`` plus ``delay_us`` microseconds, exactly, for a :meth:`transaction_time`.
+
+    An interval of microseconds only, no days: no time-zone arithmetic, so Python's
+    ``time + timedelta(microseconds=delay_us)`` gives the same instant.
+    """
+    micro = literal_column("interval '1 microsecond'", type_=Interval())
+    return type_coerce(time.op("+")(micro.op("*")(delay_us)), UTCDateTime())
+
+
+@functools.lru_cache(maxsize=256)
+def _now(plus_s: float) -> ColumnElement[datetime]:
+    expr = func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, literal(plus_s))
+    return type_coerce(expr, UTCDateTime())
+
+
+@functools.cache
+def _select_now() -> Select[Any]:
+    return select(_now(0.0))
+
+
+@functools.cache
+def _transaction_time() -> ColumnElement[datetime]:
+    return type_coerce(func.transaction_timestamp(), UTCDateTime())

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import CTE, Insert, RowMapping, bindparam, func, insert, literal, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import DialectName, db_now, select_db_now
+from moorline.db.backends import Backend, DialectName, backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Event, Fence
 from moorline.db.repos.steps import hold_fence_txn
@@ -56,7 +56,7 @@ _INSERT = insert(events)
 
 @functools.cache
 def _insert_at_db_now(dialect: DialectName) -> Insert:
-    return insert(events).values(created_at=db_now(dialect))
+    return insert(events).values(created_at=backend_for(dialect).now())
 
 
 async def append_events_txn(
@@ -203,7 +203,7 @@ async def append_fenced_events_txn(
     """
     if not items:
         return []
-    now: datetime = (await conn.execute(select_db_now(dialect))).scalar_one()
+    now: datetime = (await conn.execute(backend_for(dialect).select_now())).scalar_one()
     rows = [(fence.run_id, fence.attempt, event_type, data) for event_type, data in items]
     seqs = await append_events_txn(conn, dialect, rows, now=now)
     return [
@@ -224,7 +224,7 @@ class EventsRepo:
 
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
-        self._dialect: DialectName = db.dialect
+        self._backend: Backend = db.backend
 
     async def append_many(
         self, fence: Fence, items: Sequence[tuple[str, JSONObject]]
@@ -244,8 +244,8 @@ class EventsRepo:
         if not items:
             return []
         async with self._db.write_transaction() as conn:
-            await hold_fence_txn(conn, self._dialect, fence, f"{len(items)} events")
-            return await append_fenced_events_txn(conn, self._dialect, fence, items)
+            await hold_fence_txn(conn, self._backend.name, fence, f"{len(items)} events")
+            return await append_fenced_events_txn(conn, self._backend.name, fence, items)
 
     async def list(
         self, run_id: RunId, *, after_seq: int = 0, limit: int = DEFAULT_LIST_LIMIT

@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy import RowMapping, Update, bindparam, insert, null, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import DialectName, db_now, supports_update_returning
+from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt, InterruptStatus
 from moorline.db.repos.steps import hold_fence_txn
@@ -63,11 +63,11 @@ class InterruptsRepo:
 
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
-        self._dialect: DialectName = db.dialect
+        self._backend: Backend = db.backend
         # Built once: building an UPDATE … RETURNING costs as much as running it on SQLite.
         self._resolves = {
             (by_person, with_data): _resolve_statement(
-                self._dialect, by_person=by_person, with_data=with_data
+                self._backend, by_person=by_person, with_data=with_data
             )
             for by_person in (False, True)
             for with_data in (False, True)
@@ -101,14 +101,14 @@ class InterruptsRepo:
         async def attempt() -> Interrupt:
             async with self._db.write_transaction() as conn:
                 await hold_fence_txn(
-                    conn, self._dialect, fence, f"interrupt {key!r}", refuse_cancelled=True
+                    conn, self._backend.name, fence, f"interrupt {key!r}", refuse_cancelled=True
                 )
                 found = await _select_txn(
                     conn, interrupts.c.run_id == fence.run_id, interrupts.c.key == key
                 )
                 if found is not None:
                     return _check_replay(found, fence.run_id, key, action)
-                now = db_now(self._dialect)
+                now = self._backend.now()
                 interrupt_id = str(uuid.uuid4())
                 await conn.execute(
                     insert(interrupts).values(
@@ -120,7 +120,7 @@ class InterruptsRepo:
                         status=_PENDING,
                         attempt=fence.attempt,
                         created_at=now,
-                        expires_at=db_now(self._dialect, plus_s=timeout_s),
+                        expires_at=self._backend.now(plus_s=timeout_s),
                     )
                 )
                 return await _reread_txn(conn, interrupt_id)
@@ -188,7 +188,7 @@ class InterruptsRepo:
         }
         if data is not None:
             parameters["decided_data"] = data
-        if supports_update_returning(self._dialect):
+        if self._backend.capabilities.update_returning:
             # One statement where the database can return what it wrote.
             row = (await conn.execute(decide, parameters)).mappings().first()
             if row is not None:
@@ -228,9 +228,7 @@ class InterruptsRepo:
         """
         find = (
             select(interrupts.c.id)
-            .where(
-                interrupts.c.status == _PENDING, interrupts.c.expires_at <= db_now(self._dialect)
-            )
+            .where(interrupts.c.status == _PENDING, interrupts.c.expires_at <= self._backend.now())
             .order_by(interrupts.c.expires_at, interrupts.c.id)
             .limit(limit)
         )
@@ -254,7 +252,7 @@ class InterruptsRepo:
 
     async def _expire_txn(self, conn: AsyncConnection, interrupt_id: str) -> bool:
         """Deny one overdue pending interrupt as a timeout; False when it is not (any more)."""
-        now = db_now(self._dialect)
+        now = self._backend.now()
         result = await conn.execute(
             update(interrupts)
             .where(
@@ -297,14 +295,14 @@ class InterruptsRepo:
         return await self._db.with_retry(read)
 
 
-def _resolve_statement(dialect: DialectName, *, by_person: bool, with_data: bool) -> Update:
+def _resolve_statement(backend: Backend, *, by_person: bool, with_data: bool) -> Update:
     """The UPDATE that records a decision of a pending interrupt (returning the row if it can).
 
     Parameters: ``interrupt_id``, ``interrupt_run_id``, ``decided_status``, ``decided_reason``
     and, ``with_data``, ``decided_data`` (else the decision is SQL NULL). A person's decision
     (``by_person``) must also arrive before the deadline.
     """
-    now = db_now(dialect)
+    now = backend.now()
     conditions = [
         interrupts.c.id == bindparam("interrupt_id", type_=interrupts.c.id.type),
         interrupts.c.run_id == bindparam("interrupt_run_id", type_=interrupts.c.run_id.type),
@@ -323,7 +321,7 @@ def _resolve_statement(dialect: DialectName, *, by_person: bool, with_data: bool
             resolved_at=now,
         )
     )
-    return decide.returning(*interrupts.c) if supports_update_returning(dialect) else decide
+    return decide.returning(*interrupts.c) if backend.capabilities.update_returning else decide
 
 
 def _check_replay(row: RowMapping, run_id: RunId, key: str, action: str) -> Interrupt:

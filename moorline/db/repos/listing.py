@@ -19,7 +19,7 @@ from datetime import datetime
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from moorline.db.dialects import DialectName, db_now
+from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import LaneLoad, Run, run_from_row
 from moorline.db.schema import runs
@@ -60,7 +60,7 @@ class RunListing:
 
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
-        self._dialect: DialectName = db.dialect
+        self._backend: Backend = db.backend
 
     async def page(
         self,
@@ -204,7 +204,7 @@ class RunListing:
             .where(runs.c.status.in_([queued, running]))
             .group_by(runs.c.lane, runs.c.status)
         )
-        now = db_now(self._dialect)
+        now = self._backend.now()
         oldest = (
             select(runs.c.lane, func.min(runs.c.not_before).label("since"))
             .where(runs.c.status == queued, runs.c.not_before <= now)

@@ -31,7 +31,7 @@ from typing import Any
 from sqlalchemy import RowMapping, case, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import DialectName, db_now, lock_rows, select_db_now
+from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_MESSAGE_RECEIVED, append_fenced_events_txn
 from moorline.db.repos.records import Event, Fence, Message
@@ -89,7 +89,7 @@ class MessagesRepo:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
         self._db = db
-        self._dialect: DialectName = db.dialect
+        self._backend: Backend = db.backend
         self._max_waiting = max_waiting
 
     async def post(self, tenant_id: TenantId, run_id: RunId, content: str) -> Message:
@@ -106,10 +106,10 @@ class MessagesRepo:
             RunNotInteractive: The run is not running.
             LimitExceeded: The run already holds ``max_waiting`` undelivered messages.
         """
-        d = self._dialect
+        backend = self._backend
         async with self._db.write_transaction() as conn:
             owned = select(runs.c.status).where(runs.c.id == run_id, runs.c.tenant_id == tenant_id)
-            status = (await conn.execute(lock_rows(owned, d))).scalar_one_or_none()
+            status = (await conn.execute(backend.lock_rows(owned))).scalar_one_or_none()
             if status is None:
                 raise RunNotFound(f"no run {run_id}")
             if status != RunStatus.RUNNING.value:
@@ -119,9 +119,8 @@ class MessagesRepo:
             waiting = func.coalesce(
                 func.sum(case((messages.c.delivered_attempt.is_(None), 1), else_=0)), 0
             )
-            state = select(waiting, func.coalesce(func.max(messages.c.seq), 0), db_now(d)).where(
-                messages.c.run_id == run_id
-            )
+            last_seq = func.coalesce(func.max(messages.c.seq), 0)
+            state = select(waiting, last_seq, backend.now()).where(messages.c.run_id == run_id)
             waiting_now, last_seq, now = (await conn.execute(state)).one()
             if waiting_now >= self._max_waiting:
                 raise LimitExceeded(
@@ -163,7 +162,7 @@ class MessagesRepo:
 
         async def attempt() -> Drain:
             async with self._db.write_transaction() as conn:
-                await hold_fence_txn(conn, self._dialect, fence, f"drain {position}")
+                await hold_fence_txn(conn, self._backend.name, fence, f"drain {position}")
                 return await self._drain_txn(conn, fence, position)
 
         return await self._db.with_retry(attempt)
@@ -175,7 +174,7 @@ class MessagesRepo:
         recorded = (await conn.execute(find)).mappings().first()
         if recorded is not None:
             return await self._replay_txn(conn, fence, key, digest, recorded)
-        now: datetime = (await conn.execute(select_db_now(self._dialect))).scalar_one()
+        now: datetime = (await conn.execute(self._backend.select_now())).scalar_one()
         waiting = (
             select(messages)
             .where(messages.c.run_id == fence.run_id, messages.c.delivered_attempt.is_(None))
@@ -218,7 +217,7 @@ class MessagesRepo:
             (EVENT_MESSAGE_RECEIVED, {"seq": message.seq, "content": message.content})
             for message in taken
         ]
-        events = await append_fenced_events_txn(conn, self._dialect, fence, received)
+        events = await append_fenced_events_txn(conn, self._backend.name, fence, received)
         return Drain(messages=taken, events=events, replay=False)
 
     async def _replay_txn(

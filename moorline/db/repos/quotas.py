@@ -2,10 +2,10 @@
 
 One row per tenant and UTC day (``quota_usage``) counts the runs admitted that day. Consuming a
 unit is one statement on PostgreSQL and SQLite, ``INSERT … ON CONFLICT DO UPDATE SET used =
-used + 1 WHERE used < :limit RETURNING used`` (the dialect hook ``increment_below``), and on
+used + 1 WHERE used < :limit RETURNING used`` (the backend's ``increment_below``), and on
 MariaDB one transaction of two statements:
 
-1. insert the day's row with ``used = 0`` unless it exists (the dialect hook
+1. insert the day's row with ``used = 0`` unless it exists (the backend's
    ``insert_or_lock_existing``, which never leaves a shared lock to upgrade: MariaDB's
    ``INSERT IGNORE`` would, and concurrent consumers would deadlock), so the next statement
    always has a row to lock;
@@ -33,14 +33,7 @@ from sqlalchemy import Integer, Update, bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import ColumnElement
 
-from moorline.db.dialects import (
-    DialectName,
-    db_now,
-    increment_below,
-    insert_or_lock_existing,
-    lock_rows,
-    supports_update_returning,
-)
+from moorline.db.backends import Backend, DialectName, backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.schema import quota_usage
 from moorline.types import JSONObject, TenantId
@@ -101,8 +94,9 @@ async def take_units_txn(
     if wanted < 1 or limit < 1:
         return Taken(0)
     params = {"b_tenant_id": tenant_id, "b_day": day, "b_wanted": wanted, "b_limit": limit}
+    backend = backend_for(dialect)
     result = await conn.execute(_take_all_statement(dialect), params)
-    if supports_update_returning(dialect):
+    if backend.capabilities.update_returning:
         now = result.scalar_one_or_none()
         if now is not None:
             return Taken(wanted, now)
@@ -111,8 +105,8 @@ async def take_units_txn(
     row = _row(tenant_id, day)
     counter = quota_usage.c.used
     keys = {"tenant_id": tenant_id, "day": day}
-    await conn.execute(insert_or_lock_existing(quota_usage, dialect, "used").values(**keys, used=0))
-    used: int = (await conn.execute(lock_rows(select(counter).where(row), dialect))).scalar_one()
+    await conn.execute(backend.insert_or_lock_existing(quota_usage, "used").values(**keys, used=0))
+    used: int = (await conn.execute(backend.lock_rows(select(counter).where(row)))).scalar_one()
     taken = max(0, min(wanted, limit - used))
     if taken:
         await conn.execute(update(quota_usage).where(row).values(used=counter + taken))
@@ -137,7 +131,8 @@ def _take_all_statement(dialect: DialectName) -> Update:
         )
         .values(used=counter + wanted)
     )
-    return stmt.returning(db_now(dialect)) if supports_update_returning(dialect) else stmt
+    backend = backend_for(dialect)
+    return stmt.returning(backend.now()) if backend.capabilities.update_returning else stmt
 
 
 class QuotasRepo:
@@ -145,7 +140,7 @@ class QuotasRepo:
 
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
-        self._dialect: DialectName = db.dialect
+        self._backend: Backend = db.backend
 
     async def consume(self, tenant_id: TenantId, day: str, limit: int) -> int | None:
         """Take one unit of the tenant's quota for ``day``, unless ``limit`` units are taken.
@@ -167,15 +162,15 @@ class QuotasRepo:
             return None
         row = _row(tenant_id, day)
         keys = {"tenant_id": tenant_id, "day": day}
-        one_statement = increment_below(
-            quota_usage, self._dialect, column="used", limit=limit, keys=keys
+        one_statement = self._backend.increment_below(
+            quota_usage, column="used", limit=limit, keys=keys
         )
         async with self._db.write_transaction() as conn:
             if one_statement is not None:
                 used: int | None = (await conn.execute(one_statement)).scalar_one_or_none()
                 return used
             await conn.execute(
-                insert_or_lock_existing(quota_usage, self._dialect, "used").values(**keys, used=0)
+                self._backend.insert_or_lock_existing(quota_usage, "used").values(**keys, used=0)
             )
             take = (
                 update(quota_usage)

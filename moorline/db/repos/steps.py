@@ -64,46 +64,18 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.dialects import DialectName, db_now, lock_rows
+from moorline.db.backends import Backend, DialectName, backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Fence, Step
 from moorline.db.schema import runs, steps
+from moorline.errors import CancelRequested as CancelRequested  # re-exported (old home)
+from moorline.errors import LeaseLost as LeaseLost
 from moorline.errors import MoorlineError, TransitionRejected
 from moorline.types import Attempt, JSONValue, RunId, RunStatus, StepStatus
 
 _RUNNING = StepStatus.RUNNING.value
 _SUCCEEDED = StepStatus.SUCCEEDED.value
 _FAILED = StepStatus.FAILED.value
-
-
-class LeaseLost(MoorlineError):
-    """A fenced write found the run no longer held by this attempt and owner; nothing was written.
-
-    The run was reclaimed, released, cancelled or finished. The worker must stop executing it.
-    """
-
-    code = "lease_lost"
-
-    def __init__(self, fence: Fence, action: str) -> None:
-        super().__init__(
-            f"lease lost: run {fence.run_id} is no longer running under attempt "
-            f"{fence.attempt} of owner {fence.owner!r}; {action} was not written"
-        )
-        self.fence = fence
-
-
-class CancelRequested(MoorlineError):
-    """The run's cancel is recorded: no new step or interrupt may start; nothing was written.
-
-    The attempt still holds its lease, and may still record what was already in flight; the
-    engine turns this into :class:`~moorline.engine.context.Cancelled`.
-    """
-
-    code = "cancel_requested"
-
-    def __init__(self, fence: Fence, action: str) -> None:
-        super().__init__(f"run {fence.run_id} has a cancel request; {action} was not started")
-        self.fence = fence
 
 
 class StepMismatch(MoorlineError):
@@ -203,7 +175,8 @@ async def hold_fence_txn(
     held = fence.clause()
     if refuse_cancelled:
         held = and_(held, runs.c.cancel_requested_at.is_(None))
-    result = await conn.execute(update(runs).where(held).values(updated_at=db_now(dialect)))
+    now = backend_for(dialect).now()
+    result = await conn.execute(update(runs).where(held).values(updated_at=now))
     if result.rowcount == 1:
         return
     if refuse_cancelled:
@@ -236,7 +209,7 @@ def fence_parameters(fence: Fence) -> dict[str, Any]:
     }
 
 
-def _insert_new_statement(dialect: DialectName) -> Insert:
+def _insert_new_statement(backend: Backend) -> Insert:
     """``INSERT INTO steps … SELECT … FROM runs WHERE <fence> AND no cancel`` (locked).
 
     Parameters: the fence's, ``step_key``, ``step_function`` and ``step_call_hash``.
@@ -248,21 +221,21 @@ def _insert_new_statement(dialect: DialectName) -> Insert:
         runs.c.attempt,
         bindparam("step_function", type_=steps.c.function.type),
         bindparam("step_call_hash", type_=steps.c.call_hash.type),
-        db_now(dialect),
+        backend.now(),
     ).where(fence_by_parameters(), runs.c.cancel_requested_at.is_(None))
     return insert(steps).from_select(
         ["run_id", "key", "status", "attempt", "function", "call_hash", "started_at"],
-        lock_rows(source, dialect),
+        backend.lock_rows(source),
     )
 
 
-def _finish_statement(dialect: DialectName, status: StepStatus) -> Update:
+def _finish_statement(backend: Backend, status: StepStatus) -> Update:
     """``UPDATE steps … WHERE <running under the attempt> AND EXISTS (<fenced run, locked>)``.
 
     Parameters: the fence's, ``step_key``, and ``step_output`` (succeeded) or ``step_error``
     (failed).
     """
-    fenced_run = lock_rows(select(runs.c.id).where(fence_by_parameters()), dialect)
+    fenced_run = backend.lock_rows(select(runs.c.id).where(fence_by_parameters()))
     values: dict[str, Any] = (
         {"output": bindparam("step_output", type_=steps.c.output.type), "error": None}
         if status is StepStatus.SUCCEEDED
@@ -278,7 +251,7 @@ def _finish_statement(dialect: DialectName, status: StepStatus) -> Update:
             steps.c.status == _RUNNING,
             fenced_run.exists(),
         )
-        .values(status=status.value, finished_at=db_now(dialect), **values)
+        .values(status=status.value, finished_at=backend.now(), **values)
     )
 
 
@@ -287,10 +260,10 @@ class StepsRepo:
 
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
-        self._dialect: DialectName = db.dialect
-        self._insert_new = _insert_new_statement(self._dialect)
+        self._backend: Backend = db.backend
+        self._insert_new = _insert_new_statement(self._backend)
         self._finishes = {
-            status: _finish_statement(self._dialect, status)
+            status: _finish_statement(self._backend, status)
             for status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
         }
 
@@ -339,7 +312,7 @@ class StepsRepo:
         async def attempt() -> StepStart:
             async with self._db.write_transaction() as conn:
                 await hold_fence_txn(
-                    conn, self._dialect, fence, f"step {key!r}", refuse_cancelled=True
+                    conn, self._backend.name, fence, f"step {key!r}", refuse_cancelled=True
                 )
                 return await self._start_txn(conn, fence, key, function, call_hash)
 
@@ -385,7 +358,7 @@ class StepsRepo:
             # failed never holds again (attempts only grow), nor does a cancel go away.
             async with self._db.write_transaction() as conn:
                 await hold_fence_txn(
-                    conn, self._dialect, fence, f"step {key!r}", refuse_cancelled=True
+                    conn, self._backend.name, fence, f"step {key!r}", refuse_cancelled=True
                 )
             return False  # pragma: no cover - a fence that failed cannot hold again
 
@@ -394,7 +367,7 @@ class StepsRepo:
     async def _start_txn(
         self, conn: AsyncConnection, fence: Fence, key: str, function: str, call_hash: str
     ) -> StepStart:
-        now = db_now(self._dialect)
+        now = self._backend.now()
         found = await _select_step_txn(conn, fence.run_id, key)
         if found is None:
             await conn.execute(
@@ -504,7 +477,7 @@ class StepsRepo:
             # Nothing written: a stale fence, or a step not running under this attempt (both
             # final: only this attempt writes its steps while the fence holds).
             async with self._db.write_transaction() as conn:
-                await hold_fence_txn(conn, self._dialect, fence, action)
+                await hold_fence_txn(conn, self._backend.name, fence, action)
                 found = await _select_step_txn(conn, fence.run_id, key)
                 if found is not None and _is_recorded(found, fence, status, values):
                     return

@@ -32,7 +32,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import ColumnElement
 
-from moorline.db.dialects import DialectName, db_now
+from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import ApiKey, Tenant
 from moorline.db.schema import NAME, api_keys, tenants
@@ -102,7 +102,7 @@ class TenantsRepo:
             clock: Monotonic clock in seconds, replaceable in tests.
         """
         self._db = db
-        self._dialect: DialectName = db.dialect
+        self._backend: Backend = db.backend
         self._auth_ttl_s = auth_ttl_s
         self._clock = clock
         self._known: dict[str, _Known] = {}
@@ -131,7 +131,7 @@ class TenantsRepo:
         _check_text("tenant name", name, NAME)
         _check_text("plan", plan, PLAN_LENGTH)
         tenant_id = TenantId(str(uuid.uuid4()))
-        now = db_now(self._dialect)
+        now = self._backend.now()
         async with self._db.transaction() as conn:
             try:
                 await conn.execute(
@@ -143,7 +143,7 @@ class TenantsRepo:
                 # The id is a fresh uuid4, so the name's unique constraint is the one that
                 # can fail; the transaction rolls back as the error leaves it.
                 raise TenantExists(f"a tenant named {name!r} exists already") from exc
-            api_key = await _insert_key_txn(conn, self._dialect, tenant_id)
+            api_key = await _insert_key_txn(conn, self._backend, tenant_id)
             row = await _select_tenant_txn(conn, tenants.c.id == tenant_id)
         if row is None:  # pragma: no cover - inserted in the same transaction
             raise AssertionError(f"tenant {tenant_id} vanished")
@@ -157,7 +157,7 @@ class TenantsRepo:
         """
         async with self._db.transaction() as conn:
             try:
-                return await _insert_key_txn(conn, self._dialect, tenant_id)
+                return await _insert_key_txn(conn, self._backend, tenant_id)
             except IntegrityError as exc:
                 # A fresh 256-bit key cannot collide; the foreign key to the tenant can fail.
                 raise NotFound(f"no tenant {tenant_id}") from exc
@@ -191,7 +191,7 @@ class TenantsRepo:
         conditions = [api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None)]
         if tenant_id is not None:
             conditions.append(api_keys.c.tenant_id == tenant_id)
-        stmt = update(api_keys).where(*conditions).values(revoked_at=db_now(self._dialect))
+        stmt = update(api_keys).where(*conditions).values(revoked_at=self._backend.now())
 
         async def revoke() -> bool:
             async with self._db.transaction() as conn:
@@ -324,7 +324,7 @@ class TenantsRepo:
         stmt = (
             update(tenants)
             .where(tenants.c.id == tenant_id)
-            .values(plan=plan, updated_at=db_now(self._dialect))
+            .values(plan=plan, updated_at=self._backend.now())
         )
 
         async def change() -> bool:
@@ -338,7 +338,7 @@ class TenantsRepo:
             self._forget(lambda known: known.tenant.tenant_id == tenant_id)
 
 
-async def _insert_key_txn(conn: AsyncConnection, dialect: DialectName, tenant_id: str) -> str:
+async def _insert_key_txn(conn: AsyncConnection, backend: Backend, tenant_id: str) -> str:
     api_key = new_api_key()
     await conn.execute(
         insert(api_keys).values(
@@ -346,7 +346,7 @@ async def _insert_key_txn(conn: AsyncConnection, dialect: DialectName, tenant_id
             tenant_id=tenant_id,
             key_hash=hash_api_key(api_key),
             prefix=api_key[:PREFIX_LENGTH],
-            created_at=db_now(dialect),
+            created_at=backend.now(),
         )
     )
     return api_key

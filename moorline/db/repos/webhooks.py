@@ -10,7 +10,7 @@ import uuid
 from sqlalchemy import RowMapping, insert, select
 from sqlalchemy.exc import IntegrityError
 
-from moorline.db.dialects import DialectName, db_now
+from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Webhook
 from moorline.db.schema import webhooks
@@ -23,7 +23,7 @@ class WebhooksRepo:
 
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
-        self._dialect: DialectName = db.dialect
+        self._backend: Backend = db.backend
 
     async def create(self, tenant_id: TenantId, workflow: str, secret: str) -> Webhook:
         """Register a webhook of ``tenant_id`` that starts ``workflow``.
@@ -43,7 +43,7 @@ class WebhooksRepo:
                         tenant_id=tenant_id,
                         workflow=workflow,
                         secret=secret,
-                        created_at=db_now(self._dialect),
+                        created_at=self._backend.now(),
                     )
                 )
             except IntegrityError as exc:
