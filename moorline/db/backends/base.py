@@ -1,6 +1,6 @@
 """The backend seam: :class:`Capabilities` and the strategies each database implements."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, ClassVar, Literal, TypeVar
@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from sqlalchemy import Insert, Select, Table
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
-from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.sql.selectable import CTE, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
 DialectName = Literal["sqlite", "postgresql", "mysql"]
@@ -130,6 +130,31 @@ class Backend:
         from moorline.db import dialects
 
         return dialects.increment_below(table, self.name, column=column, limit=limit, keys=keys)
+
+    # --- run inserts ---
+
+    def submitted_runs(self, columns: Sequence[str]) -> CTE | None:
+        """Runs bound as one parameter, inserted in one statement that stamps them itself.
+
+        ``INSERT INTO runs … SELECT … FROM <the runs parameter> RETURNING id, attempt,
+        updated_at``, as the CTE ``submitted``. The ``runs`` parameter holds one dict per run
+        with ``columns`` and ``delay_us``; ``status`` is one parameter for all. Each run is
+        stamped with the transaction's time (``created_at``, ``updated_at``) and ``not_before``
+        is that plus its ``delay_us`` microseconds, exactly, so ``time + timedelta`` in Python
+        gives the same instant. None where a submission is not one statement (the capability
+        ``one_statement_submit``).
+        """
+        return None
+
+    def stamped_runs_insert(self, dialect: Dialect) -> Insert | None:
+        """An INSERT of runs that stamps them with its own time and returns it, or None.
+
+        ``created_at`` and ``updated_at`` are the statement's time, ``not_before`` that plus
+        the bound ``delay_us`` microseconds; it returns ``id`` and ``created_at`` per run, so
+        the time is never read in a statement of its own. None where the connected server
+        (``dialect``, which knows its version) has no such INSERT.
+        """
+        return None
 
 
 def backend_for(name: DialectName) -> Backend:
