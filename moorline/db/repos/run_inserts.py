@@ -183,11 +183,7 @@ class RunInserts(RunRepoBase):
         # Every column is known here (the times are the database time read above), so the runs
         # are built rather than read back: one round trip less per batch. The contract tests
         # check they equal what a read returns on every backend.
-        by_id = {param["id"]: run_from_row({**NULL_ON_INSERT, **param}) for param in params}
-        by_id.update(
-            (values["id"], run_from_row({**NULL_ON_INSERT, **values})) for values in refused
-        )
-        return [by_id[row["id"]] for row in rows]
+        return _runs_in_order(rows, [*params, *refused])
 
     async def _take_units_txn(
         self, conn: AsyncConnection, claims: dict[str, tuple[TenantId, QuotaClaim]]
@@ -283,3 +279,9 @@ def _refused_values(row: dict[str, Any], error: JSONObject, now: datetime) -> di
         "updated_at": now,
         "finished_at": now,
     }
+
+
+def _runs_in_order(rows: Sequence[dict[str, Any]], inserted: Sequence[dict[str, Any]]) -> list[Run]:
+    """The runs of ``inserted`` (every non-NULL column's value), in the order of ``rows``."""
+    by_id = {values["id"]: run_from_row({**NULL_ON_INSERT, **values}) for values in inserted}
+    return [by_id[row["id"]] for row in rows]
