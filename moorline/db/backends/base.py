@@ -1,6 +1,6 @@
 """The backend seam: :class:`Capabilities` and the strategies each database implements."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, ClassVar, Literal, TypeVar
@@ -133,7 +133,7 @@ class Backend:
 
     # --- run inserts ---
 
-    def submitted_runs(self, columns: Sequence[str]) -> CTE | None:
+    def submitted_runs(self, columns: tuple[str, ...]) -> CTE | None:
         """Runs bound as one parameter, inserted in one statement that stamps them itself.
 
         ``INSERT INTO runs … SELECT … FROM <the runs parameter> RETURNING id, attempt,

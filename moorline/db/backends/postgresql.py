@@ -1,6 +1,5 @@
 """PostgreSQL (asyncpg): row locks, SKIP LOCKED, RETURNING everywhere, LISTEN/NOTIFY."""
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 from sqlalchemy import BigInteger, bindparam, insert, select
@@ -29,7 +28,7 @@ class PostgreSQLBackend(Backend):
 
     # --- run inserts ---
 
-    def submitted_runs(self, columns: Sequence[str]) -> CTE:
+    def submitted_runs(self, columns: tuple[str, ...]) -> CTE:
         """Runs from ``jsonb_to_recordset``, stamped with ``transaction_timestamp()``.
 
         A data-modifying CTE, so the caller's outer statement can insert the runs' events
