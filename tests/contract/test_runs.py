@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from moorline.db.dialects import db_now, statement_time, transaction_time
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.queue import Claim, QueueRepo
@@ -58,7 +57,7 @@ async def claim(queue: QueueRepo, lane: str, owner: str = "worker", limit: int =
 
 async def database_now(db: DatabaseManager) -> datetime:
     async with db.connect() as conn:
-        now: datetime = (await conn.execute(select(db_now(db.dialect)))).scalar_one()
+        now: datetime = (await conn.execute(select(db.backend.now()))).scalar_one()
     return now
 
 
@@ -163,9 +162,9 @@ async def test_a_batch_with_nothing_to_check_is_one_statement_where_the_database
     # PostgreSQL: the runs and their events in one statement, committed alone, dated by the
     # database (no SELECT of the time). MariaDB: the runs' INSERT dates them and returns the
     # time, the events copy it. Elsewhere: the time, the runs, the events.
-    if transaction_time(db.dialect) is not None:
+    if db.backend.capabilities.one_statement_submit:
         expected = 1
-    elif statement_time(db.engine.sync_engine.dialect) is not None:
+    elif db.backend.stamped_runs_insert(db.engine.sync_engine.dialect) is not None:
         expected = 2
     else:
         expected = 3

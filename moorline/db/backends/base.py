@@ -18,7 +18,7 @@ from sqlalchemy import Executable, Insert, Row, Select, Table
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
-from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.sql.selectable import CTE, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
 from moorline.db.dsn import ConnectTarget
@@ -234,6 +234,31 @@ class Backend(abc.ABC):
 
     async def close(self) -> None:
         """Let background work of the backend end (before the pools are disposed)."""
+        return None
+
+    # --- run inserts ---
+
+    def submitted_runs(self, columns: tuple[str, ...]) -> CTE | None:
+        """Runs bound as one parameter, inserted in one statement that stamps them itself.
+
+        ``INSERT INTO runs … SELECT … FROM <the runs parameter> RETURNING id, attempt,
+        updated_at``, as the CTE ``submitted``. The ``runs`` parameter holds one dict per run
+        with ``columns`` and ``delay_us``; ``status`` is one parameter for all. Each run is
+        stamped with the transaction's time (``created_at``, ``updated_at``) and ``not_before``
+        is that plus its ``delay_us`` microseconds, exactly, so ``time + timedelta`` in Python
+        gives the same instant. None where a submission is not one statement (the capability
+        ``one_statement_submit``).
+        """
+        return None
+
+    def stamped_runs_insert(self, dialect: Dialect) -> Insert | None:
+        """An INSERT of runs that stamps them with its own time and returns it, or None.
+
+        ``created_at`` and ``updated_at`` are the statement's time, ``not_before`` that plus
+        the bound ``delay_us`` microseconds; it returns ``id`` and ``created_at`` per run, so
+        the time is never read in a statement of its own. None where the connected server
+        (``dialect``, which knows its version) has no such INSERT.
+        """
         return None
 
 

@@ -17,6 +17,7 @@ from sqlalchemy import (
     Table,
     bindparam,
     func,
+    insert,
     literal_column,
     select,
     type_coerce,
@@ -30,6 +31,7 @@ from moorline.db import mysql_driver
 from moorline.db.backends.base import Capabilities, DialectName, Pools, SelectT
 from moorline.db.backends.server import ServerBackend
 from moorline.db.dsn import ConnectTarget
+from moorline.db.schema import runs
 from moorline.db.types import UTCDateTime
 from moorline.settings import Settings
 
@@ -117,6 +119,28 @@ class MySQLBackend(ServerBackend):
         driver = (await conn.get_raw_connection()).driver_connection
         if isinstance(driver, mysql_driver.Connection):
             driver.commit_with_next_statement()
+
+    # --- run inserts ---
+
+    def stamped_runs_insert(self, dialect: Dialect) -> Insert | None:
+        """MariaDB's ``INSERT … RETURNING`` stamped with ``UTC_TIMESTAMP(6)``; None on MySQL.
+
+        MySQL has no ``RETURNING``; SQLAlchemy sets ``insert_returning`` from the server's
+        version, hence the connected ``dialect``.
+        """
+        times = self.statement_time(dialect)
+        return None if times is None else self._stamped_runs(times)
+
+    @staticmethod
+    @functools.cache
+    def _stamped_runs(times: tuple[ColumnElement[datetime], ColumnElement[datetime]]) -> Insert:
+        # One statement object for every batch: SQLAlchemy derives its cache key once.
+        start, later = times
+        return (
+            insert(runs)
+            .values(created_at=start, updated_at=start, not_before=later)
+            .returning(runs.c.id, runs.c.created_at)
+        )
 
 
 @functools.lru_cache(maxsize=256)

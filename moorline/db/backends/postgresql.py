@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 from sqlalchemy import (
+    BigInteger,
     Insert,
     Interval,
     Select,
@@ -17,6 +18,7 @@ from sqlalchemy import (
     bindparam,
     column,
     func,
+    insert,
     literal,
     literal_column,
     select,
@@ -24,12 +26,13 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import ColumnElement
-from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.sql.selectable import CTE, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
 from moorline.db.backends.base import Capabilities, DialectName, Pools, SelectT, upsert_below
 from moorline.db.backends.server import ServerBackend
 from moorline.db.dsn import ConnectTarget
+from moorline.db.schema import runs
 from moorline.db.types import UTCDateTime
 from moorline.settings import Settings
 
@@ -93,6 +96,35 @@ class PostgreSQLBackend(ServerBackend):
 
     def create_pools(self, settings: Settings, url: str, targets: Sequence[ConnectTarget]) -> Pools:
         return Pools(main=self.create_engine(settings, targets, autocommit=False))
+
+    # --- run inserts ---
+
+    def submitted_runs(self, columns: tuple[str, ...]) -> CTE:
+        """Runs from ``jsonb_to_recordset``, stamped with ``transaction_timestamp()``.
+
+        A data-modifying CTE, so the caller's outer statement can insert the runs' events
+        from what it returns: one round trip where a transaction takes five (BEGIN, the
+        time, two INSERTs, COMMIT), whatever the number of runs, and as atomic.
+        """
+        start = self.transaction_time()
+        types = {**{name: runs.c[name].type for name in columns}, "delay_us": BigInteger()}
+        source = self.rows_parameter("runs", types)
+        if start is None or source is None:  # pragma: no cover - PostgreSQL has both
+            raise AssertionError("PostgreSQL has a transaction time and a rows parameter")
+        chosen = select(
+            *(source.c[name] for name in columns),
+            bindparam("status", type_=runs.c.status.type),
+            start,
+            start,
+            microseconds_after(start, source.c.delay_us),
+        )
+        names = [*columns, "status", "created_at", "updated_at", "not_before"]
+        return (
+            insert(runs)
+            .from_select(names, chosen)
+            .returning(runs.c.id, runs.c.attempt, runs.c.updated_at)
+            .cte("submitted")
+        )
 
 
 def microseconds_after(

@@ -1,10 +1,12 @@
 """Frozen values the repositories return, and the fence every worker write carries."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
-from sqlalchemy import RowMapping, and_
+from sqlalchemy import and_
 from sqlalchemy.sql.elements import ColumnElement
 
 from moorline.db.schema import runs
@@ -75,8 +77,14 @@ class Run:
     completion_tokens: int
 
 
-def run_from_row(row: RowMapping) -> Run:
-    """The :class:`Run` a ``runs`` row holds."""
+def run_from_row(row: Mapping[Any, Any]) -> Run:
+    """The :class:`Run` a ``runs`` row holds: a row read back, or the values just inserted.
+
+    A writer that knows every column of the row it stored (its times included) builds the
+    run from its own values rather than reading the row back: a round trip less. The
+    columns an insert leaves NULL come from :data:`NULL_ON_INSERT`, e.g.
+    ``run_from_row({**NULL_ON_INSERT, **values})``; keys that are no column are ignored.
+    """
     return Run(
         run_id=RunId(row["id"]),
         tenant_id=TenantId(row["tenant_id"]),
@@ -105,6 +113,23 @@ def run_from_row(row: RowMapping) -> Run:
         prompt_tokens=row["prompt_tokens"],
         completion_tokens=row["completion_tokens"],
     )
+
+
+# A dict typed read-only, not a MappingProxyType: ``{**NULL_ON_INSERT, **values}`` takes
+# CPython's fast path for dicts, and inserts build one per run.
+NULL_ON_INSERT: Mapping[str, None] = dict.fromkeys(
+    (
+        "lease_owner",
+        "lease_expires_at",
+        "output",
+        "error",
+        "cancel_requested_at",
+        "started_at",
+        "finished_at",
+        "elapsed_time",
+    )
+)
+"""The ``runs`` columns a new run's INSERT leaves NULL: the lease, the outcome, the times."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
