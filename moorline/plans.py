@@ -206,15 +206,15 @@ def resolve_plans(settings: Settings) -> dict[str, Plan]:
 
 
 def default_lane_slots(plans: Mapping[str, Plan]) -> dict[str, int]:
-    """Worker slots per lane: each plan brings its ``lane_slots`` to its lane, and a lane has
-    at least one slot more than the largest tenant cap of the plans routed to it.
+    """Worker slots per lane: the plans' ``lane_slots``, and one more than any cap routed there.
 
-    Where plans share a lane (the community edition's ``workflow``) their slots add up, 14 by
-    default: a community worker keeps the capacity of a cloud worker serving all three lanes
-    instead of shrinking to the largest lane's. The slot above the cap is the fairness floor:
-    with slots equal to a cap (the cloud plans' 8/4/2 alone), one tenant running long runs at
-    its cap would hold the whole lane, and every other tenant of the plan would wait for them;
-    so the cloud lanes get 9/5/3.
+    Each plan brings its ``lane_slots`` to its lane. Where plans share a lane (the community
+    edition's ``workflow``) their slots add up, 14 by default: a community worker keeps the
+    capacity of a cloud worker serving all three lanes instead of shrinking to the largest
+    lane's. A lane also has at least one slot more than the largest tenant cap of the plans
+    routed to it, the fairness floor: with slots equal to a cap (the cloud plans' 8/4/2 alone),
+    one tenant running long runs at its cap would hold the whole lane, and every other tenant
+    of the plan would wait for them; so the cloud lanes get 9/5/3.
     """
     slots: dict[str, int] = {}
     largest_cap: dict[str, int] = {}

@@ -300,7 +300,10 @@ def _positive_float(value: str, key: str, display: str) -> float:
 
 
 def make_failover_creator(
-    targets: list[ConnectTarget], *, probe_timeout_s: float = PROBE_TIMEOUT_S
+    targets: list[ConnectTarget],
+    *,
+    probe_timeout_s: float = PROBE_TIMEOUT_S,
+    fast_paths: bool = True,
 ) -> Callable[[], Awaitable[Any]]:
     """Build an ``async_creator`` that tries ``targets`` in their fixed order.
 
@@ -314,6 +317,8 @@ def make_failover_creator(
     Args:
         targets: the addresses, primary first, all of one driver.
         probe_timeout_s: how long one address may take before the next is tried.
+        fast_paths: MariaDB connections are :mod:`moorline.db.mysql_driver`'s (the setting
+            ``fast_paths``), else aiomysql's own.
 
     Returns:
         A coroutine function returning a driver connection, or raising
@@ -327,7 +332,7 @@ def make_failover_creator(
                 # aiomysql's connect_timeout bounds only the TCP open, not the handshake, so
                 # a server that accepts and then stalls would hang here without this bound.
                 async with asyncio.timeout(probe_timeout_s):
-                    connection = await _connect(target, probe_timeout_s)
+                    connection = await _connect(target, probe_timeout_s, fast_paths)
             except Exception as exc:  # any failure of one address moves on to the next
                 failures.append((target.display, _describe(exc, target, probe_timeout_s)))
                 continue
@@ -386,14 +391,14 @@ def _discard(connection: Any) -> None:
         logger.debug("closing a rejected database connection failed", exc_info=True)
 
 
-async def _connect(target: ConnectTarget, timeout_s: float) -> Any:
+async def _connect(target: ConnectTarget, timeout_s: float, fast_paths: bool) -> Any:
     if target.driver == "postgres":
         import asyncpg
 
         return await asyncpg.connect(**target.kwargs, timeout=timeout_s)
     from moorline.db import mysql_driver
 
-    return await mysql_driver.connect(**target.kwargs, connect_timeout=timeout_s)
+    return await mysql_driver.connect(**target.kwargs, connect_timeout=timeout_s, fast=fast_paths)
 
 
 def _describe(exc: Exception, target: ConnectTarget, timeout_s: float) -> str:

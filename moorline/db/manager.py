@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import QueuePool
 
-from moorline.db.backends import Backend, DialectName, backend_for_driver
+from moorline.db.backends import Backend, backend_for_driver
 from moorline.db.dsn import (
     ConnectTarget,
     DatabaseUnreachable,
@@ -64,7 +64,6 @@ class DatabaseManager:
             raise ConfigError("MOORLINE_DATABASE_URLS: failover needs PostgreSQL or MySQL URLs")
         self.urls = urls
         self.targets: list[ConnectTarget] = [parse_target(url) for url in urls] if server else []
-        self.dialect: DialectName = self.backend.name
         """The backend's name, for code not yet asking ``backend`` (the run and queue
         repositories)."""
         self._pools = self.backend.create_pools(settings, urls[0], self.targets)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from moorline.db.dialects import is_transient
+from moorline.db.failures import is_transient
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import DEFAULT_REAP_LIMIT, QueueRepo, Reaped
 from moorline.dispatch.leader import VERIFY_EVERY_TICKS, LeaderElector, new_holder_id

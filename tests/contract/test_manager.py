@@ -94,7 +94,7 @@ async def test_write_statements_run_in_autocommit_at_read_committed(db: Database
     level = {
         "postgresql": "current_setting('transaction_isolation')",
         "mysql": "@@session.tx_isolation",
-    }[db.dialect]
+    }[db.backend.name]
     async with db.transaction() as conn:
         await conn.execute(text("CREATE TABLE IF NOT EXISTS probe_iso (v VARCHAR(40))"))
         await conn.execute(text("DELETE FROM probe_iso"))

@@ -21,7 +21,6 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 
-from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.schema import events, runs
@@ -66,7 +65,7 @@ def workers(database_url: str, tmp_path: Path) -> Iterator[Workers]:
 
 async def database_time(db: DatabaseManager) -> datetime:
     async with db.connect() as conn:
-        value: datetime = (await conn.execute(select(db_now(db.dialect)))).scalar_one()
+        value: datetime = (await conn.execute(select(db.backend.now()))).scalar_one()
     return value
 
 
@@ -122,7 +121,7 @@ async def others_hold_write_locks(db: DatabaseManager) -> bool:
     The servers: whether another session of this database is in a transaction that has
     written or locked rows (PostgreSQL gives such a transaction an id).
     """
-    if db.dialect == "sqlite":
+    if db.backend.name == "sqlite":
         probe = sqlite3.connect(str(make_url(db.urls[0]).database), timeout=0)
         try:
             probe.execute("BEGIN IMMEDIATE")
@@ -136,7 +135,7 @@ async def others_hold_write_locks(db: DatabaseManager) -> bool:
     query = (
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
         "AND pid <> pg_backend_pid() AND backend_xid IS NOT NULL"
-        if db.dialect == "postgresql"
+        if db.backend.name == "postgresql"
         else "SELECT count(*) FROM information_schema.innodb_trx "
         "WHERE trx_mysql_thread_id <> CONNECTION_ID() "
         "AND (trx_rows_locked > 0 OR trx_rows_modified > 0 OR trx_tables_locked > 0)"

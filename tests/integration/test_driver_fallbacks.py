@@ -5,7 +5,7 @@
 and reads run on both, and must leave the same rows.
 """
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import pytest
@@ -31,32 +31,16 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(params=[True, False], ids=["fast", "public"])
-def fast(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+def fast(request: pytest.FixtureRequest) -> bool:
     chosen: bool = request.param
-    if not chosen:
-        # Until DatabaseManager passes Settings.fast_paths to the drivers itself: the drivers'
-        # public connections, as the manager will ask for them.
-        monkeypatch.setattr(sqlite_driver, "connector", public(sqlite_driver.connector))
-        monkeypatch.setattr(mysql_driver, "connect", public(mysql_driver.connect))
     return chosen
-
-
-def public(function: Callable[..., T]) -> Callable[..., T]:
-    """``function`` called with ``fast=False``, whatever its caller passes."""
-
-    def call(*args: Any, **kwargs: Any) -> T:
-        return function(*args, **{**kwargs, "fast": False})
-
-    return call
 
 
 @pytest.fixture
 async def probe_db(database_url: str, fast: bool) -> AsyncIterator[DatabaseManager]:
-    # The public aiomysql connection has no is_closed(): its liveness check is SQLAlchemy's
-    # pre-ping, which the manager is to switch on with fast_paths=False.
-    settings = Settings(
-        database_url=database_url, db_retry_base=0.01, fast_paths=fast, db_pool_pre_ping=fast
-    )
+    # The public aiomysql connection has no is_closed(): with fast_paths=False the pool's
+    # liveness check is SQLAlchemy's pre-ping.
+    settings = Settings(database_url=database_url, db_retry_base=0.01, fast_paths=fast)
     manager = DatabaseManager(settings)
     try:
         async with manager.transaction() as conn:

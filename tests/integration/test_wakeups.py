@@ -382,7 +382,7 @@ async def test_make_wakeups_picks_the_transport(
     db: DatabaseManager, settings: Settings, redis_prefix: str
 ) -> None:
     notifier, waiter = make_wakeups(settings, db)
-    expected = PostgresWakeups if db.dialect == "postgresql" else LocalWakeups
+    expected = PostgresWakeups if db.backend.capabilities.listen_notify else LocalWakeups
     assert type(notifier) is expected and notifier is waiter
     await waiter.close()
 

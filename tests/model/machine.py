@@ -41,7 +41,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from sqlalchemy import delete, update
 
-from moorline.db.dialects import db_now
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptResolved, InterruptsRepo
 from moorline.db.repos.queue import QueueRepo
@@ -584,7 +583,7 @@ class RunMachine(RuleBasedStateMachine):
     async def _move_into_past(
         self, leases: set[RunId], delays: set[RunId], deadlines: set[str]
     ) -> None:
-        past = db_now(self.backend.db.dialect, plus_s=PAST_S)
+        past = self.backend.db.backend.now(plus_s=PAST_S)
         async with self.backend.db.transaction() as conn:
             if leases:
                 await conn.execute(

@@ -26,7 +26,7 @@ from sqlalchemy import (
     union_all,
 )
 
-from moorline.db.dialects import DialectName, db_now
+from moorline.db.backends import DialectName, backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import DecisionReason, InterruptStatus
 from moorline.db.schema import events, interrupts, runs, steps
@@ -81,7 +81,7 @@ def _flag(condition: Any) -> Any:
 def _statement(dialect: DialectName) -> CompoundSelect[Any]:
     lane = bindparam("lane", type_=String())
     mine = select(runs.c.id).where(runs.c.lane == lane)
-    now = db_now(dialect)
+    now = backend_for(dialect).now()
 
     def shape(kind: str, run_id: Any, **columns: Any) -> Any:
         return select(
@@ -138,7 +138,7 @@ def _statement(dialect: DialectName) -> CompoundSelect[Any]:
 async def observe(db: DatabaseManager, lane: str) -> Observation:
     """Everything of ``lane``'s runs the state machine compares with its model."""
     async with db.connect() as conn:
-        rows = (await conn.execute(_statement(db.dialect), {"lane": lane})).all()
+        rows = (await conn.execute(_statement(db.backend.name), {"lane": lane})).all()
     seen = Observation()
     numbered: dict[RunId, list[tuple[int, str, int]]] = {}
     for row in rows:

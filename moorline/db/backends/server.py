@@ -48,16 +48,17 @@ class ServerBackend(Backend):
         isolation = self.write_isolation_level
         engine = create_async_engine(
             self.url_scheme,
-            async_creator=make_failover_creator(list(targets)),
+            async_creator=make_failover_creator(list(targets), fast_paths=settings.fast_paths),
             pool_size=settings.db_pool_size,
             max_overflow=settings.db_max_overflow,
             pool_timeout=settings.db_pool_timeout,
             pool_recycle=int(settings.db_pool_recycle),
-            # Connections are checked at checkout below, without a round trip.
-            pool_pre_ping=False,
+            # Connections are checked at checkout below, without a round trip; the public
+            # drivers' (fast_paths off) by SQLAlchemy's ping, as they have no is_closed().
+            pool_pre_ping=settings.db_pool_pre_ping and not settings.fast_paths,
             isolation_level="AUTOCOMMIT" if autocommit else isolation,
         )
-        if settings.db_pool_pre_ping:
+        if settings.db_pool_pre_ping and settings.fast_paths:
             event.listen(engine.sync_engine, "checkout", _drop_closed)
         if autocommit and isolation is not None:
             event.listen(engine.sync_engine, "connect", _session_isolation(isolation))

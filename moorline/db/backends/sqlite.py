@@ -102,7 +102,8 @@ class SQLiteBackend(Backend):
             kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
         else:
             connect_args = SQLiteDialect_aiosqlite().create_connect_args(parsed)
-            kwargs = {"async_creator": sqlite_driver.connector(*connect_args)}
+            creator = sqlite_driver.connector(*connect_args, fast=settings.fast_paths)
+            kwargs = {"async_creator": creator}
             assert parsed.database is not None  # not in memory
             self._checkpointer = sqlite_checkpoint.WalCheckpointer(parsed.database)
         engine = create_async_engine(parsed, **kwargs)

@@ -73,7 +73,7 @@ from moorline.db.repos.claim_statements import (
 )
 from moorline.db.repos.events import EVENT_STARTED, events_from_runs_statement
 from moorline.db.repos.records import Fence, Run, run_from_row
-from moorline.types import Attempt, RunId, RunStatus, TenantId
+from moorline.types import Attempt, RunStatus
 
 _QUEUED = RunStatus.QUEUED.value
 
@@ -388,37 +388,19 @@ def _claim_from_row(row: RowMapping) -> Claim:
 
 def _claim_of(row: RowMapping, owner: str, now: datetime, expires: datetime) -> Claim:
     """The claim of a run whose locked row ``row`` the claim UPDATE has just changed."""
-    # Built once from the row with the claim's changes (not read, then ``replace``d): this
-    # runs for every claimed run, and a copy per run would be a large share of a claim's CPU.
-    run_id = RunId(row["id"])
+    # The row with the claim's changes, not read back: one more round trip per claim.
     attempt = Attempt(row["attempt"] + 1)
     started_at = row["started_at"]
-    claimed = Run(
-        run_id=run_id,
-        tenant_id=TenantId(row["tenant_id"]),
-        workflow=row["workflow"],
-        status=RunStatus.RUNNING,
-        lane=row["lane"],
-        priority=row["priority"],
-        attempt=attempt,
-        max_attempts=row["max_attempts"],
-        lease_owner=owner,
-        lease_expires_at=expires,
-        not_before=row["not_before"],
-        idempotency_key=row["idempotency_key"],
-        input_hash=row["input_hash"],
-        conversation_id=row["conversation_id"],
-        input=row["input"],
-        output=row["output"],
-        error=row["error"],
-        timeout_s=row["timeout_s"],
-        cancel_requested_at=row["cancel_requested_at"],
-        created_at=row["created_at"],
-        updated_at=now,
-        started_at=started_at if started_at is not None else now,
-        finished_at=row["finished_at"],
-        elapsed_time=row["elapsed_time"],
-        prompt_tokens=row["prompt_tokens"],
-        completion_tokens=row["completion_tokens"],
+    claimed = run_from_row(
+        {
+            **row,
+            "status": RunStatus.RUNNING,
+            "attempt": attempt,
+            "lease_owner": owner,
+            "lease_expires_at": expires,
+            "updated_at": now,
+            "started_at": started_at if started_at is not None else now,
+        }
     )
+    run_id = claimed.run_id
     return Claim(fence=Fence(run_id=run_id, attempt=attempt, owner=owner), run=claimed)
