@@ -46,7 +46,7 @@ only the engine's attempt runner catches them::
         ├── LeaseLost          a fenced write found the run no longer held by this attempt
         └── CancelRequested    the run's cancel is recorded: no new step or interrupt starts
 
-API-facing classes carry ``code`` (the snake_case code of API.md) and ``status`` (the HTTP
+API-facing classes carry ``code`` (the snake_case code of docs/api.md) and ``status`` (the HTTP
 status), and :attr:`MoorlineError.details` holds the extra fields of the error body (a
 ``run_id``, say); ``moorline.api.errors`` is the only place they become HTTP responses.
 """

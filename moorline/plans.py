@@ -1,6 +1,6 @@
 """Plans: the policy a tenant's plan gives its runs (lane, priority, quota, limits, caps).
 
-The defaults are DESIGN.md's table. A YAML plans file (``MOORLINE_PLANS_FILE``) can replace any
+The defaults are docs/design.md's table. A YAML plans file (``MOORLINE_PLANS_FILE``) can replace any
 of them and add new ones::
 
     plans:
@@ -120,7 +120,7 @@ DEFAULT_PLANS: Mapping[str, Plan] = MappingProxyType(
         ),
     }
 )
-"""DESIGN.md's plans, cloud edition (one lane per plan)."""
+"""docs/design.md's plans, cloud edition (one lane per plan)."""
 
 
 class PlanSpec(BaseModel):

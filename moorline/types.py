@@ -13,7 +13,7 @@ JSONObject: TypeAlias = dict[str, JSONValue]
 
 
 class RunStatus(StrEnum):
-    """The lifecycle of a run (DESIGN.md, "Run lifecycle")."""
+    """The lifecycle of a run (docs/design.md, "Run lifecycle")."""
 
     PENDING = "pending"
     QUEUED = "queued"

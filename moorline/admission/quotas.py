@@ -7,7 +7,7 @@ all. Two stores keep the counters, one per deployment shape, behind :class:`Quot
   ``<prefix>:{tenant:<id>}:quota:<YYYY-MM-DD>``, changed only by the Lua scripts
   ``consume_quota`` and ``release_quota``. The counter is created with its expiry in the same
   atomic step as the first increment, so no client dying between two commands can leave a
-  counter without a TTL (RELIABILITY.md F1), and a release never recreates an expired one.
+  counter without a TTL (docs/reliability.md F1), and a release never recreates an expired one.
 - :class:`DatabaseQuotaStore` (no Redis): the ``quota_usage`` table through
   :class:`~moorline.db.repos.quotas.QuotasRepo`, whose conditional UPDATE is just as atomic.
   Built by :func:`make_quota_store` it is *taken with runs*: admission does not consume a unit

@@ -3,7 +3,7 @@
 Each plan names a rate (``"20/second"``); every trigger made with one API key (or delivered to
 one webhook) counts against that credential's window. The strategy is the library's *moving
 window*: at most ``count`` hits in any span of the period, with no double burst at a window
-boundary as a fixed window would allow (RELIABILITY.md F3).
+boundary as a fixed window would allow (docs/reliability.md F3).
 
 Storage follows the deployment. With Redis, each window is the library's Redis moving window,
 under its key (``<prefix>:ratelimit:`` (:meth:`RedisKeys.rate_limits`) then the library's
@@ -25,8 +25,8 @@ trigger). :class:`SweptMemoryStorage` sweeps from the caller instead, at most on
 :data:`SWEEP_INTERVAL_S`.
 
 A rate limit protects the service; it is not an account of anything. When its storage does not
-answer the request is let through and a warning logged (fail open, RELIABILITY.md F5), while the
-daily quota, which is an account, fails closed.
+answer the request is let through and a warning logged (fail open, docs/reliability.md F5),
+while the daily quota, which is an account, fails closed.
 """
 
 import logging

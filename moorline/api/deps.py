@@ -16,7 +16,7 @@ Authentication reads ``Authorization: Bearer <credential>`` only:
 
 Every route that takes a run id loads the run through :func:`owned_run`, which answers 404
 ``run_not_found`` for a run of another tenant exactly as for one that does not exist
-(DESIGN.md invariant 6); ``tests/api/test_isolation.py`` enumerates the routes to hold every
+(docs/design.md invariant 6); ``tests/api/test_isolation.py`` enumerates the routes to hold every
 one of them to it.
 """
 

@@ -1,7 +1,7 @@
 """The one place where errors become HTTP responses.
 
 Every error body is ``{"error": {"code": "<snake_case>", "message": "<sentence>", ...}}``
-(API.md). A :class:`~moorline.errors.MoorlineError` brings its ``code``, ``status`` and extra
+(docs/api.md). A :class:`~moorline.errors.MoorlineError` brings its ``code``, ``status`` and extra
 fields (:attr:`~moorline.errors.MoorlineError.details`); a limit adds ``Retry-After`` and, for
 the API rate limit, the ``RateLimit-Limit/Remaining/Reset`` headers. FastAPI's and Starlette's
 own errors are put in the same shape: a body that fails its schema is 422 ``invalid_request``,
@@ -52,7 +52,7 @@ class ErrorDetail(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    code: str = Field(description="Stable snake_case error code (API.md).")
+    code: str = Field(description="Stable snake_case error code (docs/api.md).")
     message: str = Field(description="What went wrong, for people; may change.")
 
 

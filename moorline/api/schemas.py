@@ -1,7 +1,7 @@
-"""Request and response bodies of API v1 (API.md); the field names are contract.
+"""Request and response bodies of API v1 (docs/api.md); the field names are contract.
 
 Request bodies forbid unknown fields, so a client can never set what the server owns
-(``tenant_id``, ``status``, ``attempt``, usage counters: RELIABILITY.md I10). Strings that end
+(``tenant_id``, ``status``, ``attempt``, usage counters: docs/reliability.md I10). Strings that end
 up in keys or URLs have a pattern; free text refuses control characters, which not every
 database stores.
 """

@@ -1,4 +1,4 @@
-"""``moorline.Client``: the async Python client of HTTP API v1 (API.md).
+"""``moorline.Client``: the async Python client of HTTP API v1 (docs/api.md).
 
 It speaks only the HTTP contract: it imports nothing from ``moorline.api`` (an import-linter
 contract holds it to that), so it works against any server of the same API version and

@@ -1,7 +1,7 @@
 """The results of ``moorline.Client``: pydantic models of API v1's response bodies.
 
 Defined here, not imported from ``moorline.api``: the client speaks only the HTTP contract.
-They ignore fields a newer server adds (API.md: "may grow fields").
+They ignore fields a newer server adds (docs/api.md: "may grow fields").
 """
 
 from dataclasses import dataclass

@@ -6,7 +6,7 @@ the cursor, execute, fetch the rows, close the cursor) and a transaction adds ``
 ``COMMIT`` and the pool's rollback-on-return. A crossing costs little on an idle loop, but on a
 busy one each waits behind every ready callback, and SQLite writers hold the write lock while
 they wait: a one-statement write transaction took about ten crossings, and under load the
-lock's hold time, not SQLite, set the pace of every write (RELIABILITY.md, "what is slow").
+lock's hold time, not SQLite, set the pace of every write (docs/reliability.md, "what is slow").
 
 This module keeps aiosqlite (its thread, queue and error handling) and changes only how a
 statement crosses:

@@ -357,7 +357,7 @@ class Context:
         self,
         action: str,
         data: JSONValue,
-        timeout: float | None = None,  # noqa: ASYNC109 - DESIGN.md's contract
+        timeout: float | None = None,  # noqa: ASYNC109 - docs/design.md's contract
     ) -> Decision:
         """Pause until a person approves or denies ``action``, or the wait ends otherwise.
 

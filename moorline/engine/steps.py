@@ -2,7 +2,7 @@
 
 A step's call is recorded as the function's qualified name and a SHA-256 of the canonical JSON
 of its arguments; a replay whose call differs fails the run instead of returning an output
-recorded for another call (RELIABILITY.md E3).
+recorded for another call (docs/reliability.md E3).
 """
 
 import functools

@@ -1,6 +1,6 @@
 """``code_review``: a GitHub pull request, reviewed by a model, commented on with permission.
 
-Seed 003's scenario. A webhook (``POST /v1/hooks/{id}``, see API.md) starts the run with the
+Seed 003's scenario. A webhook (``POST /v1/hooks/{id}``, see docs/api.md) starts the run with the
 input ``{"payload": <pull_request event body>, "event": <X-GitHub-Event>}``; the payload is
 validated at the trigger against :class:`PullRequestEvent` (or a webhook's ``ping``), so a
 delivery this workflow cannot use is refused with 422 and nothing is stored.

@@ -4,7 +4,7 @@ The tests run on the issue's two deployment shapes: embedded (SQLite, quota coun
 database, rate limits in memory) and scaled out (PostgreSQL with Redis, counters in Redis, as
 ``moorline serve`` with ``MOORLINE_REDIS_URL`` set). The database counter's SQL is held to its
 contract on every backend in ``tests/contract/test_admission_repos.py``. After every Redis
-test no quota or rate-limit key may lack a TTL (RELIABILITY.md F1).
+test no quota or rate-limit key may lack a TTL (docs/reliability.md F1).
 """
 
 import asyncio

@@ -1,4 +1,4 @@
-"""Every error code of API.md that this API answers, with its status, body and side effects.
+"""Every error code of docs/api.md that this API answers, with its status, body and side effects.
 
 Each test also checks what must *not* have happened: a refused trigger stores nothing (or,
 for the quota, exactly one ``rate_limited`` run), a refused admin call changes nothing.

@@ -1,4 +1,4 @@
-"""Tenant isolation, driven by the route table (RELIABILITY.md I3, DESIGN.md invariant 6).
+"""Tenant isolation, driven by the route table (docs/reliability.md I3, docs/design.md invariant 6).
 
 Every route of the app whose path takes a parameter must have a probe in :data:`PROBES`; a
 new route without one fails :func:`test_every_route_with_a_parameter_has_a_probe`, so no

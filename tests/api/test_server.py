@@ -1,7 +1,7 @@
 """Against a real ``moorline serve`` process: what only a real HTTP server shows.
 
 - A chunked body (no ``Content-Length``) over the limit is answered 413 after about the limit,
-  while the client is still sending (RELIABILITY.md I7).
+  while the client is still sending (docs/reliability.md I7).
 - A key in a query string is refused and appears in no log line (I5).
 - Schemathesis generates requests from the served ``/openapi.json``: no answer is a 5xx and
   every answer matches the documented status codes, content types, headers and schemas.

@@ -1,4 +1,4 @@
-"""Error codes are contract (API.md): each class answers with the code and status pinned here."""
+"""Error codes are contract (docs/api.md): each class answers with the code and status pinned."""
 
 from moorline import errors
 from moorline.db.repos.interrupts import InterruptResolved

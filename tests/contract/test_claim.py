@@ -1,6 +1,6 @@
 """Claims on every backend: disjoint batches, priority and FIFO, tenant caps, fairness.
 
-RELIABILITY.md C3 asks for 1,000 rounds of two pollers over 1,000 runs: that is
+docs/reliability.md C3 asks for 1,000 rounds of two pollers over 1,000 runs: that is
 ``MOORLINE_FULL=1`` (``make test-full``). CI runs 250 rounds, 10-30 s per backend on a 2-core
 machine (a round is two claims of 20 with their events, serialised on SQLite's write lock or
 the tenant row lock). Every round is a real race (both

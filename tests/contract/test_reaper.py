@@ -1,6 +1,6 @@
 """The reaper on every backend: reclaiming, max attempts, leadership, the loop, concurrency.
 
-RELIABILITY.md C1 is ``test_concurrent_reapers_requeue_each_expired_run_exactly_once``: 8
+docs/reliability.md C1 is ``test_concurrent_reapers_requeue_each_expired_run_exactly_once``: 8
 reapers that all lead (each holds a leader lease of its own name, the worst case of "two
 processes both think they lead") over 1,000 expired runs, while 100 more expire during the test
 and 100 live runs keep renewing a lease shorter than the test.

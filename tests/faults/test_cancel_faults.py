@@ -39,7 +39,7 @@ from tests.servers import REDIS_TEST_URL, require_server, unique_name
 pytestmark = pytest.mark.faults
 
 FULL = os.environ.get("MOORLINE_FULL") == "1"
-"""Full size (``MOORLINE_FULL=1``): RELIABILITY.md D3's 1,000 runs, on every backend."""
+"""Full size (``MOORLINE_FULL=1``): docs/reliability.md D3's 1,000 runs, on every backend."""
 
 CI_BACKENDS = ["sqlite", "postgresql"]
 """The issue's matrix at CI size: SQLite + the in-memory store, PostgreSQL + Redis."""

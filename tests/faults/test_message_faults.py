@@ -1,4 +1,4 @@
-"""Injected messages across worker kills, with real worker processes (RELIABILITY.md D4).
+"""Injected messages across worker kills, with real worker processes (docs/reliability.md D4).
 
 Concurrent clients post messages into running conversations (one client per conversation,
 each posting in its own order and retrying while the run is between attempts) while worker

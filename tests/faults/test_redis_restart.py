@@ -1,4 +1,4 @@
-"""Restart Redis under real worker processes (issue 4, RELIABILITY.md E).
+"""Restart Redis under real worker processes (issue 4, docs/reliability.md E).
 
 Two ``moorline worker`` processes on PostgreSQL share a *private* Redis server (its own port
 and folder, so restarting it disturbs no other test). While runs hold leases in their steps,

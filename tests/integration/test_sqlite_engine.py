@@ -557,7 +557,7 @@ async def test_a_log_that_cannot_start_over_is_not_checkpointed_after_every_writ
 async def test_a_log_that_readers_keep_from_restarting_is_truncated_past_its_bound(
     sqlite_db: DatabaseManager, db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # RELIABILITY.md G3: readers that always overlap keep a PASSIVE checkpoint from ever
+    # docs/reliability.md G3: readers that always overlap keep a PASSIVE checkpoint from ever
     # letting the log start over. Past its bound the checkpointer waits for them (TRUNCATE).
     monkeypatch.setattr(sqlite_checkpoint, "TRUNCATE_WAL_BYTES", 6 * 1024 * 1024)
     wal = Path(f"{db_path}-wal")
@@ -605,7 +605,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 async def test_processes_contending_for_the_write_lock_see_no_busy_error(
     sqlite_db: DatabaseManager, db_path: Path
 ) -> None:
-    # RELIABILITY.md G1, at CI size: writers of several processes meet each other's write lock
+    # docs/reliability.md G1, at CI size: writers of several processes meet each other's write lock
     # all the time; every such statement waits on its connection's thread and none fails.
     async with sqlite_db.transaction() as conn:
         await conn.execute(text("INSERT INTO counter (id, n) VALUES (2, 0)"))

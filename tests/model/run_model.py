@@ -2,7 +2,7 @@
 
 The state machine in ``test_run_state_machine.py`` drives the real repositories and this model
 side by side, and compares them after every rule. The model knows nothing of SQL: it is the
-run lifecycle of DESIGN.md ("Run lifecycle"), the fencing rule (invariant 2) and the contracts
+run lifecycle of docs/design.md ("Run lifecycle"), the fencing rule (invariant 2) and the contracts
 in the repositories' docstrings, written as the simplest code that could hold them.
 
 **Time** is a logical clock of integer ticks. A lease granted or renewed at tick ``t`` expires
@@ -69,7 +69,7 @@ ALLOWED_EDGES = frozenset(
         (S.QUEUED, S.CANCELLED),
     }
 )
-"""The lifecycle's edges (DESIGN.md); every other change of status is a bug."""
+"""The lifecycle's edges (docs/design.md); every other change of status is a bug."""
 
 EVENT_STATUS: dict[str, RunStatus] = {
     EVENT_QUEUED: S.QUEUED,

@@ -1,4 +1,4 @@
-"""Model-based test of the run state machine against the real repositories (RELIABILITY.md K1).
+"""Model-based test of the run state machine against the real repositories (docs/reliability.md K1).
 
 ``machine.RunMachine`` (a Hypothesis ``RuleBasedStateMachine``) drives ``RunsRepo``,
 ``QueueRepo``, ``StepsRepo``, ``InterruptsRepo`` and ``moorline.dispatch.cancel.cancel_run`` on
@@ -13,7 +13,7 @@ database is read and checked:
   database time, cancel flag, ``finished_at``, claimability, steps, approval and decision;
 - at most one valid lease per run: of all the fences live and paused workers hold, at most
   one matches the run's row;
-- transitions only along the lifecycle's edges (DESIGN.md), read from the events table, each
+- transitions only along the lifecycle's edges (docs/design.md), read from the events table, each
   claim's ``started`` event carrying the next attempt (attempts strictly increase per claim);
 - terminal states absorbing: a run once seen terminal never changes again, nor do its events,
   and the events table is append-only;

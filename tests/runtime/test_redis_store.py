@@ -1,6 +1,6 @@
 """Redis-only properties of the runtime store: key formats, scripts, lost wake-ups, broken links.
 
-RELIABILITY.md D1 (approval lost-wakeup), D5 (script cache) and the "no key without TTL" rule.
+docs/reliability.md D1 (approval lost-wakeup), D5 (script cache) and the "no key without TTL" rule.
 """
 
 import asyncio
@@ -24,7 +24,7 @@ from tests.servers import unique_name
 LONG_S = 30.0
 
 LOST_WAKEUP_TRIALS = 10_000
-"""RELIABILITY.md D1 asks 10,000 trials."""
+"""docs/reliability.md D1 asks 10,000 trials."""
 BATCH = 200
 """Trials waiting at once."""
 STEPS = ("subscribe", "recheck", "wait")

@@ -10,7 +10,7 @@ second run.
 **Calibration** first: runs are fed through the API so that every worker slot always has work,
 and the drain rate of this very setup (same processes, slots, workflow, machine, API) is
 measured over ``calibration_s`` once all three workers serve, without faults. The load then
-arrives open-loop at ``load_share`` (70 %) of that rate, as RELIABILITY.md J1 asks: enough to
+arrives open-loop at ``load_share`` (70 %) of that rate, as docs/reliability.md J1 asks: enough to
 keep every process busy, with headroom for the faults.
 Meanwhile:
 

@@ -1,4 +1,4 @@
-"""Plans: DESIGN.md's defaults, the community edition, the plans file and its TTL cache."""
+"""Plans: docs/design.md's defaults, the community edition, the plans file and its TTL cache."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""Settings: every MOORLINE_* name of DESIGN.md, validated at start with one-line errors."""
+"""Settings: every MOORLINE_* name of docs/design.md, validated at start with one-line errors."""
 
 import pytest
 

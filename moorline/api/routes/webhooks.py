@@ -3,7 +3,7 @@
 ``POST /v1/hooks/{webhook_id}`` takes no API key: GitHub's ``X-Hub-Signature-256`` header
 (``sha256=<hex HMAC-SHA256 of the raw body>`` keyed with the webhook's secret) authenticates
 the delivery. The signature is checked over the raw bytes, with :func:`hmac.compare_digest`,
-before the body is parsed at all (RELIABILITY.md I1); a missing, repeated, malformed or wrong
+before the body is parsed at all (docs/reliability.md I1); a missing, repeated, malformed or wrong
 signature is 401 ``invalid_signature`` and nothing is stored. A verified body becomes the
 run's input ``{"payload": <body>, "event": <X-GitHub-Event>}`` and goes through admission like
 any trigger, with the webhook as the rate-limit credential.

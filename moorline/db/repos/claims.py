@@ -1,7 +1,7 @@
 """Claiming runs: one transaction per batch, in the order :mod:`moorline.db.fairness` promises.
 
 Every transition here is a conditional statement whose predicate sits on the row it changes, and
-every rowcount is checked (RELIABILITY.md §0.6): a predicate hidden in a subquery is not
+every rowcount is checked (docs/reliability.md §0.6): a predicate hidden in a subquery is not
 re-evaluated after a lock wait, and two claimers then take the same run.
 
 1. *Find the waiting tenants*: those with eligible runs (``queued``, ``not_before`` ≤ database

@@ -9,7 +9,7 @@ delivers wake-ups, and a lost wake-up is recovered by reading the row again.
   set once, from database time, when the interrupt is first opened.
 * :meth:`InterruptsRepo.resolve` records the first decision with one statement conditional on
   ``pending``; a repeat of the same decision returns the row, a different one is refused
-  (first writer wins, RELIABILITY.md D2). Approvals and denials by a person must also arrive
+  (first writer wins, docs/reliability.md D2). Approvals and denials by a person must also arrive
   before the deadline by database time, so a late person cannot overturn the timeout a worker
   may already have acted on; the worker's own outcomes (``timeout``, ``cancelled``,
   ``shutdown``) are accepted whenever the interrupt is still pending. A worker whose own

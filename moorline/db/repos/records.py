@@ -196,7 +196,7 @@ class InterruptStatus(StrEnum):
 
 
 class DecisionReason(StrEnum):
-    """Why an interrupt was resolved (``Decision.reason`` in DESIGN.md)."""
+    """Why an interrupt was resolved (``Decision.reason`` in docs/design.md)."""
 
     APPROVED = "approved"
     DENIED = "denied"

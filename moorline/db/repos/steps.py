@@ -41,7 +41,7 @@ transaction find out why, which is safe because what it looks for never changes 
 fence stays lost, a recorded cancel stays recorded, a finished step stays finished.
 
 Every public method is idempotent, so each is wrapped in ``with_retry``: a checkpoint whose
-commit acknowledgement was lost is retried and finds its own write (RELIABILITY.md E6).
+commit acknowledgement was lost is retried and finds its own write (docs/reliability.md E6).
 """
 
 import builtins
@@ -82,7 +82,7 @@ class StepMismatch(MoorlineError):
     """A finished step key was replayed for a different call (non-deterministic workflow).
 
     Raised instead of returning the recorded output: step keys are unique within a run, and a
-    workflow whose code changed between attempts must fail loudly (RELIABILITY.md E3).
+    workflow whose code changed between attempts must fail loudly (docs/reliability.md E3).
     """
 
     code = "step_mismatch"

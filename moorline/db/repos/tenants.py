@@ -40,7 +40,7 @@ from moorline.errors import Conflict, InvalidInput, NotFound
 from moorline.types import TenantId
 
 KEY_PREFIX = "ml_"
-"""Every API key starts with this, so scanners can find leaked keys (RELIABILITY.md I5)."""
+"""Every API key starts with this, so scanners can find leaked keys (docs/reliability.md I5)."""
 
 KEY_BYTES = 32
 PREFIX_LENGTH = 8
@@ -49,7 +49,7 @@ DEFAULT_LIST_LIMIT = 100
 
 AUTH_CACHE_TTL_S = 5.0
 """Seconds an API process trusts a key it authenticated: its bound on honouring a key revoked,
-or a plan changed, by another process (RELIABILITY.md I5 asks for at most 60)."""
+or a plan changed, by another process (docs/reliability.md I5 asks for at most 60)."""
 AUTH_CACHE_ENTRIES = 10_000
 """Authenticated keys kept at most; beyond that the least recently read is dropped."""
 
