@@ -176,6 +176,9 @@ class Context:
         self._drains = 0
         self._lost: LeaseLost | None = None
         self._is_cancelled = False
+        self._cancel_delivered = False
+        """The workflow code was told (a check raised Cancelled, a wait returned a cancelled
+        decision, it read ``cancelled``): only then does a cancel outrank its return value."""
 
     @property
     def run_id(self) -> RunId:
@@ -204,8 +207,11 @@ class Context:
         The RuntimeStore is asked at every step boundary, wait, ``emit`` and
         ``drain_messages``, and the runner sets it as soon as the store's signal or the
         worker's heartbeat reports the cancel; this property reports the latest answer
-        without a round trip.
+        without a round trip. A True answer tells the workflow: after that, returning does
+        not save the run from its cancel.
         """
+        if self._is_cancelled:
+            self._cancel_delivered = True
         return self._is_cancelled
 
     # --- steps -------------------------------------------------------------------------------
@@ -408,7 +414,7 @@ class Context:
                 slice_s = min(left_s, self._interrupt_poll_s)
                 woke = await store.wait_interrupt(self.run_id, iid, slice_s)
                 if woke == CANCELLED_DECISION:
-                    self._is_cancelled = True
+                    self._is_cancelled = self._cancel_delivered = True
                     return await self._settle(interrupt, DecisionReason.CANCELLED)
                 if woke is None:
                     # A poll slice ended, or the store forgot the interrupt: keep it open there
@@ -423,7 +429,7 @@ class Context:
                     # The store has a decision the database does not show yet: the approver
                     # commits there first, so give its commit a poll slice to become visible.
                     if await store.wait_cancelled(self.run_id, slice_s):
-                        self._is_cancelled = True
+                        self._is_cancelled = self._cancel_delivered = True
                         return await self._settle(interrupt, DecisionReason.CANCELLED)
             return _decision_of(found)
         except StoreShutdown:
@@ -445,11 +451,22 @@ class Context:
 
     # --- the attempt's state -----------------------------------------------------------------
 
-    def raise_if_stopped(self) -> None:
-        """Raise the stop this attempt saw (lease lost, cancelled), even if it was swallowed."""
+    def raise_if_stopped(self, *, returned: bool = False) -> None:
+        """Raise the stop this attempt saw (lease lost, cancelled), even if it was swallowed.
+
+        Args:
+            returned: The workflow returned. Its value then outranks a cancel it was never
+                told of: the code ran to its end, every side effect done, so the run ends
+                with what it returned (a lost lease still stops it: the attempt is stale).
+        """
         self._check_lease()
-        if self._is_cancelled:
+        if self._is_cancelled and (self._cancel_delivered or not returned):
             raise Cancelled(self.run_id)
+
+    def _deliver_cancel(self) -> Cancelled:
+        """The cancel, as it is raised into the workflow code (which is thereby told)."""
+        self._is_cancelled = self._cancel_delivered = True
+        return Cancelled(self.run_id)
 
     def _check_lease(self) -> None:
         if self._lost is not None:
@@ -469,8 +486,7 @@ class Context:
             raise
         except CancelRequested:
             # The database has the request even though the store did not say so (yet).
-            self._is_cancelled = True
-            raise Cancelled(self.run_id) from None
+            raise self._deliver_cancel() from None
 
     def _mark_cancelled(self) -> None:
         """The runner learnt of the run's cancel (store signal or heartbeat): remember it."""
@@ -488,7 +504,7 @@ class Context:
     async def _check_boundary(self) -> None:
         self._check_lease()
         if await self._refresh_cancelled():
-            raise Cancelled(self.run_id)
+            raise self._deliver_cancel()
 
     async def _pause(self, delay_s: float) -> None:
         """Sleep ``delay_s`` between two tries of a step; raise :class:`Cancelled` on cancel."""
@@ -496,8 +512,7 @@ class Context:
         deadline = loop.time() + delay_s
         try:
             if await self._store.wait_cancelled(self.run_id, delay_s):
-                self._is_cancelled = True
-                raise Cancelled(self.run_id)
+                raise self._deliver_cancel()
         except StoreShutdown:
             # The worker is going away and will cancel this attempt; until then, just sleep.
             await asyncio.sleep(max(0.0, deadline - loop.time()))

@@ -60,7 +60,7 @@ CANCEL_WATCH_DELAY_S = 0.1
 """Seconds into an attempt before its cancel watcher starts. Most attempts of a busy worker
 are shorter, and a watcher (a task and a store wait) would cost each of them a noticeable
 share of its run time for nothing: their own checks see a cancel, and ``finish_many`` ends a
-run with a recorded cancel ``cancelled`` whatever its outcome. Longer attempts learn of a
+run with a recorded cancel ``cancelled`` unless it succeeded. Longer attempts learn of a
 cancel this much later at most, next to a grace of seconds."""
 
 CANCEL_WATCH_SLICE_S = 300.0
@@ -224,7 +224,7 @@ class WorkflowRunner:
             starting.cancel()
             await self._stop_watchers(run.run_id, watchers)
         await self._wind_down(claim, events)
-        ctx.raise_if_stopped()
+        ctx.raise_if_stopped(returned=True)
         return to_json(output, f"the result of workflow {run.workflow!r}")
 
     async def _stop_watchers(self, run_id: RunId, watchers: list[asyncio.Task[None]]) -> None:

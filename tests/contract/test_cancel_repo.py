@@ -4,6 +4,8 @@ release, claims, the reaper). Also the stops ``cancelled`` and ``timed_out`` as 
 """
 
 import asyncio
+import random
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
@@ -226,14 +228,27 @@ async def test_steps_that_started_are_dated_before_the_request(setup: Setup, how
     assert max(started) <= requested_at
 
 
-async def test_any_outcome_of_a_run_with_a_request_ends_it_cancelled(setup: Setup) -> None:
-    for outcome in ("succeeded", "retrying", "failed", "timed_out"):
+async def test_a_returned_workflows_success_wins_over_a_request(setup: Setup) -> None:
+    # The code ran to its end, every side effect done: its output is the truth.
+    claim = await setup.running()
+    requested = await setup.runs.request_cancel(setup.tenant, claim.fence.run_id)
+    done = Succeeded(fence=claim.fence, output={"done": True})
+    assert await setup.runs.finish_many([done]) == [True]
+    stored = await setup.get(claim.fence.run_id)
+    assert (stored.status, stored.output) == (RunStatus.SUCCEEDED, {"done": True})
+    assert stored.cancel_requested_at == requested.cancel_requested_at
+    assert await event_types(setup.db, claim.fence.run_id) == ["queued", "started", "succeeded"]
+    with pytest.raises(RunFinished):
+        await setup.runs.request_cancel(setup.tenant, claim.fence.run_id)
+
+
+async def test_any_other_outcome_of_a_run_with_a_request_ends_it_cancelled(setup: Setup) -> None:
+    for outcome in ("retrying", "failed", "timed_out"):
         claim = await setup.running()
         fence = claim.fence
         requested = await setup.runs.request_cancel(setup.tenant, fence.run_id)
         error: JSONObject = {"message": "x"}
         written: dict[str, Outcome] = {
-            "succeeded": Succeeded(fence=fence, output={"done": True}),
             "retrying": Failed(fence=fence, error=error, retry_delay_s=0.0),
             "failed": Failed(fence=fence, error=error, retry_delay_s=None),
             "timed_out": Stopped(fence=fence, status=RunStatus.TIMED_OUT, error=error),
@@ -343,3 +358,44 @@ async def test_concurrent_requests_record_one_cancel(setup: Setup) -> None:
     for run_id in run_ids:
         cancelled = (await event_types(setup.db, run_id)).count("cancelled")
         assert cancelled == (0 if run_id in running else 1)
+
+
+LATE_CANCEL_RACES = 1_000
+RACES_AT_ONCE = 50
+
+
+async def test_a_cancel_racing_a_success_never_erases_it(setup: Setup) -> None:
+    """The workflow has returned; its success and a cancel race 1,000 times: success stands."""
+    rng = random.Random(20261128)
+    order: Counter[str] = Counter()
+    for _ in range(LATE_CANCEL_RACES // RACES_AT_ONCE):
+        await setup.submit(RACES_AT_ONCE)
+        claims = await setup.claim(limit=RACES_AT_ONCE)
+        assert len(claims) == RACES_AT_ONCE
+
+        async def race(claim: Claim) -> None:
+            run_id = claim.fence.run_id
+            done = Succeeded(fence=claim.fence, output={"run": run_id})
+
+            async def cancel() -> str:
+                try:
+                    await setup.runs.request_cancel(setup.tenant, run_id)
+                except RunFinished:
+                    return "refused"
+                return "requested"
+
+            async def finish() -> str:
+                assert await setup.runs.finish_many([done]) == [True]
+                return "finished"
+
+            first, second = (cancel, finish) if rng.random() < 0.5 else (finish, cancel)
+            answers = await asyncio.gather(first(), second())
+            order["cancel " + next(a for a in answers if a != "finished")] += 1
+
+        await asyncio.gather(*(race(claim) for claim in claims))
+        for claim in claims:
+            stored = await setup.get(claim.fence.run_id)
+            assert stored.status is RunStatus.SUCCEEDED, stored
+            assert stored.output == {"run": claim.fence.run_id}
+    assert sum(order.values()) == LATE_CANCEL_RACES
+    assert order["cancel requested"] > 0 and order["cancel refused"] > 0, order

@@ -501,14 +501,14 @@ async def test_a_large_batch_ends_each_run_its_own_way_with_its_event(
 ) -> None:
     # More outcomes of one kind than one finish statement takes, every other kind beside
     # them, distinct values per run (each must land on its own run), and a recorded cancel
-    # that turns a success into a cancel.
+    # that turns a retry into a cancel (a success would stand: the workflow returned).
     repo, queue = RunsRepo(db), QueueRepo(db)
     lane = unique("lane")
     tenant = await tenants.new()
     await repo.submit_many([new_run(tenant, lane) for _ in range(400)])
     claims = await claim(queue, lane, limit=400)
     assert len(claims) == 400
-    cancelled = claims[0].run.run_id
+    cancelled = claims[2].run.run_id  # index 2: a retry below
     await repo.request_cancel(tenant, cancelled)
 
     def error(index: int) -> JSONObject:

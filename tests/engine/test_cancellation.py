@@ -291,6 +291,55 @@ async def test_a_workflow_that_never_checks_is_cancelled_after_the_grace(bench: 
     assert await event_types(bench.db, run_id) == ["queued", "started", "cancelled"]
 
 
+async def test_a_cancel_that_arrives_as_the_workflow_returns_keeps_its_output(
+    bench: Bench,
+) -> None:
+    """The workflow's code has returned; the cancel lands before the outcome is written."""
+    seen_by_runner = asyncio.Event()
+
+    @bench.app.workflow("returning")
+    async def returning(ctx: Context) -> JSONValue:
+        await ctx.step("effect", note([]), "done")  # the side effect, checkpointed
+        await cancel_run(bench.runs, bench.store, bench.tenant, ctx.run_id)
+        # Until the runner has marked the attempt cancelled (the store's signal or the
+        # heartbeat), without the workflow asking: it returns knowing nothing of the cancel.
+        await wait_for(lambda: is_marked(ctx), message="the runner to see the cancel")
+        seen_by_runner.set()
+        return {"effect": "done"}
+
+    run_id = await bench.submit("returning")
+    async with Serving(bench.worker()):
+        run = await bench.finished(run_id)
+    assert seen_by_runner.is_set()
+    assert (run.status, run.output) == (RunStatus.SUCCEEDED, {"effect": "done"})
+    assert run.cancel_requested_at is not None  # the request is kept, and answered
+    assert await event_types(bench.db, run_id) == ["queued", "started", "succeeded"]
+
+
+async def is_marked(ctx: Context) -> bool:
+    # The attempt's own flag, read without telling the workflow (ctx.cancelled would).
+    marked: bool = ctx._is_cancelled
+    return marked
+
+
+async def test_a_workflow_told_of_the_cancel_ends_cancelled_even_if_it_returns(
+    bench: Bench,
+) -> None:
+    @bench.app.workflow("stubborn")
+    async def stubborn(ctx: Context) -> JSONValue:
+        await cancel_run(bench.runs, bench.store, bench.tenant, ctx.run_id)
+        try:
+            await ctx.step("next", note([]), "next")
+        except Cancelled:
+            return "ignored the cancel"  # told, and returned anyway
+        return "unreachable"
+
+    run_id = await bench.submit("stubborn")
+    async with Serving(bench.worker()):
+        run = await bench.finished(run_id)
+    assert (run.status, run.output) == (RunStatus.CANCELLED, None)
+
+
 async def test_the_hard_limit_ends_runs_timed_out_without_a_retry(bench: Bench) -> None:
     @bench.app.workflow("limited", timeout=0.3, max_attempts=3)
     async def limited(ctx: Context) -> JSONValue:

@@ -265,7 +265,8 @@ class RunModel:
         """Apply a ``finish_many`` batch in order; per outcome, whether it must have applied.
 
         An outcome applies exactly when its fence is current at its turn in the batch, so a
-        second outcome for a run never applies. A recorded cancel wins over every outcome.
+        second outcome for a run never applies. A recorded cancel wins over every outcome but a
+        success: the workflow returned, its output stands.
         """
         applied: list[bool] = []
         for fence, kind in outcomes:
@@ -273,7 +274,7 @@ class RunModel:
                 applied.append(False)
                 continue
             run = self.runs[fence.run_id]
-            if run.is_cancel_requested or kind == "cancelled":
+            if kind == "cancelled" or (run.is_cancel_requested and kind != "succeeded"):
                 run.is_cancel_requested = True
                 self._end_lease(run, S.CANCELLED)
             elif kind in ("retry_now", "retry_later"):

@@ -2,8 +2,10 @@
 
 An outcome applies only under its fence (run, attempt, owner, ``running``); a worker whose
 lease was taken over matches no row and writes nothing, not even an event. A run whose cancel
-is recorded ends ``cancelled`` whatever its attempt's outcome: the request wins over a
-success, a failure or a retry not yet written.
+is recorded ends ``cancelled`` unless its workflow returned: the request wins over a failure or
+a retry not yet written, but a success is the workflow's code having run to its end, every
+side effect done, so its output is kept (a cancel is a request; once the code has returned
+there is nothing left to stop, docs/api.md "Cancel").
 
 The time comes from the database only, read in the statement that locks the rows and bound as
 a value (rather than the SQL function per row), so a batch has one clock reading.
@@ -133,9 +135,11 @@ class RunFinishes(RunRepoBase):
           ``cancel_requested_at`` set if the cancel came through the RuntimeStore only) or
           ``timed_out`` with ``error`` (event ``timed_out``, data: the error).
 
-        Any outcome of a run whose cancel is recorded (``cancel_requested_at``, read under the
-        row lock) is written as a cancel: a requested cancel always ends the run
-        ``cancelled``, never ``queued`` again, and never as a success or failure that raced it.
+        Any outcome but a success of a run whose cancel is recorded (``cancel_requested_at``,
+        read under the row lock) is written as a cancel: a requested cancel ends the run
+        ``cancelled``, never ``queued`` again, never ``failed``. A success is written as a
+        success, the request kept in ``cancel_requested_at``: the workflow returned before it
+        saw the request, and its output is the truth about what was done.
 
         Every applied outcome clears the lease; the terminal ones set ``finished_at`` and
         ``elapsed_time`` (seconds from the first ``started_at``), from database time.
@@ -167,7 +171,7 @@ class RunFinishes(RunRepoBase):
                         # one of the same run may come together).
                         continue
                     del running[fence.run_id]
-                    if held.is_cancel_requested:
+                    if held.is_cancel_requested and not isinstance(outcome, Succeeded):
                         outcome = Stopped(fence=fence, status=RunStatus.CANCELLED)
                     finish = _finish_of(outcome, now, held.started_at)
                     groups.setdefault(finish.kind, []).append(finish)
