@@ -118,9 +118,13 @@ async def current_revision(db: Database) -> str | None:
 RETIRED_SQLITE_INDEXES = ("ix_runs_claim",)
 """Indexes older versions created and the schema no longer has (replaced by migration 0002)."""
 
+ADDED_SQLITE_COLUMNS = (("steps", "seq", "INTEGER"),)
+"""Nullable columns added since the first version (table, column, SQLite type), as the server
+migrations add them (0004): ``create_all`` never alters a table that exists."""
+
 
 def _create_all_sqlite(conn: Connection) -> None:
-    """Create missing tables and the indexes added since, and drop the retired indexes.
+    """Create missing tables, the columns and indexes added since; drop the retired indexes.
 
     ``create_all`` creates a table's indexes only with the table, so a database file made by an
     older version would never get a newer index: SQLite has no migrations to add it.
@@ -131,6 +135,10 @@ def _create_all_sqlite(conn: Connection) -> None:
             index.create(conn, checkfirst=True)
     for retired in RETIRED_SQLITE_INDEXES:
         conn.exec_driver_sql(f"DROP INDEX IF EXISTS {retired}")
+    for table_name, column, sql_type in ADDED_SQLITE_COLUMNS:
+        present = {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table_name})")}
+        if column not in present:
+            conn.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {column} {sql_type}")
 
 
 async def ensure_schema(db: Database) -> None:

@@ -137,6 +137,9 @@ steps = Table(
     Column("error", Text, nullable=True),
     Column("started_at", UTCDateTime(), nullable=False),
     Column("finished_at", UTCDateTime(), nullable=True),
+    # 1, 2, … in the order the run's steps first started: listings sort by it, as timestamps
+    # tie (SQLite keeps milliseconds). NULL for steps stored before revision 0004.
+    Column("seq", Integer, nullable=True),
 )
 
 events = Table(

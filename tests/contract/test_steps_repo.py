@@ -507,3 +507,26 @@ async def test_the_fence_of_the_statements_built_once_is_the_fence(db: DatabaseM
 
     built_once = select(runs.c.id).where(fence_by_parameters()).params(fence_parameters(fence))
     assert sql(built_once) == sql(select(runs.c.id).where(fence.clause()))
+
+
+@pytest.mark.parametrize("path", ["insert_new", "start"])
+async def test_steps_are_listed_in_the_order_they_started_even_within_one_instant(
+    db: DatabaseManager, tenants: Tenants, path: str
+) -> None:
+    repo = StepsRepo(db)
+    _, fence = await new_run(db, tenants)
+    for key in ("outline", "draft", "review", "a_final_check"):
+        if path == "insert_new":
+            assert await repo.insert_new(fence, key, "fn", "h")
+        else:
+            assert not (await repo.start(fence, key, "fn", "h")).replay
+    # The same instant for all (SQLite keeps milliseconds): only the start order tells them apart.
+    async with db.transaction() as conn:
+        same = (
+            await conn.execute(select(runs.c.created_at).where(runs.c.id == fence.run_id))
+        ).scalar_one()
+        await conn.execute(
+            update(steps).where(steps.c.run_id == fence.run_id).values(started_at=same)
+        )
+    listed = [step.key for step in await repo.list(fence.run_id)]
+    assert listed == ["outline", "draft", "review", "a_final_check"]

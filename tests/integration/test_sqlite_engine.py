@@ -205,6 +205,25 @@ async def test_a_file_from_an_older_version_gets_the_current_indexes(db_path: Pa
     assert "ix_runs_claim" not in names
 
 
+async def test_a_file_from_an_older_version_gets_the_columns_added_since(db_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{db_path}"
+    old = DatabaseManager(Settings(database_url=url))
+    try:
+        await old.initialize()
+        async with old.transaction() as conn:  # as the versions before steps.seq left it
+            await conn.execute(text("ALTER TABLE steps DROP COLUMN seq"))
+    finally:
+        await old.dispose()
+    current = DatabaseManager(Settings(database_url=url))
+    try:
+        await current.initialize()
+        async with current.connect() as conn:
+            columns = {row[1] for row in await conn.execute(text("PRAGMA table_info(steps)"))}
+    finally:
+        await current.dispose()
+    assert "seq" in columns
+
+
 @pytest.fixture
 def crossings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the calls sent to the aiosqlite connections' threads from now on.

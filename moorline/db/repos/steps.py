@@ -55,6 +55,7 @@ from sqlalchemy import (
     Update,
     and_,
     bindparam,
+    func,
     insert,
     literal,
     null,
@@ -209,6 +210,21 @@ def fence_parameters(fence: Fence) -> dict[str, Any]:
     }
 
 
+def _next_seq(run_id: ColumnElement[Any]) -> ColumnElement[int]:
+    """The ``seq`` of a run's next new step: one more than its largest (1 for the first).
+
+    Taken under the run's row lock (the fence), so a run's steps started one after another
+    are numbered in order; two started at once by ``asyncio.gather`` may share a number on a
+    server (its statement snapshot predates the lock wait), and then sort by time and key.
+    """
+    earlier = steps.alias("earlier")
+    return (
+        select(func.coalesce(func.max(earlier.c.seq), 0) + 1)
+        .where(earlier.c.run_id == run_id)
+        .scalar_subquery()
+    )
+
+
 def _insert_new_statement(backend: Backend) -> Insert:
     """``INSERT INTO steps … SELECT … FROM runs WHERE <fence> AND no cancel`` (locked).
 
@@ -222,9 +238,10 @@ def _insert_new_statement(backend: Backend) -> Insert:
         bindparam("step_function", type_=steps.c.function.type),
         bindparam("step_call_hash", type_=steps.c.call_hash.type),
         backend.now(),
+        _next_seq(runs.c.id),
     ).where(fence_by_parameters(), runs.c.cancel_requested_at.is_(None))
     return insert(steps).from_select(
-        ["run_id", "key", "status", "attempt", "function", "call_hash", "started_at"],
+        ["run_id", "key", "status", "attempt", "function", "call_hash", "started_at", "seq"],
         backend.lock_rows(source),
     )
 
@@ -278,9 +295,14 @@ class StepsRepo:
         return await self._db.with_retry(read)
 
     async def list(self, run_id: RunId) -> builtins.list[Step]:
-        """Every step of ``run_id``, by start time (of its latest attempt) then key."""
+        """Every step of ``run_id`` in the order they first started (``seq``).
+
+        Steps stored before ``seq`` existed (NULL) come first, by start time then key.
+        """
         stmt = (
-            select(steps).where(steps.c.run_id == run_id).order_by(steps.c.started_at, steps.c.key)
+            select(steps)
+            .where(steps.c.run_id == run_id)
+            .order_by(func.coalesce(steps.c.seq, 0), steps.c.started_at, steps.c.key)
         )
 
         async def read() -> builtins.list[Step]:
@@ -370,6 +392,9 @@ class StepsRepo:
         now = self._backend.now()
         found = await _select_step_txn(conn, fence.run_id, key)
         if found is None:
+            # Read first, not a subquery of the INSERT: MySQL refuses one that reads the table
+            # it inserts into. The run's row is locked (the fence), so the number is ours.
+            seq = await conn.scalar(select(_next_seq(literal(fence.run_id))))
             await conn.execute(
                 insert(steps).values(
                     run_id=fence.run_id,
@@ -379,6 +404,7 @@ class StepsRepo:
                     function=function,
                     call_hash=call_hash,
                     started_at=now,
+                    seq=seq,
                 )
             )
             return StepStart(
