@@ -37,8 +37,84 @@ def is_read_only_error(exc: BaseException) -> bool:
     return bool(args) and args[0] in READ_ONLY_MYSQL_ERRORS
 
 
+PERMANENT_SQLITE_CODES = {
+    8: "the database file is read-only",  # SQLITE_READONLY
+    3: "no permission to use the database",  # SQLITE_PERM
+    23: "no permission to use the database",  # SQLITE_AUTH
+    13: "the disk is full",  # SQLITE_FULL
+    14: "the database file cannot be opened",  # SQLITE_CANTOPEN
+    11: "the database file is corrupt",  # SQLITE_CORRUPT
+    26: "the file is not a database",  # SQLITE_NOTADB
+}
+"""SQLite's primary result codes that no retry cures, and what each means to an operator."""
+PERMANENT_SQLSTATES = {
+    "42501": "no permission for this statement",  # insufficient_privilege
+    "42P01": "a table is missing: is the schema at the code's revision?",  # undefined_table
+    "42703": "a column is missing: is the schema at the code's revision?",  # undefined_column
+    "53100": "the disk is full",  # disk_full
+    "3D000": "the database does not exist",  # invalid_catalog_name
+    "28000": "the role may not log in",  # invalid_authorization_specification
+    "28P01": "the password was refused",  # invalid_password
+}
+"""PostgreSQL's SQLSTATEs that no retry cures. (25006, a read-only transaction, is not here:
+it means a demoted primary, which the pool fails over from.)"""
+PERMANENT_MYSQL_ERRORS = {
+    1142: "no permission for this statement",  # ER_TABLEACCESS_DENIED_ERROR
+    1227: "no permission for this statement",  # ER_SPECIFIC_ACCESS_DENIED_ERROR
+    1044: "no permission to use the database",  # ER_DBACCESS_DENIED_ERROR
+    1045: "the user or password was refused",  # ER_ACCESS_DENIED_ERROR
+    1049: "the database does not exist",  # ER_BAD_DB_ERROR
+    1146: "a table is missing: is the schema at the code's revision?",  # ER_NO_SUCH_TABLE
+    1054: "a column is missing: is the schema at the code's revision?",  # ER_BAD_FIELD_ERROR
+    1114: "a table is full (the disk?)",  # ER_RECORD_FILE_FULL
+    1021: "the disk is full",  # ER_DISK_FULL
+}
+"""MySQL/MariaDB error numbers that no retry cures."""
+
+
+def permanent_reason(exc: BaseException) -> str | None:
+    """Why a database error is one that no retry cures, or None when a retry may.
+
+    A read-only file, missing permissions, a full disk, a missing table or database: retrying
+    them only delays the same answer (a trigger waited seven seconds for its 503), so they are
+    answered at once and refused at start. The driver's own error is read (SQLite's result
+    code, PostgreSQL's SQLSTATE, MySQL's error number), wherever SQLAlchemy wrapped it.
+    """
+    for error in _driver_errors(exc):
+        code = getattr(error, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            if code & 0xFF in PERMANENT_SQLITE_CODES:
+                return PERMANENT_SQLITE_CODES[code & 0xFF]
+            if "no such table" in str(error):
+                return "a table is missing: is the schema at the code's revision?"
+        sqlstate = getattr(error, "sqlstate", None)
+        if isinstance(sqlstate, str) and sqlstate in PERMANENT_SQLSTATES:
+            return PERMANENT_SQLSTATES[sqlstate]
+        args: tuple[object, ...] = error.args
+        if args and isinstance(args[0], int) and args[0] in PERMANENT_MYSQL_ERRORS:
+            return PERMANENT_MYSQL_ERRORS[args[0]]
+    return None
+
+
+def _driver_errors(exc: BaseException) -> list[BaseException]:
+    """``exc``, the driver error SQLAlchemy wrapped in it, and their causes (at most a few)."""
+    found: list[BaseException] = []
+    pending: list[BaseException | None] = [exc]
+    while pending and len(found) < 8:
+        error = pending.pop()
+        if error is None or error in found:
+            continue
+        found.append(error)
+        pending.append(error.__cause__)
+        if isinstance(error, DBAPIError):
+            pending.append(error.orig)
+    return found
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a lost or refused connection that a retry may cure."""
+    if permanent_reason(exc) is not None:
+        return False
     if isinstance(exc, OperationalError | DisconnectionError):
         return True
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
@@ -52,10 +128,14 @@ def is_unavailable(exc: BaseException) -> bool:
 def as_unavailable(exc: BaseException) -> BackendUnavailable | None:
     """``exc`` as Moorline's :class:`~moorline.errors.BackendUnavailable`, if it is an outage.
 
-    An outage is a lost or refused connection (:func:`is_transient`) or a pool that gave no
-    connection in time; anything else is a bug (or a constraint the caller should have
-    translated) and gives None.
+    An outage is a lost or refused connection (:func:`is_transient`), a pool that gave no
+    connection in time, or a database that refuses the work for good (:func:`permanent_reason`:
+    answered at once, with the reason); anything else is a bug (or a constraint the caller
+    should have translated) and gives None.
     """
+    reason = permanent_reason(exc)
+    if reason is not None:
+        return BackendUnavailable(f"the database refuses the work: {reason}")
     if is_unavailable(exc):
         return BackendUnavailable("the database is unavailable; retry later")
     return None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import false, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from moorline.db.failures import describe_db_error
+from moorline.db.failures import describe_db_error, permanent_reason
 from moorline.db.schema import tenants
 from moorline.errors import BackendUnavailable
 
@@ -50,4 +50,6 @@ async def check_writable(db: "DatabaseManager", *, timeout_s: float = PROBE_TIME
     except BackendUnavailable as exc:  # no address accepted a connection
         raise BackendUnavailable(f"database is down: {exc.message}") from exc
     except (OSError, SQLAlchemyError) as exc:
-        raise BackendUnavailable(f"database is down: {describe_db_error(exc)}") from exc
+        reason = permanent_reason(exc)
+        why = describe_db_error(exc) if reason is None else f"{reason} ({describe_db_error(exc)})"
+        raise BackendUnavailable(f"database is down: {why}") from exc

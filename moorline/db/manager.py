@@ -36,6 +36,7 @@ from moorline.db.dsn import (
     parse_target,
 )
 from moorline.db.failures import is_transient
+from moorline.db.health import check_writable
 from moorline.db.migrate import ensure_schema
 from moorline.errors import ConfigError
 from moorline.settings import Settings
@@ -76,8 +77,18 @@ class DatabaseManager:
         return hide_password(self.urls[0])
 
     async def initialize(self) -> None:
-        """Prepare the database: create the schema on SQLite, check its version elsewhere."""
+        """Prepare the database: its schema, then a write probe.
+
+        The schema is created on SQLite and its version checked elsewhere; the probe makes a
+        database that refuses writes fail the start rather than every run.
+
+        Raises:
+            SchemaOutOfDate: the schema is behind the code.
+            BackendUnavailable: the database cannot be reached, or refuses writes (a read-only
+                file or node, no permission, a full disk); one line saying why.
+        """
         await ensure_schema(self)
+        await check_writable(self)
 
     @asynccontextmanager
     async def connect(self) -> AsyncIterator[AsyncConnection]:

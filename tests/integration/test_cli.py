@@ -200,3 +200,18 @@ def test_serve_on_a_port_in_use_is_one_line_before_anything_starts(tmp_path: Pat
     assert_one_line_error(result, f"127.0.0.1:{port}", "in use")
     assert result.stdout == ""  # no banner, no generated admin token
     assert not database.exists()  # nothing connected to the database
+
+
+def test_serve_on_a_read_only_database_is_one_line_at_once(tmp_path: Path) -> None:
+    database = tmp_path / "moorline.db"
+    made = run_cli(
+        "db", "upgrade", cwd=tmp_path, MOORLINE_DATABASE_URL=f"sqlite+aiosqlite:///{database}"
+    )
+    assert made.returncode == 0, made.stderr
+    read_only = f"sqlite+aiosqlite:///file:{database}?mode=ro&uri=true"
+    result = run_cli(
+        "serve", "--port", str(free_port()), cwd=tmp_path, MOORLINE_DATABASE_URL=read_only
+    )
+    assert_one_line_error(result, "database is down", "read-only")
+    assert result.stdout == ""  # no banner: it never started
+    assert "retry" not in result.stderr

@@ -5,6 +5,7 @@ can read but not write (PostgreSQL ``default_transaction_read_only``, a MariaDB 
 SELECT only, a SQLite file opened read-only), where ``SELECT 1`` passes and ``/readyz`` must not.
 """
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from moorline.api.app import create_app
 from moorline.db.dsn import DatabaseUnreachable
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
+from moorline.db.repos.tenants import TenantsRepo
 from moorline.settings import Settings
 from tests.servers import PG_ADMIN_URL, REDIS_TEST_URL, require_server, run_sql, unique_name
 
@@ -175,3 +177,29 @@ async def test_readyz_is_503_when_redis_is_down(settings: Settings, db: Database
     error = ready.json()["error"]
     assert error["checks"] == {"database": "ok", "redis": "down"}
     assert error["message"].startswith("redis is down: ")
+
+
+async def test_a_database_that_refuses_writes_answers_503_at_once(
+    backend: str,
+    settings: Settings,
+    db: DatabaseManager,
+    read_only_db: DatabaseManager,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if backend == "postgresql":
+        pytest.skip("a read-only PostgreSQL node is refused at connect (failover), as tested above")
+    _, key = await TenantsRepo(db).create(unique_name("ro"), "team")
+    app = create_app(settings, read_only_db)
+    with caplog.at_level(logging.WARNING):
+        async with client_for(app) as client:
+            answer = await client.post(
+                "/v1/workflows/echo/runs",
+                json={"input": {"message": "hi"}},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "backend_unavailable"
+    assert "refuses the work" in error["message"]
+    # Refused for good: answered without a retry (each would have been logged).
+    assert not [r for r in caplog.records if "retry" in r.getMessage()]
