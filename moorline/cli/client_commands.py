@@ -259,6 +259,14 @@ async def follow_run(client: Client, run_id: str, *, as_json: bool) -> Run:
                 in_text = False
             console.print(describe(event), style="dim", markup=False)
             live.update(f"run {run_id}: {event.type}")
+            if event.type == "permission_request" and isinstance(event.data, dict):
+                # The run waits for someone: say who can unblock it, and how.
+                command = f"{run_id} --interrupt {event.data.get('interrupt_id')}"
+                console.print(
+                    f"waiting for a decision on {event.data.get('action')!r}: "
+                    f"moorline approve {command} (or deny)",
+                    markup=False,
+                )
     if in_text:
         console.print()
     return await client.get_run(run_id)

@@ -49,7 +49,15 @@ from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt
 from moorline.db.repos.steps import StepsRepo
 from moorline.engine.checkpoints import Checkpoints
-from moorline.engine.events import BUFFERED_EVENT_TYPES, EventWriter
+from moorline.engine.events import (
+    BUFFERED_EVENT_TYPES,
+    EVENT_PERMISSION_REQUEST,
+    EVENT_PERMISSION_RESOLVED,
+    EVENT_STEP_FINISHED,
+    EVENT_STEP_STARTED,
+    EventWriter,
+)
+from moorline.engine.progress import StepProgress, permission_request, permission_resolved
 from moorline.engine.steps import (
     backoff_delay_s,
     call_hash,
@@ -93,6 +101,10 @@ SYSTEM_EVENT_TYPES = frozenset(
         EVENT_RELEASED,
         EVENT_TIMED_OUT,
         EVENT_MESSAGE_RECEIVED,
+        EVENT_STEP_STARTED,
+        EVENT_STEP_FINISHED,
+        EVENT_PERMISSION_REQUEST,
+        EVENT_PERMISSION_RESOLVED,
     }
 )
 """Event types Moorline writes for run transitions; ``ctx.emit`` may not use them."""
@@ -259,13 +271,17 @@ class Context:
             if start.replay:
                 return start.output
             token = _CURRENT_STEP.set((self.run_id, key))
+            progress = StepProgress(self._events, key, failures + 1)
+            await progress.started()
             try:
                 result = await call_step_function(fn, args, kwargs)
                 output = to_json(result, f"the result of step {key!r}")
             except (Exception, AttemptStopped) as exc:
                 # AttemptStopped too, as when it was an Exception: the fail write then meets
                 # the same lost lease and raises it again.
-                await self._fenced(self._checkpoints.fail(key, f"{type(exc).__name__}: {exc}"))
+                error = f"{type(exc).__name__}: {exc}"
+                await progress.finished(error)
+                await self._fenced(self._checkpoints.fail(key, error))
                 failures += 1
                 if failures > retries or isinstance(exc, TypeError):
                     raise
@@ -284,6 +300,7 @@ class Context:
                 continue
             finally:
                 _CURRENT_STEP.reset(token)
+            await progress.finished(None)
             await self._fenced(self._checkpoints.succeed(key, output))
             return output
 
@@ -395,9 +412,15 @@ class Context:
         )
         if not interrupt.is_pending:
             return _decision_of(interrupt)
+        await self._fenced(self._events.write(*permission_request(interrupt)))
         left_s = (interrupt.expires_at - datetime.now(UTC)).total_seconds()
         remaining_s = max(0.0, min(timeout_s, left_s))
-        return await self._await_decision(interrupt, remaining_s)
+        decision = await self._await_decision(interrupt, remaining_s)
+        resolved = permission_resolved(
+            interrupt, approved=decision.approved, reason=decision.reason, data=decision.data
+        )
+        await self._fenced(self._events.write(*resolved))
+        return decision
 
     async def _await_decision(self, interrupt: Interrupt, remaining_s: float) -> Decision:
         store, iid = self._store, interrupt.interrupt_id
@@ -476,7 +499,7 @@ class Context:
         """Await a fenced write, after the buffered events (which keep their place before it)."""
         try:
             try:
-                await self._events.flush()
+                await self._events.flush_before_checkpoint()
             except BaseException:
                 write.close()
                 raise

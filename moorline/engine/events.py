@@ -39,8 +39,23 @@ from moorline.types import Attempt, JSONObject, RunId
 logger = logging.getLogger(__name__)
 
 EVENT_DELTA = "delta"
+EVENT_STEP_STARTED = "step_started"
+"""A step's function is called: ``{"key", "try"}`` (the try within this attempt, from 1)."""
+EVENT_STEP_FINISHED = "step_finished"
+"""A step's call ended: ``{"key", "try", "status": "succeeded"|"failed", "duration_ms"}``,
+and ``"error"`` when it failed."""
+EVENT_PERMISSION_REQUEST = "permission_request"
+"""The workflow waits for a decision: ``{"interrupt_id", "action", "data", "expires_at"}``."""
+EVENT_PERMISSION_RESOLVED = "permission_resolved"
+"""The wait ended: ``{"interrupt_id", "approved", "reason", "data"}``."""
 
-BUFFERED_EVENT_TYPES = frozenset({EVENT_DELTA})
+PROGRESS_EVENT_TYPES = frozenset({EVENT_STEP_STARTED, EVENT_STEP_FINISHED})
+"""Buffered, and not written ahead of a checkpoint: the checkpoint is the record of a step,
+these only show its progress live. They keep their place among the other events (one
+buffer), and are written by the batch's timer, with the next other event, or with the
+outcome; a crash may lose the last ones of an attempt (their step's checkpoint says more)."""
+
+BUFFERED_EVENT_TYPES = frozenset({EVENT_DELTA}) | PROGRESS_EVENT_TYPES
 """Event types written in batches; every other type is written (with the batch) at once."""
 
 DEFAULT_BATCH_SIZE = 256
@@ -135,6 +150,8 @@ class EventWriter:
         self._flush_interval_s = flush_interval_s
         self._max_pending = max_pending
         self._pending: list[tuple[str, JSONObject]] = []
+        self._durable = 0
+        """Of ``_pending``, the events a checkpoint must not precede (all but progress)."""
         self._lock = asyncio.Lock()
         self._timer: asyncio.TimerHandle | None = None
         self._writer: asyncio.Task[None] | None = None
@@ -161,6 +178,8 @@ class EventWriter:
         """
         self._raise_error()
         self._pending.append((event_type, data))
+        if event_type not in PROGRESS_EVENT_TYPES:
+            self._durable += 1
         if len(self._pending) < self._batch_size:
             if self._timer is None and not self._is_writing:
                 loop = asyncio.get_running_loop()
@@ -195,6 +214,17 @@ class EventWriter:
         async with self._lock:
             self._raise_error()
             await self._write_locked([])
+
+    async def flush_before_checkpoint(self) -> None:
+        """:meth:`flush`, unless only progress events wait (see :data:`PROGRESS_EVENT_TYPES`).
+
+        Raises:
+            LeaseLost: A write found the fence gone; nothing more is written.
+        """
+        if self._durable == 0 and not self._lock.locked():
+            self._raise_error()
+            return
+        await self.flush()
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
@@ -233,6 +263,7 @@ class EventWriter:
     def abandon(self) -> None:
         """Drop the buffered events and stop writing (the attempt is being cancelled)."""
         self._pending.clear()
+        self._durable = 0
         self._room.set()
         self._cancel_timer()
         if self._writer is not None:
@@ -246,6 +277,8 @@ class EventWriter:
         """Write everything buffered (and ``extra`` after it), a batch per transaction."""
         self._cancel_timer()
         self._pending.extend(extra)
+        # Everything buffered is written below (or the attempt is over): none left to wait for.
+        self._durable = 0
         written: list[Event] = []
         while self._pending:
             # Taken at each turn: what was emitted while the last batch committed joins this one.

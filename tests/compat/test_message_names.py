@@ -3,7 +3,14 @@
 from moorline.db.repos.events import EVENT_MESSAGE_RECEIVED, TERMINAL_EVENT_TYPES
 from moorline.db.repos.messages import DRAIN_FUNCTION, drain_step_key
 from moorline.engine.conversations import parse_holder
-from moorline.engine.events import BUFFERED_EVENT_TYPES
+from moorline.engine.events import (
+    BUFFERED_EVENT_TYPES,
+    EVENT_PERMISSION_REQUEST,
+    EVENT_PERMISSION_RESOLVED,
+    EVENT_STEP_FINISHED,
+    EVENT_STEP_STARTED,
+    PROGRESS_EVENT_TYPES,
+)
 from moorline.errors import ConversationBusy, RunNotInteractive
 from moorline.types import Attempt, RunId
 
@@ -11,7 +18,11 @@ from moorline.types import Attempt, RunId
 def test_event_types() -> None:
     assert EVENT_MESSAGE_RECEIVED == "message_received"
     assert TERMINAL_EVENT_TYPES == {"succeeded", "failed", "cancelled", "timed_out"}
-    assert BUFFERED_EVENT_TYPES == {"delta"}
+    assert BUFFERED_EVENT_TYPES == {"delta", "step_started", "step_finished"}
+    assert PROGRESS_EVENT_TYPES == {"step_started", "step_finished"}
+    assert (EVENT_STEP_STARTED, EVENT_STEP_FINISHED) == ("step_started", "step_finished")
+    assert EVENT_PERMISSION_REQUEST == "permission_request"
+    assert EVENT_PERMISSION_RESOLVED == "permission_resolved"
 
 
 def test_drain_checkpoints_are_steps_named_by_position() -> None:

@@ -288,7 +288,13 @@ async def test_a_workflow_that_never_checks_is_cancelled_after_the_grace(bench: 
     assert grace_s <= took_s < grace_s + 5
     assert probe == ["one", "cancelled"]
     assert await bench.step_keys(run_id) == [("one", "succeeded")]
-    assert await event_types(bench.db, run_id) == ["queued", "started", "cancelled"]
+    assert await event_types(bench.db, run_id) == [
+        "queued",
+        "started",
+        "step_started",
+        "step_finished",
+        "cancelled",
+    ]
 
 
 async def test_a_cancel_that_arrives_as_the_workflow_returns_keeps_its_output(
@@ -313,7 +319,13 @@ async def test_a_cancel_that_arrives_as_the_workflow_returns_keeps_its_output(
     assert seen_by_runner.is_set()
     assert (run.status, run.output) == (RunStatus.SUCCEEDED, {"effect": "done"})
     assert run.cancel_requested_at is not None  # the request is kept, and answered
-    assert await event_types(bench.db, run_id) == ["queued", "started", "succeeded"]
+    assert await event_types(bench.db, run_id) == [
+        "queued",
+        "started",
+        "step_started",
+        "step_finished",
+        "succeeded",
+    ]
 
 
 async def is_marked(ctx: Context) -> bool:

@@ -466,4 +466,8 @@ async def test_a_worker_writes_nothing_for_an_attempt_that_lost_its_lease(
         await asyncio.wait_for(running, 10)
     # Attempt 1 stopped at its next step without an outcome; attempt 2 replayed step one.
     assert ran == ["one", "two"]
-    assert await event_types(harness.db, run_id) == ["started", "started", "succeeded"]
+    types = await event_types(harness.db, run_id)
+    # Attempt 1's progress events of step one may have been written before it lost the run
+    # (by their timer); nothing after that.
+    assert [t for t in types if not t.startswith("step_")] == ["started", "started", "succeeded"]
+    assert types[-3:] == ["step_started", "step_finished", "succeeded"]  # step two

@@ -13,13 +13,14 @@ import pytest
 
 from moorline import Context
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.records import Event
 from moorline.db.repos.runs import NewRun
 from moorline.engine.streams import EventStream
 from moorline.errors import RunNotFound
 from moorline.runtime.base import RuntimeStore
 from moorline.runtime.memory import InMemoryRuntimeStore
-from moorline.types import JSONValue, RunId, RunStatus
+from moorline.types import JSONObject, JSONValue, RunId, RunStatus
 from tests.contract.queue_helpers import Tenants
 from tests.engine.harness import EngineHarness
 from tests.helpers import wait_for
@@ -48,6 +49,13 @@ async def collect(stream: EventStream) -> list[Event]:
 
 def is_contiguous(events: list[Event], first: int) -> bool:
     return [event.seq for event in events] == list(range(first, first + len(events)))
+
+
+def without_duration(data: JSONValue) -> JSONValue:
+    """An event's data without ``duration_ms``, which no test can predict."""
+    if isinstance(data, dict):
+        return {key: value for key, value in data.items() if key != "duration_ms"}
+    return data
 
 
 async def test_deltas_are_written_in_batches_and_before_every_checkpoint(
@@ -88,10 +96,16 @@ async def test_deltas_are_written_in_batches_and_before_every_checkpoint(
     # The last two were written before the runner returned (before any outcome).
     stored = await engine.stored(run_id)
     assert stored_during == [0, 4]
-    assert [(e.type, e.data) for e in stored] == [
+    look: JSONObject = {"key": "look", "try": 1}
+    assert [(e.type, without_duration(e.data)) for e in stored] == [
         ("queued", {}),
         ("started", {}),
-        *[("delta", {"i": i}) for i in range(13)],
+        *[("delta", {"i": i}) for i in range(10)],
+        # Progress events keep their place among the others, though no checkpoint waits for
+        # them: they were written with the next delta's batch.
+        ("step_started", look),
+        ("step_finished", {**look, "status": "succeeded"}),
+        *[("delta", {"i": i}) for i in range(10, 13)],
         ("note", {"after": 13}),
         *[("delta", {"i": i}) for i in range(13, 15)],
     ]
@@ -223,3 +237,79 @@ async def test_a_stream_ends_when_the_run_ended_without_a_terminal_event(
     stream = await engine.streams.open(tenant, refused.run_id)
     assert await engine.runs.mark_rate_limited(refused.run_id, {"code": "quota_exceeded"})
     assert await asyncio.wait_for(collect(stream), 10) == []
+
+
+async def test_steps_and_permission_waits_are_events_a_follower_sees(
+    db: DatabaseManager, store: RuntimeStore, tenants: Tenants
+) -> None:
+    engine = EngineHarness(db, store, tenants)
+    asking = asyncio.Event()
+
+    def flaky(calls: list[int]) -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("the first try fails")
+        return "drafted"
+
+    @engine.app.workflow("reviewed")
+    async def reviewed(ctx: Context) -> JSONValue:
+        calls: list[int] = []
+        await ctx.step("draft", flaky, calls, retries=1, backoff=0.0)
+        asking.set()
+        decision = await ctx.request_permission("publish", {"pages": 3}, timeout=60)
+        return decision.data
+
+    run_id = await engine.new_run("reviewed")
+    claim = await engine.claim()
+    running = asyncio.create_task(engine.runner.run(claim))
+    await asyncio.wait_for(asking.wait(), 10)
+
+    async def requested() -> list[Event]:
+        return await engine.stored(run_id, "permission_request")
+
+    # Written at once, while the workflow waits: a follower learns it waits for someone.
+    [request] = await wait_for(requested, message="the permission_request event")
+    interrupt_id = request.data["interrupt_id"] if isinstance(request.data, dict) else None
+    assert isinstance(interrupt_id, str)
+    assert request.data == {
+        "interrupt_id": interrupt_id,
+        "action": "publish",
+        "data": {"pages": 3},
+        "expires_at": request.data["expires_at"],
+    }
+    await InterruptsRepo(db).resolve(
+        run_id, interrupt_id, approved=True, reason="approved", data={"edited": True}
+    )
+    decision: JSONObject = {"approved": True, "reason": "approved", "data": {"edited": True}}
+    await store.resolve_interrupt(run_id, interrupt_id, decision)
+    assert await asyncio.wait_for(running, 10) == {"edited": True}
+    await engine.runner.release(claim)
+
+    stored = [(e.type, without_duration(e.data)) for e in await engine.stored(run_id)]
+    draft = {"key": "draft"}
+    assert stored[2:] == [
+        ("step_started", {**draft, "try": 1}),
+        (
+            "step_finished",
+            {
+                **draft,
+                "try": 1,
+                "status": "failed",
+                "error": "ConnectionError: the first try fails",
+            },
+        ),
+        ("step_started", {**draft, "try": 2}),
+        ("step_finished", {**draft, "try": 2, "status": "succeeded"}),
+        ("permission_request", request.data),
+        (
+            "permission_resolved",
+            {
+                "interrupt_id": interrupt_id,
+                "approved": True,
+                "reason": "approved",
+                "data": {"edited": True},
+            },
+        ),
+    ]
+    finished = [e for e in await engine.stored(run_id, "step_finished")]
+    assert all(isinstance(e.data, dict) and e.data["duration_ms"] >= 0 for e in finished)

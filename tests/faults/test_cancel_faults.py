@@ -324,8 +324,13 @@ async def test_a_decision_taken_while_no_worker_lives_is_applied_after_a_restart
     assert await event_types(db, run_id) == [
         "queued",
         "started",
+        "step_started",  # prepare, written with the request below
+        "step_finished",
+        "permission_request",  # the killed attempt waited; the next found the decision
         "reclaimed",
         "started",
+        "step_started",  # act
+        "step_finished",
         "succeeded",
     ]
     assert await permissions.pending_for_run(run_id) == []
