@@ -44,7 +44,12 @@ fuzz: install
 	MOORLINE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/api/test_server.py \
 		-k every_operation $(PYTEST_ARGS)
 
+# Commit subjects stay within 72 characters (what `git log --oneline` and mail show), checked
+# from the last commit that landed before the rule; outside a git checkout there is nothing to check.
+SUBJECTS_SINCE := 4b4eb48
 lint: install
+	@git log --format=%s $(SUBJECTS_SINCE)..HEAD 2>/dev/null | awk 'length > 72 \
+		{ print "commit subject over 72 characters: " $$0; bad = 1 } END { exit bad }'
 	$(BIN)/ruff check moorline tests bench
 	$(BIN)/ruff format --check moorline tests bench
 	$(BIN)/mypy
