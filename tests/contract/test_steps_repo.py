@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import select, update
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.fences import fence_by_parameters, fence_parameters
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import Fence
 from moorline.db.repos.steps import (
@@ -20,8 +21,6 @@ from moorline.db.repos.steps import (
     StepNotRunning,
     StepsRepo,
     StepStart,
-    fence_by_parameters,
-    fence_parameters,
 )
 from moorline.db.schema import runs, steps
 from moorline.types import Attempt, JSONValue, RunId, StepStatus

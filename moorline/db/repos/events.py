@@ -18,8 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import Backend, DialectName, backend_for
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.fences import hold_fence_txn
 from moorline.db.repos.records import Event, Fence
-from moorline.db.repos.steps import hold_fence_txn
 from moorline.db.schema import events, runs
 from moorline.types import Attempt, JSONObject, RunId
 
@@ -193,7 +193,7 @@ async def append_fenced_events_txn(
 
     Args:
         conn: The caller's connection, inside its write transaction, after
-            :func:`~moorline.db.repos.steps.hold_fence_txn`.
+            :func:`~moorline.db.repos.fences.hold_fence_txn`.
         dialect: The database's dialect.
         fence: The attempt the events are written under.
         items: ``(event type, data)`` per event.

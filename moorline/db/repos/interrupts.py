@@ -28,8 +28,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.fences import hold_fence_txn
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt, InterruptStatus
-from moorline.db.repos.steps import hold_fence_txn
 from moorline.db.schema import interrupts
 from moorline.errors import Conflict, MoorlineError, NotFound
 from moorline.types import Attempt, JSONObject, JSONValue, RunId

@@ -34,8 +34,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_MESSAGE_RECEIVED, append_fenced_events_txn
+from moorline.db.repos.fences import hold_fence_txn
 from moorline.db.repos.records import Event, Fence, Message
-from moorline.db.repos.steps import StepMismatch, hold_fence_txn
+from moorline.db.repos.steps import StepMismatch
 from moorline.db.schema import messages, runs, steps
 from moorline.errors import LimitExceeded, RunNotFound, RunNotInteractive
 from moorline.types import Attempt, JSONObject, RunId, RunStatus, StepStatus, TenantId
