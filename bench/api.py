@@ -63,9 +63,6 @@ from common import on_fresh_database, percentile, summary
 from redis.asyncio import Redis
 
 from moorline import Client
-from moorline.db.manager import DatabaseManager
-from moorline.db.migrate import upgrade
-from moorline.settings import Settings
 
 REDIS_URL = os.environ.get("MOORLINE_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 ADMIN_TOKEN = "bench-admin-token"
@@ -364,11 +361,7 @@ async def run_backend(
             }
             prefix = f"bench_{uuid.uuid4().hex[:10]}"
             if backend == "postgresql":
-                db = DatabaseManager(Settings(database_url=url))
-                try:
-                    await upgrade(db)
-                finally:
-                    await db.dispose()
+                await upgrade_with(source, url)
                 settings |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
             profile = None
             if args.profile is not None:
@@ -383,6 +376,27 @@ async def run_backend(
         return await on_fresh_database(backend, on)
 
     return await start([])
+
+
+async def upgrade_with(source: Path, url: str) -> None:
+    """Migrate the database at ``url`` with ``source``'s own migrations (``moorline db
+    upgrade`` run in that tree): a baseline refuses a schema a newer tree migrated."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
+    env["MOORLINE_DATABASE_URL"] = url
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "moorline",
+        "db",
+        "upgrade",
+        cwd=source,
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, error = await process.communicate()
+    if process.returncode != 0:
+        raise SystemExit(f"moorline db upgrade in {source} failed: {error.decode()}")
 
 
 async def delete_keys(prefix: str) -> None:
