@@ -130,15 +130,16 @@ def _create_all_sqlite(conn: Connection) -> None:
     older version would never get a newer index: SQLite has no migrations to add it.
     """
     metadata.create_all(conn)
+    # Columns first: an index added since may be on one of them.
+    for table_name, column, sql_type in ADDED_SQLITE_COLUMNS:
+        present = {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table_name})")}
+        if column not in present:
+            conn.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {column} {sql_type}")
     for table in metadata.sorted_tables:
         for index in table.indexes:
             index.create(conn, checkfirst=True)
     for retired in RETIRED_SQLITE_INDEXES:
         conn.exec_driver_sql(f"DROP INDEX IF EXISTS {retired}")
-    for table_name, column, sql_type in ADDED_SQLITE_COLUMNS:
-        present = {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table_name})")}
-        if column not in present:
-            conn.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {column} {sql_type}")
 
 
 async def ensure_schema(db: Database) -> None:

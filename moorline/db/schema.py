@@ -140,6 +140,8 @@ steps = Table(
     # 1, 2, … in the order the run's steps first started: listings sort by it, as timestamps
     # tie (SQLite keeps milliseconds). NULL for steps stored before revision 0004.
     Column("seq", Integer, nullable=True),
+    # A new step's number is the run's largest plus one: one index probe, not a scan.
+    Index("ix_steps_run_seq", "run_id", "seq"),
 )
 
 events = Table(

@@ -419,7 +419,7 @@ class Context:
         resolved = permission_resolved(
             interrupt, approved=decision.approved, reason=decision.reason, data=decision.data
         )
-        await self._fenced(self._events.write(*resolved))
+        await self._events.add(*resolved)  # progress: the resume does not wait for its write
         return decision
 
     async def _await_decision(self, interrupt: Interrupt, remaining_s: float) -> Decision:

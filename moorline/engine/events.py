@@ -49,11 +49,14 @@ EVENT_PERMISSION_REQUEST = "permission_request"
 EVENT_PERMISSION_RESOLVED = "permission_resolved"
 """The wait ended: ``{"interrupt_id", "approved", "reason", "data"}``."""
 
-PROGRESS_EVENT_TYPES = frozenset({EVENT_STEP_STARTED, EVENT_STEP_FINISHED})
-"""Buffered, and not written ahead of a checkpoint: the checkpoint is the record of a step,
-these only show its progress live. They keep their place among the other events (one
-buffer), and are written by the batch's timer, with the next other event, or with the
-outcome; a crash may lose the last ones of an attempt (their step's checkpoint says more)."""
+PROGRESS_EVENT_TYPES = frozenset(
+    {EVENT_STEP_STARTED, EVENT_STEP_FINISHED, EVENT_PERMISSION_RESOLVED}
+)
+"""Buffered, and not written ahead of a checkpoint: the checkpoint (for a decision, the
+interrupt's row) is the record, these only show progress live, and a step or a resumed
+workflow does not wait for their write. They keep their place among the other events (one
+buffer) and are written by the batch's timer, with the next other event, or with the
+outcome; a crash may lose an attempt's last ones, never the records they describe."""
 
 BUFFERED_EVENT_TYPES = frozenset({EVENT_DELTA}) | PROGRESS_EVENT_TYPES
 """Event types written in batches; every other type is written (with the batch) at once."""

@@ -18,8 +18,9 @@ from moorline.types import Attempt, RunId
 def test_event_types() -> None:
     assert EVENT_MESSAGE_RECEIVED == "message_received"
     assert TERMINAL_EVENT_TYPES == {"succeeded", "failed", "cancelled", "timed_out"}
-    assert BUFFERED_EVENT_TYPES == {"delta", "step_started", "step_finished"}
-    assert PROGRESS_EVENT_TYPES == {"step_started", "step_finished"}
+    progress = {"step_started", "step_finished", "permission_resolved"}
+    assert PROGRESS_EVENT_TYPES == progress
+    assert BUFFERED_EVENT_TYPES == {"delta", *progress}
     assert (EVENT_STEP_STARTED, EVENT_STEP_FINISHED) == ("step_started", "step_finished")
     assert EVENT_PERMISSION_REQUEST == "permission_request"
     assert EVENT_PERMISSION_RESOLVED == "permission_resolved"

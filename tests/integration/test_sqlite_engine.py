@@ -211,6 +211,7 @@ async def test_a_file_from_an_older_version_gets_the_columns_added_since(db_path
     try:
         await old.initialize()
         async with old.transaction() as conn:  # as the versions before steps.seq left it
+            await conn.execute(text("DROP INDEX ix_steps_run_seq"))
             await conn.execute(text("ALTER TABLE steps DROP COLUMN seq"))
     finally:
         await old.dispose()
@@ -219,9 +220,11 @@ async def test_a_file_from_an_older_version_gets_the_columns_added_since(db_path
         await current.initialize()
         async with current.connect() as conn:
             columns = {row[1] for row in await conn.execute(text("PRAGMA table_info(steps)"))}
+            indexes = {row[1] for row in await conn.execute(text("PRAGMA index_list(steps)"))}
     finally:
         await current.dispose()
     assert "seq" in columns
+    assert "ix_steps_run_seq" in indexes
 
 
 @pytest.fixture

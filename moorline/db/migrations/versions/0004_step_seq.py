@@ -22,7 +22,9 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.add_column("steps", sa.Column("seq", sa.Integer(), nullable=True))
+    op.create_index("ix_steps_run_seq", "steps", ["run_id", "seq"], unique=False)
 
 
 def downgrade() -> None:
+    op.drop_index("ix_steps_run_seq", table_name="steps")
     op.drop_column("steps", "seq")
