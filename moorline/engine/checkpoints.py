@@ -63,6 +63,9 @@ class Checkpoints:
         # (Were it wrong, insert_new would find the row and start() would decide.)
         self._keys: set[str] | None = set() if fence.attempt == 1 else None
         """Keys of the run's steps that have a row, as far as this attempt knows."""
+        self._last_seq = 0
+        """The largest step number (``seq``) of the run this attempt knows of: its new steps
+        are numbered after it, in the order they start, with no read of the database."""
         self._replays: dict[str, Recorded] = {}
 
     async def start(self, key: str, function: str, call_hash: str) -> Started:
@@ -75,7 +78,10 @@ class Checkpoints:
         """
         keys = await self._recorded_keys()
         if key not in keys:
-            if await self._steps.insert_new(self._fence, key, function, call_hash):
+            # Taken before the write: steps started together are numbered in call order.
+            self._last_seq += 1
+            seq = self._last_seq
+            if await self._steps.insert_new(self._fence, key, function, call_hash, seq=seq):
                 keys.add(key)
                 return RUN
         elif (recorded := self._replays.get(key)) is not None and (
@@ -85,6 +91,7 @@ class Checkpoints:
             del self._replays[key]
             return Started(replay=True, output=recorded.output)
         started = await self._steps.start(self._fence, key, function, call_hash)
+        self._last_seq = max(self._last_seq, started.step.seq or 0)
         keys.add(key)
         return Started(replay=True, output=started.step.output) if started.replay else RUN
 
@@ -100,6 +107,7 @@ class Checkpoints:
         if self._keys is None:
             recorded = await self._steps.list(self._fence.run_id)
             self._keys = {step.key for step in recorded}
+            self._last_seq = max((step.seq or 0 for step in recorded), default=0)
             self._replays = {
                 step.key: Recorded(
                     function=step.function, call_hash=step.call_hash, output=step.output

@@ -8,10 +8,12 @@ reused, a step it must take over and a changed call still go through ``StepsRepo
 from collections.abc import AsyncIterator
 
 import pytest
+from sqlalchemy import update
 
 from moorline import Context
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.steps import StepMismatch, StepsRepo
+from moorline.db.schema import runs
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.types import JSONValue, StepStatus
 from tests.contract.queue_helpers import Tenants
@@ -152,3 +154,24 @@ async def test_a_step_that_failed_in_this_attempt_is_taken_over_by_its_retry(
         "done",
         None,
     )
+
+
+async def test_an_attempt_numbers_its_steps_after_those_it_found(harness: EngineHarness) -> None:
+    @harness.app.workflow("numbered")
+    async def numbered(ctx: Context, more: bool) -> JSONValue:
+        keys = ["zeta", "alpha", *(["mid", "beta"] if more else [])]
+        return [await ctx.step(key, double, 1) for key in keys]
+
+    run_id = await harness.new_run("numbered", input={"more": False})
+    assert await harness.runner.run(await harness.claim()) == [2, 2]
+    # A later attempt (the same run, replayed) adds two steps after the ones it loaded.
+    async with harness.db.transaction() as conn:
+        await conn.execute(update(runs).where(runs.c.id == run_id).values(input={"more": True}))
+    assert await harness.runner.run(await harness.reclaim()) == [2, 2, 2, 2]
+    recorded = await StepsRepo(harness.db).list(run_id)
+    assert [(s.key, s.seq) for s in recorded] == [
+        ("zeta", 1),
+        ("alpha", 2),
+        ("mid", 3),
+        ("beta", 4),
+    ]

@@ -146,6 +146,8 @@ class Step:
     error: str | None
     started_at: datetime
     finished_at: datetime | None
+    seq: int | None = None
+    """Its place among the run's steps by first start (None: stored before revision 0004)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -51,6 +51,7 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Insert,
+    Integer,
     RowMapping,
     Update,
     bindparam,
@@ -158,7 +159,7 @@ def _next_seq(run_id: ColumnElement[Any]) -> ColumnElement[int]:
     )
 
 
-def _insert_new_statement(backend: Backend) -> Insert:
+def _insert_new_statement(backend: Backend, *, numbered: bool) -> Insert:
     """``INSERT INTO steps … SELECT … FROM runs WHERE <fence> AND no cancel`` (locked).
 
     Parameters: the fence's, ``step_key``, ``step_function`` and ``step_call_hash``.
@@ -171,7 +172,7 @@ def _insert_new_statement(backend: Backend) -> Insert:
         bindparam("step_function", type_=steps.c.function.type),
         bindparam("step_call_hash", type_=steps.c.call_hash.type),
         backend.now(),
-        _next_seq(runs.c.id),
+        bindparam("step_seq", type_=Integer()) if numbered else _next_seq(runs.c.id),
     ).where(fence_by_parameters(), runs.c.cancel_requested_at.is_(None))
     return insert(steps).from_select(
         ["run_id", "key", "status", "attempt", "function", "call_hash", "started_at", "seq"],
@@ -211,7 +212,8 @@ class StepsRepo:
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
         self._backend: Backend = db.backend
-        self._insert_new = _insert_new_statement(self._backend)
+        self._insert_new = _insert_new_statement(self._backend, numbered=False)
+        self._insert_numbered = _insert_new_statement(self._backend, numbered=True)
         self._finishes = {
             status: _finish_statement(self._backend, status)
             for status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
@@ -273,7 +275,9 @@ class StepsRepo:
 
         return await self._db.with_retry(attempt)
 
-    async def insert_new(self, fence: Fence, key: str, function: str, call_hash: str) -> bool:
+    async def insert_new(
+        self, fence: Fence, key: str, function: str, call_hash: str, *, seq: int | None = None
+    ) -> bool:
         """Begin step ``key``, which the caller has not seen recorded, in one fenced statement.
 
         The engine's fast :meth:`start` for a step its attempt has not seen: an ``INSERT …
@@ -285,6 +289,9 @@ class StepsRepo:
             key: The step key, unique within the run.
             function: The step function's registered name (persisted; not ``__qualname__``).
             call_hash: SHA-256 hex of the function name and its arguments.
+            seq: The step's place among the run's steps, when the caller knows it (the engine
+                numbers the steps of its attempt after those it loaded); None: the run's
+                largest plus one, read in the statement.
 
         Returns:
             True: the step is now ``running`` under this attempt; call the function. False: a
@@ -302,10 +309,14 @@ class StepsRepo:
             "step_function": function,
             "step_call_hash": call_hash,
         }
+        statement = self._insert_new
+        if seq is not None:
+            statement = self._insert_numbered
+            parameters["step_seq"] = seq
 
         async def attempt() -> bool:
             try:
-                if await self._db.write_statement(self._insert_new, parameters) == 1:
+                if await self._db.write_statement(statement, parameters) == 1:
                     return True
             except IntegrityError:
                 return False
@@ -485,4 +496,5 @@ def _step_from_row(row: RowMapping) -> Step:
         error=row["error"],
         started_at=row["started_at"],
         finished_at=row["finished_at"],
+        seq=row["seq"],
     )
