@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from moorline.db.failures import DATABASE_ERRORS, as_unavailable
 from moorline.errors import (
@@ -149,6 +150,16 @@ async def _database_error(_request: Request, exc: Exception) -> JSONResponse:
     return await _internal_error(_request, exc)
 
 
+async def _client_disconnected(request: Request, _exc: Exception) -> JSONResponse:
+    # The client went away mid-body: no bug, nobody to answer. Without this handler it reached
+    # the catch-all and logged a traceback at ERROR for what a flaky network does every day.
+    logger.info("client closed the connection before its body was read: %s", request.url.path)
+    return JSONResponse(
+        status_code=400,
+        content=error_body("invalid_request", "the client closed the connection mid-body"),
+    )
+
+
 async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
     # As the catch-all (ServerErrorMiddleware), Starlette re-raises the exception after this
     # answer, so the server logs its traceback.
@@ -163,6 +174,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(MoorlineError, _moorline_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_disconnected)
     # db/failures.py names and translates the driver's errors; none is imported here.
     for database_error in DATABASE_ERRORS:
         app.add_exception_handler(database_error, _database_error)

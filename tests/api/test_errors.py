@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
+from starlette.types import Message, Scope
 
 from moorline.api import guards
 from moorline.db.repos.interrupts import InterruptsRepo
@@ -463,3 +464,46 @@ async def test_a_large_body_is_parsed_off_the_event_loop(
     assert (small.status_code, large.status_code) == (202, 202)
     main = threading.main_thread().name
     assert threads[0] == main and threads[1] != main, threads
+
+
+async def test_a_client_that_leaves_mid_body_is_no_error(
+    api: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    caller = await api.tenant()
+    # Chunked (no Content-Length), part of a body, then the client is gone.
+    messages: list[Message] = [
+        {"type": "http.request", "body": b'{"input": {"mess', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope: Scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/workflows/echo/runs",
+        "raw_path": b"/v1/workflows/echo/runs",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"moorline.test"),
+            (b"content-type", b"application/json"),
+            (b"transfer-encoding", b"chunked"),
+            (b"authorization", caller.headers["Authorization"].encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("moorline.test", 80),
+    }
+    with caplog.at_level(logging.INFO):
+        await api.app(scope, receive, send)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert any("closed the connection" in r.getMessage() for r in caplog.records)
+    assert await api.count_runs(caller) == 0

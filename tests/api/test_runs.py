@@ -1,6 +1,7 @@
 """Run routes: a run with its steps and pending interrupt, listings and their pages, resume."""
 
 import asyncio
+import base64
 import json
 import re
 from datetime import datetime
@@ -18,7 +19,7 @@ from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.repos.steps import StepsRepo
 from moorline.runtime.base import InterruptStatus
 from moorline.types import RunStatus, TenantId
-from tests.api.conftest import Api, Caller, MakeApi
+from tests.api.conftest import ADMIN, Api, Caller, MakeApi
 
 
 async def test_a_run_shows_its_steps_and_the_decision_it_waits_for(api: Api) -> None:
@@ -147,6 +148,34 @@ async def test_limit_is_clamped_and_cursors_are_checked(api: Api) -> None:
         assert response.json()["error"]["code"] == "invalid_request"
     zero = await api.client.get("/v1/runs", params={"limit": 0}, headers=caller.headers)
     assert zero.status_code == 422
+
+
+def forged_cursor(created_at: str, run_id: str) -> str:
+    raw = json.dumps([created_at, run_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+async def test_forged_cursors_and_event_ids_are_refused_not_failed(api: Api) -> None:
+    caller = await api.tenant()
+    run_id = (await api.trigger(caller)).json()["run_id"]
+    uuid_ = "0b6e6c1e-0000-4000-8000-000000000000"
+    forged = [
+        forged_cursor("0001-01-01T00:00:00+05:00", uuid_),  # overflows once made UTC
+        forged_cursor("2026-11-28T00:00:00+00:00", "nul\u0000id"),  # PostgreSQL refuses NUL
+        forged_cursor("2026-11-28T00:00:00", uuid_),  # naive
+    ]
+    for cursor in forged:
+        for path in ("/v1/runs", "/v1/admin/runs"):
+            headers = ADMIN if path.startswith("/v1/admin") else caller.headers
+            response = await api.client.get(path, params={"cursor": cursor}, headers=headers)
+            assert response.status_code == 422, (path, cursor, response.text)
+            assert response.json()["error"]["code"] == "invalid_request"
+    # Event ids are 32-bit: a larger one names no event and is refused before the stream.
+    for after in ("2147483648", "999999999999999999"):
+        response = await api.client.get(
+            f"/v1/runs/{run_id}/events", params={"after": after}, headers=caller.headers
+        )
+        assert response.status_code == 422, response.text
 
 
 async def test_a_listing_on_a_status_walks_the_tenants_own_index(api: Api) -> None:

@@ -22,7 +22,7 @@ import binascii
 import json
 import logging
 from collections.abc import AsyncIterator
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import Enum
 from typing import Annotated, Any
 
@@ -35,6 +35,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from moorline import fastpaths
 from moorline.admission.admit import Admitted, Trigger
 from moorline.api.deps import (
+    RUN_ID_PATTERN,
     CallerDep,
     Services,
     ServicesDep,
@@ -139,15 +140,22 @@ def decode_cursor(text: str) -> RunCursor:
     Raises:
         InvalidRequest: not a cursor this API returned.
     """
+    refused = InvalidRequest("cursor: not a cursor this API returned")
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
         created_at, run_id = json.loads(raw)
-        position = RunCursor(created_at=datetime.fromisoformat(created_at), run_id=RunId(run_id))
-    except (binascii.Error, ValueError, TypeError):
-        raise InvalidRequest("cursor: not a cursor this API returned") from None
-    if position.created_at.tzinfo is None or not isinstance(run_id, str):
-        raise InvalidRequest("cursor: not a cursor this API returned")
-    return position
+        moment = datetime.fromisoformat(created_at)
+        if moment.tzinfo is None:
+            raise refused
+        # In UTC here, as the database compares it: a forged far-past time with an offset
+        # would overflow only when bound, as a 500.
+        moment = moment.astimezone(UTC)
+    except (binascii.Error, ValueError, TypeError, OverflowError):
+        raise refused from None
+    # A run id this API wrote: a forged one (a NUL, which PostgreSQL refuses) is not sent.
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
+        raise refused
+    return RunCursor(created_at=moment, run_id=RunId(run_id))
 
 
 async def trigger_run(
@@ -409,6 +417,11 @@ async def send_message(services: Services, run: Run, body: MessageIn) -> Message
     return MessageAccepted(run_id=run.run_id, seq=message.seq)
 
 
+MAX_EVENT_ID = 2**31 - 1
+"""The largest event id (``seq`` is a 32-bit integer on every backend): a larger one names no
+event, and PostgreSQL would refuse to compare with it after the stream's 200."""
+
+
 def resume_point(last_event_id: str | None, after: str | None) -> int:
     """The ``seq`` to stream after: ``Last-Event-ID`` wins over ``?after=``; 0 for all.
 
@@ -418,8 +431,10 @@ def resume_point(last_event_id: str | None, after: str | None) -> int:
     for name, value in (("Last-Event-ID", last_event_id), ("after", after)):
         if value is None:
             continue
-        if not value.isascii() or not value.isdigit() or len(value) > 18:
-            raise InvalidRequest(f"{name}: must be the id of an event (a whole number >= 0)")
+        if not value.isascii() or not value.isdigit() or int(value) > MAX_EVENT_ID:
+            raise InvalidRequest(
+                f"{name}: must be the id of an event (a whole number from 0 to {MAX_EVENT_ID})"
+            )
         return int(value)
     return 0
 
