@@ -321,15 +321,17 @@ async def test_a_decision_taken_while_no_worker_lives_is_applied_after_a_restart
     # The step before the wait ran once; the one after ran in the second attempt only.
     recorded = {s.key: s.attempt for s in await StepsRepo(db).list(run_id)}
     assert recorded == {"prepare": 1, "act": 2}
-    assert await event_types(db, run_id) == [
-        "queued",
-        "started",
-        "step_started",  # prepare, written with the request below
-        "step_finished",
-        "permission_request",  # the killed attempt waited; the next found the decision
+    types = await event_types(db, run_id)
+    # The kill lands once the interrupt is stored: the first attempt's progress events and its
+    # permission_request (written just after) may or may not have made it. The rest may not vary.
+    before_kill = {"step_started", "step_finished", "permission_request"}
+    reclaimed = types.index("reclaimed")
+    assert set(types[2:reclaimed]) <= before_kill, types
+    assert types[:2] == ["queued", "started"]
+    assert types[reclaimed:] == [
         "reclaimed",
         "started",
-        "step_started",  # act
+        "step_started",
         "step_finished",
         "succeeded",
     ]
