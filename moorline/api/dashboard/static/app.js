@@ -173,8 +173,10 @@ function showError(error) {
 
 function signOut() {
   session.clear();
-  location.hash = "#/signin";
-  route();
+  // A changed hash renders through the hashchange listener; rendering here as well drew the
+  // form twice, and what was typed between the two was lost.
+  if (location.hash === "#/signin") route();
+  else location.hash = "#/signin";
 }
 
 function viewSignIn() {
