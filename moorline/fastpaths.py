@@ -128,7 +128,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         details=("background", "body", "raw_headers", "status_code"),
         user=_RUNS,
     ),
-    # DatabaseManager.write_statement runs its sync body in one greenlet, as SQLAlchemy's
+    # The backends' write_statement runs its sync body in one greenlet, as SQLAlchemy's
     # asyncio extension does (exported by sqlalchemy.util, but not documented).
     PrivateName(
         library="sqlalchemy",
@@ -136,7 +136,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         name="greenlet_spawn",
         shape=Shape.KEYWORDS,
         details=("fn",),
-        user="moorline/db/manager.py",
+        user="moorline/db/backends/ (sqlite.py, server.py)",
     ),
     # guards.solved_by's route replaces the ASGI app FastAPI builds for an APIRoute.
     PrivateName(
