@@ -384,3 +384,19 @@ class CancelRequested(AttemptStopped):
     def __init__(self, fence: Holder, action: str) -> None:
         message = f"run {fence.run_id} has a cancel request; {action} was not started"
         super().__init__(fence, message)
+
+
+class RunParked(AttemptStopped):
+    """The attempt parked its run: the run is ``waiting`` and this attempt ends here.
+
+    Raised out of a wait (``request_permission``, ``sleep``, ``wait_for_message``) once the
+    park is committed; the next attempt replays the run to the same wait. Workflow code must
+    let it through (a ``BaseException``, like ``asyncio.CancelledError``): the runner raises
+    it again if it was swallowed, and the attempt writes nothing more.
+    """
+
+    code = "run_parked"
+
+    def __init__(self, fence: Holder, kind: str) -> None:
+        super().__init__(fence, f"run {fence.run_id} parked, waiting for a {kind}")
+        self.kind = kind

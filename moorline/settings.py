@@ -126,6 +126,14 @@ class Settings(BaseSettings):
     permission_timeout: float = Field(default=300.0, gt=0)
     """Seconds an interrupt waits for a decision before it is denied with reason ``timeout``."""
 
+    park_after: float = Field(default=2.0, ge=0)
+    """Seconds a wait (a decision, a sleep, a message) is awaited in memory before the run
+    parks: ``waiting``, holding no lease, slot or cap unit. 0 parks at once."""
+
+    timer_interval: float = Field(default=1.0, gt=0)
+    """Seconds between two passes of the timer sweep, which re-queues waiting runs whose
+    timer (a sleep's end, a permission's or a message wait's timeout) is due."""
+
     sse_ping_interval: float = Field(default=15.0, gt=0)
     """Seconds between two keep-alive comments on an event stream."""
 

@@ -18,6 +18,8 @@ class RunStatus(StrEnum):
     PENDING = "pending"
     QUEUED = "queued"
     RUNNING = "running"
+    WAITING = "waiting"
+    """Parked: waits for a decision, a timer or a message, holding no lease, slot or cap."""
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"

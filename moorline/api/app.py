@@ -162,7 +162,7 @@ def _build_services(
         store=store,
         notifier=notifier,
         waiter=waiter,
-        inbox=Inbox(db, store),
+        inbox=Inbox(db, store, wake=notifier.notify),
         streams=EventStreams(db, store),
         stream_slots=StreamSlots(settings.max_streams_per_tenant),
         metrics=counted,

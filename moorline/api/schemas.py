@@ -183,6 +183,17 @@ class PendingInterrupt(BaseModel):
     expires_at: datetime
 
 
+class WaitingFor(BaseModel):
+    """What a ``waiting`` run waits for (it holds no worker slot meanwhile)."""
+
+    kind: Literal["permission", "sleep", "message"]
+    until: datetime | None
+    """When the wait ends by itself: the permission's deadline, the sleep's end, the message
+    wait's timeout; null for a message wait without one."""
+    interrupt_id: str | None = None
+    """The interrupt a ``permission`` wait waits for."""
+
+
 class RunSummary(BaseModel):
     """A run as listed."""
 
@@ -198,6 +209,8 @@ class RunSummary(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     elapsed_time: float | None
+    waiting_for: WaitingFor | None = None
+    """What a ``waiting`` run waits for; null for every other status."""
 
 
 class RunOut(RunSummary):

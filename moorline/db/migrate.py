@@ -118,9 +118,15 @@ async def current_revision(db: Database) -> str | None:
 RETIRED_SQLITE_INDEXES = ("ix_runs_claim",)
 """Indexes older versions created and the schema no longer has (replaced by migration 0002)."""
 
-ADDED_SQLITE_COLUMNS = (("steps", "seq", "INTEGER"),)
-"""Nullable columns added since the first version (table, column, SQLite type), as the server
-migrations add them (0004): ``create_all`` never alters a table that exists."""
+ADDED_SQLITE_COLUMNS = (
+    ("steps", "seq", "INTEGER"),
+    ("runs", "waiting_for", "JSON"),
+    ("runs", "wake_at", "DATETIME"),
+    ("runs", "resumes", "INTEGER NOT NULL DEFAULT 0"),
+    ("runs", "deadline_at", "DATETIME"),
+)
+"""Columns added since the first version (table, column, SQLite type), as the server
+migrations add them (0004, 0005): ``create_all`` never alters a table that exists."""
 
 
 def _create_all_sqlite(conn: Connection) -> None:

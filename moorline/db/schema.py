@@ -95,6 +95,15 @@ runs = Table(
     Column("elapsed_time", Double, nullable=True),
     Column("prompt_tokens", Integer, nullable=False, default=0),
     Column("completion_tokens", Integer, nullable=False, default=0),
+    # A waiting run: what it waits for ({"kind", "until", "interrupt_id"?}) and when the timer
+    # sweep re-queues it unless something else does first (NULL: no timer).
+    Column("waiting_for", JSONDocument(), nullable=True),
+    Column("wake_at", UTCDateTime(), nullable=True),
+    # Times the run left ``waiting``: a claim after a resume is no failure, so the attempt
+    # budget counts ``attempt - resumes`` against ``max_attempts``.
+    Column("resumes", Integer, nullable=False, default=0, server_default="0"),
+    # Wall-clock limit of the whole run, waits included (``deadline=``, ``deadline_seconds``).
+    Column("deadline_at", UTCDateTime(), nullable=True),
     UniqueConstraint("tenant_id", "idempotency_key"),
     # Reaper: running runs whose lease expired.
     Index("ix_runs_lease", "status", "lease_expires_at"),
@@ -108,6 +117,8 @@ runs = Table(
     Index("ix_runs_created", "created_at", "id"),
     Index("ix_runs_status_created", "status", "created_at", "id"),
     Index("ix_runs_workflow_created", "workflow", "created_at", "id"),
+    # The timer sweep: waiting runs whose timer is due. Only waiting runs have a wake_at.
+    Index("ix_runs_wake", "status", "wake_at"),
 )
 # Claim: the tenants with queued runs in a lane (an index skip-scan), then each one's next runs
 # in claim order (priority first, oldest eligible first), without reading a backlog past them.

@@ -20,14 +20,12 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
-
-from moorline.db.failures import is_transient
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import DEFAULT_REAP_LIMIT, QueueRepo, Reaped
+from moorline.dispatch.chores import LeaderChore
+from moorline.dispatch.chores import is_transient_error as is_transient_error
 from moorline.dispatch.leader import VERIFY_EVERY_TICKS, LeaderElector, new_holder_id
 from moorline.dispatch.wakeups import Notifier
-from moorline.errors import BackendUnavailable
 from moorline.observability.metrics import Metrics
 from moorline.settings import Settings
 from moorline.types import Attempt, RunStatus
@@ -53,19 +51,10 @@ def leader_ttl_s(interval_s: float, lease_ttl_s: float) -> float:
     return max(3 * interval_s, min(cached_ticks, lease_ttl_s * 2 / 3))
 
 
-def is_transient_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is the database being unreachable for a while, not a bug.
-
-    Lost or refused connections (after ``with_retry`` gave up), no failover address
-    answering, an exhausted pool, a statement or connect timeout.
-    """
-    return is_transient(exc) or isinstance(
-        exc, BackendUnavailable | PoolTimeoutError | ConnectionError | TimeoutError
-    )
-
-
-class Reaper:
+class Reaper(LeaderChore):
     """Every ``interval_s``: if this process leads, take back every run with an expired lease."""
+
+    name = "reaper"
 
     def __init__(
         self,
@@ -92,11 +81,10 @@ class Reaper:
                 claim them at once instead of on their slow poll.
             metrics: Where reclaims are counted; default a private set nobody scrapes.
         """
-        if interval_s <= 0 or batch_limit < 1:
-            raise ValueError("interval_s must be positive and batch_limit at least 1")
+        if batch_limit < 1:
+            raise ValueError("batch_limit must be at least 1")
+        super().__init__(elector, interval_s=interval_s)
         self._queue = queue
-        self.elector = elector
-        self.interval_s = interval_s
         self._batch_limit = batch_limit
         self._backoff = backoff
         self._notifier = notifier
@@ -149,47 +137,6 @@ class Reaper:
         lanes = {r.lane for r in reaped if r.status is RunStatus.QUEUED}
         if lanes and self._notifier is not None:
             await self._notifier.notify(lanes)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Pass every ``interval_s`` until ``stop`` is set, then resign the leadership.
-
-        A pass that fails because the database is unreachable is logged and the loop goes
-        on; any other error ends the loop (after resigning) and propagates to the caller,
-        whose supervisor stops the process rather than leave it running without a reaper.
-        Resigning lets another process take over at once instead of after the lease TTL.
-        """
-        try:
-            while not stop.is_set():
-                try:
-                    await self._pass(stop)
-                except Exception as exc:
-                    if not is_transient_error(exc):
-                        raise
-                    logger.warning(
-                        "reaper pass failed, the database is unreachable; next pass in %.1fs: "
-                        "%s: %s",
-                        self.interval_s,
-                        type(exc).__name__,
-                        exc,
-                    )
-                try:
-                    async with asyncio.timeout(self.interval_s):
-                        await stop.wait()
-                except TimeoutError:
-                    pass
-        finally:
-            await asyncio.shield(self._resign())
-
-    async def _resign(self) -> None:
-        try:
-            await self.elector.resign()
-        except Exception as exc:
-            if not is_transient_error(exc):
-                raise
-            # The lease then simply expires after its TTL.
-            logger.warning(
-                "could not resign the reaper leadership: %s: %s", type(exc).__name__, exc
-            )
 
 
 def make_reaper(

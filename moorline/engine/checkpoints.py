@@ -95,6 +95,10 @@ class Checkpoints:
         keys.add(key)
         return Started(replay=True, output=started.step.output) if started.replay else RUN
 
+    async def was_recorded(self, key: str) -> bool:
+        """Whether step ``key`` has a row that an earlier attempt (or this one) wrote."""
+        return key in await self._recorded_keys()
+
     async def succeed(self, key: str, output: JSONValue) -> None:
         """Record that step ``key`` (running under this attempt) returned ``output``."""
         await self._steps.succeed(self._fence, key, output)

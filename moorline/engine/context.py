@@ -29,7 +29,7 @@ from collections.abc import Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from moorline.db.repos.events import (
     EVENT_CANCELLED,
@@ -38,13 +38,16 @@ from moorline.db.repos.events import (
     EVENT_QUEUED,
     EVENT_RECLAIMED,
     EVENT_RELEASED,
+    EVENT_RESUMED,
     EVENT_RETRYING,
     EVENT_STARTED,
     EVENT_SUCCEEDED,
     EVENT_TIMED_OUT,
+    EVENT_WAITING,
 )
 from moorline.db.repos.interrupts import InterruptResolved, InterruptsRepo
 from moorline.db.repos.messages import MessagesRepo
+from moorline.db.repos.parking import ParkingRepo, Wait, WaitKind
 from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt
 from moorline.db.repos.steps import StepsRepo
@@ -65,12 +68,14 @@ from moorline.engine.steps import (
     function_name,
     to_json,
 )
+from moorline.engine.waits import Waits
 from moorline.errors import (
     AttemptStopped,
     BackendUnavailable,
     CancelRequested,
     LeaseLost,
     MoorlineError,
+    RunParked,
 )
 from moorline.runtime.base import CANCELLED_DECISION, RuntimeStore, StoreShutdown
 from moorline.types import Attempt, JSONObject, JSONValue, RunId, TenantId
@@ -85,6 +90,9 @@ DEFAULT_STEP_BACKOFF_S = 1.0
 DEFAULT_INTERRUPT_POLL_S = 3.0
 """How often a permission wait re-reads its interrupt from the database, in seconds: a
 wake-up lost by the RuntimeStore then costs this much latency, never the decision."""
+
+DEFAULT_PARK_AFTER_S = 2.0
+"""Seconds a wait is awaited in memory before the run parks (``MOORLINE_PARK_AFTER``)."""
 
 STORE_INTERRUPT_MARGIN_S = 60.0
 """Extra seconds an interrupt stays in the RuntimeStore past its deadline."""
@@ -101,6 +109,8 @@ SYSTEM_EVENT_TYPES = frozenset(
         EVENT_RELEASED,
         EVENT_TIMED_OUT,
         EVENT_MESSAGE_RECEIVED,
+        EVENT_WAITING,
+        EVENT_RESUMED,
         EVENT_STEP_STARTED,
         EVENT_STEP_FINISHED,
         EVENT_PERMISSION_REQUEST,
@@ -157,7 +167,7 @@ def _decision_of(interrupt: Interrupt) -> Decision:
     return Decision(approved=interrupt.approved, reason=reason.value, data=interrupt.decision)
 
 
-class Context:
+class Context(Waits):
     """The first argument of every workflow: the run being executed, attempt by attempt.
 
     Built by the runner for one claim; workflows never construct it.
@@ -171,8 +181,11 @@ class Context:
         events: EventWriter,
         interrupts: InterruptsRepo,
         messages: MessagesRepo,
+        parking: ParkingRepo,
         store: RuntimeStore,
         permission_timeout_s: float,
+        park_after_s: float = DEFAULT_PARK_AFTER_S,
+        deadline_s: float | None = None,
         interrupt_poll_s: float = DEFAULT_INTERRUPT_POLL_S,
     ) -> None:
         self._fence: Fence = claim.fence
@@ -184,8 +197,14 @@ class Context:
         self._store = store
         self._permission_timeout_s = permission_timeout_s
         self._interrupt_poll_s = interrupt_poll_s
+        self._parking = parking
+        self._park_after_s = park_after_s
+        self._deadline_s = deadline_s
         self._permissions = 0
         self._drains = 0
+        self._timers = 0
+        self._message_waits = 0
+        self._parked: RunParked | None = None
         self._lost: LeaseLost | None = None
         self._is_cancelled = False
         self._cancel_delivered = False
@@ -357,12 +376,16 @@ class Context:
             LeaseLost: This attempt no longer holds the run; nothing was taken.
         """
         await self._check_boundary()
+        return await self._drain(None)
+
+    async def _drain(self, limit: int | None) -> list[str]:
+        """Take up to ``limit`` waiting messages (all when None) as the run's next drain."""
         self._drains += 1
         try:
             # Buffered events first, and this drain's message_received events published in
             # their place.
             async with self._events.exclusive():
-                drained = await self._messages.drain(self._fence, self._drains)
+                drained = await self._messages.drain(self._fence, self._drains, limit=limit)
                 await self._events.publish(drained.events)
         except LeaseLost as exc:
             self._lost = exc
@@ -381,6 +404,8 @@ class Context:
         action: str,
         data: JSONValue,
         timeout: float | None = None,  # noqa: ASYNC109 - docs/design.md's contract
+        *,
+        park_after: float | None = None,
     ) -> Decision:
         """Pause until a person approves or denies ``action``, or the wait ends otherwise.
 
@@ -394,8 +419,12 @@ class Context:
             action: What permission is asked for, shown to the approver.
             data: Details for the approver (JSON).
             timeout: Seconds to wait; ``MOORLINE_PERMISSION_TIMEOUT`` when None.
+            park_after: Seconds to wait in memory before the run parks (``waiting``, holding
+                no slot); ``MOORLINE_PARK_AFTER`` when None, 0 parks at once. The replay
+                after the decision returns it at this same call.
 
         Raises:
+            RunParked: The run parked; let it through (the attempt ends here).
             Cancelled: The run was cancelled before the request; nothing was written.
             LeaseLost: This attempt no longer holds the run; nothing was written.
             InterruptMismatch: A replay asked a different action at this position.
@@ -403,6 +432,9 @@ class Context:
         timeout_s = self._permission_timeout_s if timeout is None else timeout
         if timeout_s <= 0:
             raise ValueError(f"permission {action!r}: timeout must be positive")
+        park_after_s = self._park_after_s if park_after is None else park_after
+        if park_after_s < 0:
+            raise ValueError(f"permission {action!r}: park_after must not be negative")
         payload = to_json(data, f"the data of permission {action!r}")
         await self._check_boundary()
         self._permissions += 1
@@ -415,14 +447,40 @@ class Context:
         await self._fenced(self._events.write(*permission_request(interrupt)))
         left_s = (interrupt.expires_at - datetime.now(UTC)).total_seconds()
         remaining_s = max(0.0, min(timeout_s, left_s))
-        decision = await self._await_decision(interrupt, remaining_s)
+        decision = None
+        if remaining_s > park_after_s:
+            decision = await self._await_decision(interrupt, park_after_s, final=False)
+            if decision is None:
+                wait = Wait(
+                    kind=WaitKind.PERMISSION,
+                    until=interrupt.expires_at,
+                    interrupt_id=interrupt.interrupt_id,
+                )
+                await self._park(wait)
+                # Not parked: the decision is recorded, or the deadline passed.
+                remaining_s = max(0.0, (interrupt.expires_at - datetime.now(UTC)).total_seconds())
+        if decision is None:
+            decision = await self._await_decision(interrupt, remaining_s, final=True)
         resolved = permission_resolved(
             interrupt, approved=decision.approved, reason=decision.reason, data=decision.data
         )
         await self._events.add(*resolved)  # progress: the resume does not wait for its write
         return decision
 
-    async def _await_decision(self, interrupt: Interrupt, remaining_s: float) -> Decision:
+    @overload
+    async def _await_decision(
+        self, interrupt: Interrupt, remaining_s: float, *, final: Literal[True]
+    ) -> Decision: ...
+
+    @overload
+    async def _await_decision(
+        self, interrupt: Interrupt, remaining_s: float, *, final: bool
+    ) -> Decision | None: ...
+
+    async def _await_decision(
+        self, interrupt: Interrupt, remaining_s: float, *, final: bool
+    ) -> Decision | None:
+        """The decision within ``remaining_s``; then a timeout if ``final``, else None."""
         store, iid = self._store, interrupt.interrupt_id
         loop = asyncio.get_running_loop()
         deadline = loop.time() + remaining_s
@@ -433,6 +491,8 @@ class Context:
             while found is None or found.is_pending:
                 left_s = deadline - loop.time()
                 if left_s <= 0:
+                    if not final:
+                        return None
                     return await self._settle(interrupt, DecisionReason.TIMEOUT)
                 slice_s = min(left_s, self._interrupt_poll_s)
                 woke = await store.wait_interrupt(self.run_id, iid, slice_s)
@@ -486,14 +546,17 @@ class Context:
         if self._is_cancelled and (self._cancel_delivered or not returned):
             raise Cancelled(self.run_id)
 
+    def _check_lease(self) -> None:
+        if self._parked is not None:
+            # The run is waiting: whatever the workflow does after swallowing RunParked.
+            raise self._parked
+        if self._lost is not None:
+            raise LeaseLost(self._fence, "nothing more")
+
     def _deliver_cancel(self) -> Cancelled:
         """The cancel, as it is raised into the workflow code (which is thereby told)."""
         self._is_cancelled = self._cancel_delivered = True
         return Cancelled(self.run_id)
-
-    def _check_lease(self) -> None:
-        if self._lost is not None:
-            raise LeaseLost(self._fence, "nothing more")
 
     async def _fenced(self, write: Coroutine[Any, Any, T]) -> T:
         """Await a fenced write, after the buffered events (which keep their place before it)."""

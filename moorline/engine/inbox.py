@@ -15,6 +15,7 @@ therefore delays nothing; the drain clears the signals it has consumed.
 """
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.messages import DEFAULT_LIST_LIMIT, DEFAULT_MAX_WAITING, MessagesRepo
@@ -29,7 +30,7 @@ from moorline.errors import (
     RunNotInteractive,
 )
 from moorline.runtime.base import RuntimeStore
-from moorline.types import RunId, TenantId
+from moorline.types import RunId, RunStatus, TenantId
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class Inbox:
         store: The RuntimeStore (interactive windows, message signals).
         max_waiting: Undelivered messages a run may hold before posts are refused.
         max_chars: Longest message accepted, in characters.
+        wake: Wakes the workers of these lanes (a ``Notifier.notify``): told the lane of a
+            waiting run a message re-queued.
     """
 
     def __init__(
@@ -54,11 +57,13 @@ class Inbox:
         *,
         max_waiting: int = DEFAULT_MAX_WAITING,
         max_chars: int = MAX_MESSAGE_CHARS,
+        wake: Callable[[set[str]], Awaitable[None]] | None = None,
     ) -> None:
         self._messages = MessagesRepo(db, max_waiting=max_waiting)
         self._runs = RunsRepo(db)
         self._store = store
         self._max_chars = max_chars
+        self._wake = wake
 
     async def post_message(self, tenant_id: TenantId, run_id: RunId, content: str) -> Message:
         """Store a message for the run's workflow, then signal it.
@@ -83,12 +88,18 @@ class Inbox:
         run = await self._runs.get(run_id)
         if run is None or run.tenant_id != tenant_id:
             raise RunNotFound(f"no run {run_id}")
-        if not await self._store.is_interactive(window_key(run), run_id):
+        # A waiting run has no window: the post itself checks that it waits for a message.
+        if run.status is not RunStatus.WAITING and not await self._store.is_interactive(
+            window_key(run), run_id
+        ):
             raise RunNotInteractive(
                 f"run {run_id} is {run.status.value} and its workflow is not executing now: "
-                "messages are accepted only while it is"
+                "messages are accepted only while it is, or while it waits for a message"
             )
-        message = await self._messages.post(tenant_id, run_id, content)
+        posted = await self._messages.post(tenant_id, run_id, content)
+        message = posted.message
+        if posted.resumed_lane is not None and self._wake is not None:
+            await self._wake({posted.resumed_lane})
         try:
             await self._store.push_message(run_id, message.seq, content)
         except (BackendUnavailable, LimitExceeded) as exc:

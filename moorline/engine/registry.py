@@ -35,6 +35,8 @@ class WorkflowDefinition:
             ``MOORLINE_EXECUTION_TIMEOUT``.
         soft_timeout_s: Seconds after which ``SoftTimeLimitExceeded`` is raised inside an
             attempt; None for no soft limit.
+        deadline_s: Wall-clock limit of a whole run from its creation, waits included: a
+            run still waiting past it ends ``timed_out``. None for no deadline.
     """
 
     name: str
@@ -44,6 +46,7 @@ class WorkflowDefinition:
     input_model: type[BaseModel]
     parameters: tuple[str, ...] = field(default=())
     soft_timeout_s: float | None = None
+    deadline_s: float | None = None
 
     def validate_input(self, data: Mapping[str, Any]) -> JSONObject:
         """Check ``data`` against the function's parameters; return it as JSON-ready values.
@@ -116,6 +119,7 @@ class Moorline:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         timeout: float | None = None,
         soft_timeout: float | None = None,
+        deadline: float | None = None,
     ) -> Callable[[F], F]:
         """Register an ``async def`` workflow under a persisted ``name``.
 
@@ -130,6 +134,9 @@ class Moorline:
                 inside the workflow, at its current ``await``, so it can clean up: returning
                 then succeeds the run, letting it escape fails the run without a retry. None
                 for no soft limit; it must be below ``timeout`` when both are given.
+            deadline: Wall-clock seconds from the run's creation, waits included, past which
+                a run that is ``waiting`` ends ``timed_out`` (``timeout`` counts execution
+                only). None for no deadline.
 
         Raises:
             ConfigError: A bad name or limit, or a second workflow with this name.
@@ -138,7 +145,11 @@ class Moorline:
             raise ConfigError(f"workflow name {name!r}: use letters, digits, '_', '.', '-'")
         if max_attempts < 1:
             raise ConfigError(f"workflow {name!r}: max_attempts must be at least 1")
-        for label, limit in (("timeout", timeout), ("soft_timeout", soft_timeout)):
+        for label, limit in (
+            ("timeout", timeout),
+            ("soft_timeout", soft_timeout),
+            ("deadline", deadline),
+        ):
             if limit is not None and not (0 < limit < math.inf):
                 raise ConfigError(f"workflow {name!r}: {label} must be a positive number")
         if timeout is not None and soft_timeout is not None and soft_timeout >= timeout:
@@ -159,6 +170,7 @@ class Moorline:
                 input_model=model,
                 parameters=parameters,
                 soft_timeout_s=soft_timeout,
+                deadline_s=deadline,
             )
             return registered
 

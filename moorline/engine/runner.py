@@ -39,6 +39,7 @@ from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.messages import MessagesRepo
+from moorline.db.repos.parking import ParkingRepo
 from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import RunsRepo
@@ -130,6 +131,7 @@ class WorkflowRunner:
         self._events = EventsRepo(db)
         self._interrupts = InterruptsRepo(db)
         self._messages = MessagesRepo(db)
+        self._parking = ParkingRepo(db)
         self._conversations = Conversations(store, RunsRepo(db), lease_ttl_s=settings.lease_ttl)
         self._event_batch_size = event_batch_size
         self._event_flush_interval_s = event_flush_interval_s
@@ -142,9 +144,15 @@ class WorkflowRunner:
             events=events if events is not None else self.event_writer(claim),
             interrupts=self._interrupts,
             messages=self._messages,
+            parking=self._parking,
             store=self._store,
             permission_timeout_s=self._settings.permission_timeout,
+            park_after_s=self._settings.park_after,
+            deadline_s=self._deadline_s(claim.run.workflow),
         )
+
+    def _deadline_s(self, workflow: str) -> float | None:
+        return self._app.get(workflow).deadline_s if workflow in self._app else None
 
     def hard_limit_s(self, definition: WorkflowDefinition, run: Run) -> float:
         """An attempt's hard time limit: the run's own, else its workflow's, else the default."""

@@ -90,6 +90,20 @@ class Metrics:
             ["lane"],
             registry=None,
         )
+        self.parks = Counter(
+            "moorline_parks",
+            "Attempts that parked their run (waiting, no slot held), by lane and by what the "
+            "run waits for (permission, sleep, message).",
+            ["lane", "kind"],
+            registry=None,
+        )
+        self.resumes = Counter(
+            "moorline_timer_resumes",
+            "Waiting runs the timer sweep moved, by lane and where they went (queued when "
+            "their timer was due, timed_out past their deadline).",
+            ["lane", "status"],
+            registry=None,
+        )
         self.rejections = Counter(
             "moorline_rejections",
             "Triggers refused by admission, by reason (quota_exceeded, rate_limited).",
@@ -105,6 +119,8 @@ class Metrics:
             self.retries,
             self.reclaims,
             self.lease_losses,
+            self.parks,
+            self.resumes,
             self.rejections,
         ]
 

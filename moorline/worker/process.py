@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from moorline.db.manager import DatabaseManager
 from moorline.dispatch.reaper import make_reaper
+from moorline.dispatch.timers import make_timer_sweep
 from moorline.dispatch.wakeups import Notifier, Waiter
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
@@ -61,7 +62,7 @@ async def run_worker_process(
         store: The RuntimeStore to share (``moorline serve`` shares the API's, so a cancel or a
             message reaches in-process workers without Redis); None makes one, closed here.
         loops: Workers in this process, each with its own lease owner id; 0 runs the reaper
-            alone.
+            and the timer sweep alone.
         metrics: Where the reaper and the workers count their events (``moorline serve``
             passes its API's, so ``/metrics`` shows them); None makes a set for this process.
 
@@ -72,6 +73,7 @@ async def run_worker_process(
     owners = [make_owner_id() for _ in range(max(loops, 1))]
     counted = metrics if metrics is not None else Metrics()
     reaper = make_reaper(settings, db, holder=owners[0], notifier=notifier, metrics=counted)
+    timers = make_timer_sweep(settings, db, holder=owners[0], notifier=notifier, metrics=counted)
     own_store = store is None
     runtime = make_runtime_store(settings) if store is None else store
     try:
@@ -91,6 +93,7 @@ async def run_worker_process(
         ]
         async with asyncio.TaskGroup() as group:
             group.create_task(reaper.run(stop), name="reaper")
+            group.create_task(timers.run(stop), name="timers")
             for index, worker in enumerate(workers):
                 group.create_task(worker.run(stop), name=f"worker:{index}")
     finally:

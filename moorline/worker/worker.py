@@ -53,7 +53,7 @@ from moorline.db.repos.steps import LeaseLost
 from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Cancelled
 from moorline.engine.runner import Runner
-from moorline.errors import BackendUnavailable, MoorlineError, TimeLimitExceeded
+from moorline.errors import BackendUnavailable, MoorlineError, RunParked, TimeLimitExceeded
 from moorline.observability.logs import bind_run
 from moorline.observability.metrics import Metrics
 from moorline.types import JSONObject, RunStatus
@@ -391,8 +391,10 @@ class Worker:
         self.claimed += 1
         run = claim.run
         # Both instants are database time: the claim set updated_at, the enqueue not_before.
-        waited_s = (run.updated_at - run.not_before).total_seconds()
-        self._latency_by_lane[lane].observe(max(0.0, waited_s))
+        if not run.resumes:
+            # A resumed run keeps its old not_before (its place in the lane): no queue wait.
+            waited_s = (run.updated_at - run.not_before).total_seconds()
+            self._latency_by_lane[lane].observe(max(0.0, waited_s))
         execution.task = asyncio.create_task(
             self._execute(execution), name=f"run:{claim.fence.run_id}:{claim.fence.attempt}"
         )
@@ -485,6 +487,11 @@ class Worker:
             execution.lost = True
             logger.info("run %s attempt %d stopped: %s", *_ids(claim), lost)
             return None
+        except RunParked as parked:
+            # The park is the outcome, written under the fence: the slot is free now.
+            logger.debug("run %s attempt %d: %s", *_ids(claim), parked)
+            self._metrics.parks.labels(lane=execution.lane, kind=parked.kind).inc()
+            return None
         except Cancelled:
             logger.info("run %s attempt %d: cancelled", *_ids(claim))
             return Stopped(fence=claim.fence, status=RunStatus.CANCELLED)
@@ -497,9 +504,9 @@ class Worker:
             }
             return Stopped(fence=claim.fence, status=RunStatus.TIMED_OUT, error=error)
         except Exception as exc:
-            decision = self._policy.decide(
-                exc, claim.fence.attempt, claim.run.max_attempts, self._rng
-            )
+            # Claims after a resume are no failures: they do not use up the budget.
+            tries = claim.fence.attempt - claim.run.resumes
+            decision = self._policy.decide(exc, tries, claim.run.max_attempts, self._rng)
             logger.info(
                 "run %s attempt %d failed (%s): %r",
                 claim.fence.run_id,

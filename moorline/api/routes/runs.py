@@ -62,6 +62,7 @@ from moorline.api.schemas import (
     RunOut,
     RunSummary,
     StepOut,
+    WaitingFor,
 )
 from moorline.db.repos.interrupts import InterruptResolved
 from moorline.db.repos.listing import RunCursor, RunFilter, RunPage
@@ -125,6 +126,7 @@ def summary(run: Run) -> RunSummary:
         started_at=run.started_at,
         finished_at=run.finished_at,
         elapsed_time=run.elapsed_time,
+        waiting_for=None if run.waiting_for is None else WaitingFor.model_validate(run.waiting_for),
     )
 
 
@@ -370,6 +372,10 @@ async def resume(services: Services, run: Run, body: Resume) -> Resumed:
     except NotFound:
         raise InterruptNotFound(f"no interrupt {interrupt_id} in run {run.run_id}") from None
     await _wake(services.store, run.run_id, interrupt_id, body.approved, reason, body.data)
+    if not run.status.is_terminal:
+        # A run waiting for this decision was re-queued by it: its lane's workers claim it now
+        # rather than at their next poll. A run still executing gets a spare claim, no more.
+        await services.notifier.notify({run.lane})
     return Resumed(run_id=run.run_id, interrupt_id=resolved.interrupt_id, resolution="resolved")
 
 

@@ -33,6 +33,10 @@ EVENT_CANCELLED = "cancelled"
 EVENT_RELEASED = "released"
 EVENT_TIMED_OUT = "timed_out"
 EVENT_MESSAGE_RECEIVED = "message_received"
+EVENT_WAITING = "waiting"
+"""The run parked: ``data`` is its ``waiting_for`` (``kind``, ``until``, ``interrupt_id``?)."""
+EVENT_RESUMED = "resumed"
+"""The run left ``waiting`` and is queued again: ``{"reason", "waited_for"}``."""
 """The workflow took an injected message (``ctx.drain_messages``); data ``{"seq", "content"}``."""
 
 TERMINAL_EVENT_TYPES = frozenset({EVENT_SUCCEEDED, EVENT_FAILED, EVENT_CANCELLED, EVENT_TIMED_OUT})

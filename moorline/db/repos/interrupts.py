@@ -29,8 +29,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.fences import hold_fence_txn
+from moorline.db.repos.parking import ResumeReason, resume_txn
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt, InterruptStatus
-from moorline.db.schema import interrupts
+from moorline.db.schema import interrupts, runs
 from moorline.errors import Conflict, MoorlineError, NotFound
 from moorline.types import Attempt, JSONObject, JSONValue, RunId
 
@@ -161,13 +162,31 @@ class InterruptsRepo:
 
         async def attempt() -> Interrupt | InterruptResolved:
             async with self._db.write_transaction() as conn:
-                return await self._resolve_txn(conn, run_id, interrupt_id, status, cause, data)
+                # The run's row first, as a park takes it: a run parking for this interrupt
+                # either sees the decision or is re-queued by it (moorline.db.repos.parking).
+                run = await self._lock_run_txn(conn, run_id)
+                outcome = await self._resolve_txn(conn, run_id, interrupt_id, status, cause, data)
+                waited: Any = None if run is None else run["waiting_for"]
+                if (
+                    not isinstance(outcome, InterruptResolved)
+                    and waited is not None
+                    and waited.get("interrupt_id") == interrupt_id
+                ):
+                    assert run is not None
+                    await resume_txn(conn, self._backend, run, ResumeReason.DECISION)
+                return outcome
 
         outcome = await self._db.with_retry(attempt)
         # Raised only after the commit: a refusal may come with an expiry to keep.
         if isinstance(outcome, InterruptResolved):
             raise outcome
         return outcome
+
+    async def _lock_run_txn(self, conn: AsyncConnection, run_id: RunId) -> RowMapping | None:
+        wanted = select(
+            runs.c.id, runs.c.status, runs.c.attempt, runs.c.waiting_for, runs.c.lane
+        ).where(runs.c.id == run_id)
+        return (await conn.execute(self._backend.lock_rows(wanted))).mappings().first()
 
     async def _resolve_txn(
         self,

@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import RowMapping, case, func, insert, select, update
+from sqlalchemy import RowMapping, case, exists, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_MESSAGE_RECEIVED, append_fenced_events_txn
 from moorline.db.repos.fences import hold_fence_txn
+from moorline.db.repos.parking import ResumeReason, resume_txn
 from moorline.db.repos.records import Event, Fence, Message
 from moorline.db.repos.steps import StepMismatch
 from moorline.db.schema import messages, runs, steps
@@ -68,6 +69,14 @@ class Drain:
     replay: bool
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Posted:
+    """A stored message, and the lane of the waiting run it re-queued (None if none)."""
+
+    message: Message
+    resumed_lane: str | None
+
+
 def drain_step_key(position: int) -> str:
     """The step key of a run's ``position``-th drain (counting from 1)."""
     return f"{DRAIN_STEP_PREFIX}{position}"
@@ -93,29 +102,37 @@ class MessagesRepo:
         self._backend: Backend = db.backend
         self._max_waiting = max_waiting
 
-    async def post(self, tenant_id: TenantId, run_id: RunId, content: str) -> Message:
-        """Store ``content`` as the run's next message, while the run is running.
+    async def post(self, tenant_id: TenantId, run_id: RunId, content: str) -> "Posted":
+        """Store ``content`` as the run's next message, while the run runs or waits for one.
+
+        A run ``waiting`` for a message is re-queued in the same transaction.
 
         Not wrapped in ``with_retry``: a post is not idempotent, and a retry after a lost
         commit acknowledgement would store the message twice.
 
         Returns:
-            The message as stored.
+            The message as stored, and the lane of the run it re-queued (if it did).
 
         Raises:
             RunNotFound: No run ``run_id`` of ``tenant_id`` (another tenant's run included).
-            RunNotInteractive: The run is not running.
+            RunNotInteractive: The run is neither running nor waiting for a message.
             LimitExceeded: The run already holds ``max_waiting`` undelivered messages.
         """
         backend = self._backend
         async with self._db.write_transaction() as conn:
-            owned = select(runs.c.status).where(runs.c.id == run_id, runs.c.tenant_id == tenant_id)
-            status = (await conn.execute(backend.lock_rows(owned))).scalar_one_or_none()
-            if status is None:
+            owned = select(
+                runs.c.id, runs.c.status, runs.c.attempt, runs.c.waiting_for, runs.c.lane
+            ).where(runs.c.id == run_id, runs.c.tenant_id == tenant_id)
+            run = (await conn.execute(backend.lock_rows(owned))).mappings().first()
+            if run is None:
                 raise RunNotFound(f"no run {run_id}")
-            if status != RunStatus.RUNNING.value:
+            status = run["status"]
+            waited: Any = run["waiting_for"] or {}
+            parked = status == RunStatus.WAITING.value and waited.get("kind") == "message"
+            if status != RunStatus.RUNNING.value and not parked:
                 raise RunNotInteractive(
-                    f"run {run_id} is {status}: messages are accepted only while it runs"
+                    f"run {run_id} is {status}: messages are accepted only while it runs "
+                    "or waits for a message"
                 )
             waiting = func.coalesce(
                 func.sum(case((messages.c.delivered_attempt.is_(None), 1), else_=0)), 0
@@ -131,7 +148,10 @@ class MessagesRepo:
             await conn.execute(
                 insert(messages).values(run_id=run_id, seq=seq, content=content, created_at=now)
             )
-        return Message(
+            if parked:
+                # Under the run's row lock, as a park reads the messages: see parking.py.
+                await resume_txn(conn, backend, run, ResumeReason.MESSAGE, now=now)
+        message = Message(
             run_id=run_id,
             seq=seq,
             content=content,
@@ -139,8 +159,9 @@ class MessagesRepo:
             delivered_attempt=None,
             delivered_at=None,
         )
+        return Posted(message=message, resumed_lane=run["lane"] if parked else None)
 
-    async def drain(self, fence: Fence, position: int) -> Drain:
+    async def drain(self, fence: Fence, position: int, *, limit: int | None = None) -> Drain:
         """Take the run's waiting messages as its ``position``-th drain, or replay that drain.
 
         Idempotent (a retry after a lost commit acknowledgement finds its own record), so it
@@ -149,6 +170,7 @@ class MessagesRepo:
         Args:
             fence: The attempt's fence.
             position: Which drain of the run this is, counting from 1 in every attempt.
+            limit: Most messages to take (``ctx.wait_for_message`` takes one); None for all.
 
         Returns:
             The drained messages, oldest first; the recorded ones when this drain happened
@@ -164,11 +186,13 @@ class MessagesRepo:
         async def attempt() -> Drain:
             async with self._db.write_transaction() as conn:
                 await hold_fence_txn(conn, self._backend.name, fence, f"drain {position}")
-                return await self._drain_txn(conn, fence, position)
+                return await self._drain_txn(conn, fence, position, limit)
 
         return await self._db.with_retry(attempt)
 
-    async def _drain_txn(self, conn: AsyncConnection, fence: Fence, position: int) -> Drain:
+    async def _drain_txn(
+        self, conn: AsyncConnection, fence: Fence, position: int, limit: int | None
+    ) -> Drain:
         key = drain_step_key(position)
         digest = _drain_call_hash(position)
         find = select(steps).where(steps.c.run_id == fence.run_id, steps.c.key == key)
@@ -180,6 +204,7 @@ class MessagesRepo:
             select(messages)
             .where(messages.c.run_id == fence.run_id, messages.c.delivered_attempt.is_(None))
             .order_by(messages.c.seq)
+            .limit(limit)
         )
         rows = (await conn.execute(waiting)).mappings().all()
         seqs = [row["seq"] for row in rows]
@@ -249,6 +274,30 @@ class MessagesRepo:
         )
         rows = (await conn.execute(stmt)).mappings().all()
         return Drain(messages=[_message_from_row(row) for row in rows], events=[], replay=True)
+
+    async def is_drained(self, run_id: RunId, position: int) -> bool:
+        """Whether the run's ``position``-th drain is recorded (a replay must repeat it)."""
+        recorded = select(steps.c.key).where(
+            steps.c.run_id == run_id, steps.c.key == drain_step_key(position)
+        )
+
+        async def read() -> bool:
+            async with self._db.connect() as conn:
+                return (await conn.execute(recorded)).first() is not None
+
+        return await self._db.with_retry(read)
+
+    async def has_waiting(self, run_id: RunId) -> bool:
+        """Whether the run has a message no drain has taken yet."""
+        waiting = select(
+            exists().where(messages.c.run_id == run_id, messages.c.delivered_attempt.is_(None))
+        )
+
+        async def read() -> bool:
+            async with self._db.connect() as conn:
+                return bool((await conn.execute(waiting)).scalar())
+
+        return await self._db.with_retry(read)
 
     async def list(
         self, run_id: RunId, *, after_seq: int = 0, limit: int = DEFAULT_LIST_LIMIT

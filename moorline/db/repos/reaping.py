@@ -71,15 +71,20 @@ class _Expired:
         attempt: Attempt,
         max_attempts: int,
         cancel_requested: bool,
+        resumes: int = 0,
     ) -> "_Expired":
-        """The run with its outcome (:func:`expired_lease_outcome`), event and event data."""
+        """The run with its outcome (:func:`expired_lease_outcome`), event and event data.
+
+        Claims after a resume are no failures: the budget counts ``attempt - resumes``.
+        """
+        tries = attempt - resumes
         status = expired_lease_outcome(
-            attempt=attempt, max_attempts=max_attempts, cancel_requested=cancel_requested
+            attempt=tries, max_attempts=max_attempts, cancel_requested=cancel_requested
         )
         event, reason = _EVENTS[status]
         data: JSONObject = {"reason": reason}
         if status is RunStatus.FAILED:
-            data["message"] = f"lease expired on attempt {attempt} of {max_attempts}"
+            data["message"] = f"lease expired on attempt {tries} of {max_attempts}"
         return cls(
             run_id=run_id,
             lane=lane,
@@ -237,6 +242,7 @@ class ReapingRepo:
                 runs.c.lane,
                 runs.c.attempt,
                 runs.c.max_attempts,
+                runs.c.resumes,
                 runs.c.cancel_requested_at.is_not(None).label("cancel_requested"),
             )
             .where(*_expired_by(now))
@@ -255,6 +261,7 @@ class ReapingRepo:
                 attempt=Attempt(row.attempt),
                 max_attempts=row.max_attempts,
                 cancel_requested=bool(row.cancel_requested),
+                resumes=row.resumes,
             )
             for row in rows
         ]
@@ -347,7 +354,7 @@ def _fail_moves(
             and_(
                 runs.c.cancel_requested_at.is_(None),
                 runs.c.max_attempts == max_attempts,
-                runs.c.attempt >= runs.c.max_attempts,
+                runs.c.attempt - runs.c.resumes >= runs.c.max_attempts,
             ),
             {
                 **cleared,
@@ -383,6 +390,9 @@ def _requeue_move(
         )
     return (
         requeued,
-        and_(runs.c.cancel_requested_at.is_(None), runs.c.attempt < runs.c.max_attempts),
+        and_(
+            runs.c.cancel_requested_at.is_(None),
+            runs.c.attempt - runs.c.resumes < runs.c.max_attempts,
+        ),
         values,
     )

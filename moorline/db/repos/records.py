@@ -75,6 +75,14 @@ class Run:
     elapsed_time: float | None
     prompt_tokens: int
     completion_tokens: int
+    waiting_for: JSONObject | None = None
+    """What a ``waiting`` run waits for: ``{"kind", "until", "interrupt_id"?}``."""
+    wake_at: datetime | None = None
+    """When the timer sweep re-queues a ``waiting`` run (None: no timer)."""
+    resumes: int = 0
+    """Times the run left ``waiting``; claims after them do not use up attempts."""
+    deadline_at: datetime | None = None
+    """The run's wall-clock limit, waits included (None: none)."""
 
 
 def run_from_row(row: Mapping[Any, Any]) -> Run:
@@ -112,6 +120,10 @@ def run_from_row(row: Mapping[Any, Any]) -> Run:
         elapsed_time=row["elapsed_time"],
         prompt_tokens=row["prompt_tokens"],
         completion_tokens=row["completion_tokens"],
+        waiting_for=row.get("waiting_for"),
+        wake_at=row.get("wake_at"),
+        resumes=row.get("resumes") or 0,
+        deadline_at=row.get("deadline_at"),
     )
 
 

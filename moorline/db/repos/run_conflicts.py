@@ -23,7 +23,12 @@ from moorline.db.schema import runs, tenants
 from moorline.errors import Conflict, ConversationBusy, IdempotencyConflict, NotFound
 from moorline.types import RunId, RunStatus, TenantId
 
-_ACTIVE = (RunStatus.PENDING.value, RunStatus.QUEUED.value, RunStatus.RUNNING.value)
+_ACTIVE = (
+    RunStatus.PENDING.value,
+    RunStatus.QUEUED.value,
+    RunStatus.RUNNING.value,
+    RunStatus.WAITING.value,
+)
 """Statuses of a run that holds its conversation."""
 
 

@@ -7,9 +7,9 @@ transaction of its own:
   rate_limited`` (:meth:`RunTransitions.mark_rate_limited`), each conditional on the run still
   being ``pending``, so two API processes deciding about one run move it once.
 * **cancel** — :meth:`RunTransitions.request_cancel` records a tenant's cancel under the run's
-  row lock: a run nobody executes (``pending``, ``queued``) ends ``cancelled`` in that same
-  transaction; a ``running`` one keeps its lease with ``cancel_requested_at`` set, which its
-  worker learns from the RuntimeStore's signal or, should that be lost, from its next
+  row lock: a run nobody executes (``pending``, ``queued``, ``waiting``) ends ``cancelled``
+  in that same transaction; a ``running`` one keeps its lease with ``cancel_requested_at``
+  set, which its worker learns from the RuntimeStore's signal or, should that be lost, from its next
   heartbeat. From then on no step starts (``StepsRepo.start`` refuses), no claim takes the
   run, and the reaper and a shutdown release end it ``cancelled`` instead of requeueing it.
 """
@@ -23,7 +23,8 @@ from sqlalchemy import ColumnElement, and_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.repos.events import EVENT_CANCELLED, EVENT_QUEUED, append_events_txn
-from moorline.db.repos.records import Run, run_from_row
+from moorline.db.repos.parking import deny_pending_txn
+from moorline.db.repos.records import DecisionReason, Run, run_from_row
 from moorline.db.repos.run_reads import IN_CHUNK, RunRepoBase, db_now_txn
 from moorline.db.schema import runs
 from moorline.errors import RunFinished, RunNotFound
@@ -125,7 +126,8 @@ class RunTransitions(RunRepoBase):
         ``cancel_requested_at`` is later than every step start that committed before it, and
         every later step start sees the request (see ``StepsRepo.start``):
 
-        * ``pending`` or ``queued`` → ``cancelled`` at once (``finished_at`` set, event
+        * ``pending``, ``queued`` or ``waiting`` → ``cancelled`` at once (a waiting run's
+          pending interrupts denied with reason ``cancelled``) (``finished_at`` set, event
           ``cancelled`` ``{"reason": "cancelled"}``): nobody runs it, nobody will;
         * ``running`` → ``cancel_requested_at`` set, the run keeps its lease; its worker ends
           it ``cancelled`` when it sees the request (signal the RuntimeStore after this call:
@@ -177,10 +179,14 @@ class RunTransitions(RunRepoBase):
                 "finished_at": now,
                 "updated_at": now,
                 "elapsed_time": None if elapsed_s is None else max(0.0, elapsed_s),
+                "waiting_for": None,
+                "wake_at": None,
             }
             changed = replace(
                 run,
                 status=RunStatus.CANCELLED,
+                waiting_for=None,
+                wake_at=None,
                 lease_owner=None,
                 lease_expires_at=None,
                 cancel_requested_at=now,
@@ -197,6 +203,8 @@ class RunTransitions(RunRepoBase):
         if result.rowcount != 1:  # pragma: no cover - would be a locking bug
             raise AssertionError(f"cancel of locked run {run.run_id} changed {result.rowcount}")
         if changed.status is RunStatus.CANCELLED:
+            # A waiting run's open question is closed too: nobody will act on its answer.
+            await deny_pending_txn(conn, run.run_id, DecisionReason.CANCELLED, now)
             cancelled: list[_EventItem] = [
                 (run.run_id, run.attempt, EVENT_CANCELLED, {"reason": "cancelled"})
             ]
