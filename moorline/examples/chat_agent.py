@@ -2,11 +2,12 @@
 
 Seed 000's agent loop. The run starts with the user's first message; every turn then
 
-1. takes the messages injected into the run (``POST /v1/runs/{id}/messages``) with
-   ``ctx.drain_messages()``, polling up to ``idle_timeout`` seconds for one after the first
-   turn. Every drain is a checkpoint of its own (the n-th drain of a replay returns what the
-   n-th drain returned), so it must not be wrapped in a step: a replay would skip the drains
-   inside the step and renumber the later ones;
+1. takes the messages injected into the run (``POST /v1/runs/{id}/messages``): after the
+   first turn it waits up to ``idle_timeout`` seconds for one with ``ctx.wait_for_message``
+   (parked, holding no worker slot, once the wait passes ``MOORLINE_PARK_AFTER``), then
+   drains the others with ``ctx.drain_messages()``. Every wait and drain is a checkpoint of
+   its own (the n-th of a replay returns what the n-th returned), so neither may be wrapped
+   in a step: a replay would skip the ones inside the step and renumber the later ones;
 2. ends the run when a message says "bye" (or "goodbye");
 3. asks the model for a reply in the step ``llm:<turn>``, streaming it as ``delta`` events
    tagged with the turn. When the reply calls a tool, the agent asks permission (the action is
@@ -22,7 +23,6 @@ uses ``ctx.idempotency_key()`` — the ticket's id derives from it, so a step re
 crash refers to the same ticket — and emits ``ticket_created``.
 """
 
-import asyncio
 import hashlib
 import json
 import re
@@ -38,10 +38,6 @@ from moorline.types import JSONObject, JSONValue
 
 MAX_TOOL_ROUNDS = 3
 """Replies with tool calls one turn may have; the reply after the last round offers no tools."""
-
-MESSAGE_POLL_S = 0.2
-"""How often a turn waiting for the user looks for injected messages, in seconds. The
-RuntimeStore hands messages out only by draining (no wake-up), so waiting for one is a poll."""
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant in a team chat. Answer briefly. When the user asks for a "
@@ -87,15 +83,17 @@ class Chat:
     # --- steps (their arguments and results are JSON, as checkpoints are) ---------------------
 
     async def collect_messages(self, wait_s: float) -> list[str]:
-        """Drain the injected messages; wait up to ``wait_s`` for one when there is none."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while True:
-            messages = await self.ctx.drain_messages()
-            left_s = deadline - loop.time()
-            if messages or left_s <= 0:
-                return messages
-            await asyncio.sleep(min(MESSAGE_POLL_S, left_s))
+        """The injected messages; with ``wait_s``, wait that long for the first one.
+
+        The wait is ``ctx.wait_for_message``: a user who takes minutes to answer costs no
+        worker slot (the run parks), and a message posted meanwhile resumes it.
+        """
+        if wait_s <= 0:
+            return await self.ctx.drain_messages()
+        first = await self.ctx.wait_for_message(timeout=wait_s)
+        if first is None:
+            return []
+        return [first, *await self.ctx.drain_messages()]
 
     async def ask(self, messages: list[JSONValue], offer_tools: bool, turn: int) -> JSONObject:
         """The model's reply to ``messages``, streamed as ``delta`` events of ``turn``."""
