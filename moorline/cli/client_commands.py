@@ -319,6 +319,10 @@ async def status(
         ("steps", describe_steps(run)),
     ):
         table.add_row(Text(field, style="bold"), Text(value))
+    if run.waiting_for is not None:
+        waiting = run.waiting_for
+        until = "no time limit" if waiting.until is None else f"until {waiting.until.isoformat()}"
+        table.add_row(Text("parked", style="bold"), Text(f"{waiting.kind}, {until}"))
     if run.pending_interrupt is not None:
         pending = run.pending_interrupt
         asked = f"{pending.action} {json.dumps(pending.data)} (id {pending.interrupt_id})"

@@ -43,6 +43,7 @@ from moorline.client.results import (
     Tenant,
     TenantCreated,
     Usage,
+    WaitingFor,
     Webhook,
 )
 from moorline.client.sse import parse_sse
@@ -378,6 +379,7 @@ __all__ = [
     "Tenant",
     "TenantCreated",
     "Usage",
+    "WaitingFor",
     "Webhook",
     "error_from_response",
     "parse_sse",

@@ -83,6 +83,15 @@ class PendingInterrupt(Result):
     expires_at: datetime
 
 
+class WaitingFor(Result):
+    """What a ``waiting`` run waits for (it holds no worker slot meanwhile)."""
+
+    kind: str
+    """``permission``, ``sleep`` or ``message``."""
+    until: datetime | None
+    interrupt_id: str | None = None
+
+
 class RunSummary(Result):
     """A run as listed."""
 
@@ -98,6 +107,7 @@ class RunSummary(Result):
     started_at: datetime | None
     finished_at: datetime | None
     elapsed_time: float | None
+    waiting_for: WaitingFor | None = None
 
 
 class Run(RunSummary):

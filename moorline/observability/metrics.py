@@ -11,7 +11,7 @@ Two kinds of figure, kept apart on purpose:
   count per (status, lane) is an index-only scan, and the oldest eligible queued run of a lane
   is the first entry of its range. Terminal statuses only ever grow (runs are not deleted), so
   they are served as the counter ``moorline_runs_total``; the statuses a run leaves
-  (``pending``, ``queued``, ``running``) as the gauge ``moorline_runs_active``.
+  (``pending``, ``queued``, ``running``, ``waiting``) as the gauge ``moorline_runs_active``.
 - **Events, counted where they happen** (:class:`Metrics`): attempt durations and dispatch
   latency (histograms), retries, reclaims, lease losses, quota and rate-limit rejections.
   Reading these back from the database would mean scanning history at every scrape. They live

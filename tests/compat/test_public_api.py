@@ -14,6 +14,7 @@ EXPECTED = {
     "Moorline",
     "MoorlineError",
     "NotFound",
+    "RunParked",
     "RunStatus",
     "Settings",
     "SoftTimeLimitExceeded",

@@ -12,8 +12,8 @@ const ROLE_KEY = "moorline.role";
 const POLL_MS = 2000;
 const MAX_EVENT_LINES = 500;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled", "timed_out", "rate_limited"]);
-const STATUSES = ["pending", "queued", "running", "succeeded", "failed", "cancelled",
-  "timed_out", "rate_limited"];
+const STATUSES = ["pending", "queued", "running", "waiting", "succeeded", "failed",
+  "cancelled", "timed_out", "rate_limited"];
 
 // ---- session and API --------------------------------------------------------------------
 
@@ -122,6 +122,9 @@ function svg(tag, attrs = {}) {
   return node;
 }
 
+// A parked run holds no worker slot: say what brings it back, and when it gives up.
+const describeWait = (wait) => wait.kind +
+  (wait.until ? ` until ${new Date(wait.until).toLocaleString()}` : " (no time limit)");
 const badge = (status) => h("span", { class: `badge ${status}`, "data-status": status }, status);
 const json = (value) => h("pre", {}, value === null || value === undefined ? "—"
   : JSON.stringify(value, null, 2));
@@ -448,6 +451,7 @@ function viewRun(runId) {
       ["started", run.started_at ? new Date(run.started_at).toLocaleString() : "—"],
       ["finished", run.finished_at ? new Date(run.finished_at).toLocaleString() : "—"],
       ["elapsed", duration(run.elapsed_time)],
+      ...(run.waiting_for ? [["waiting for", describeWait(run.waiting_for)]] : []),
     ].flatMap(([name, value]) => [h("dt", {}, name), h("dd", { "data-fact": name }, String(value))]));
     io.replaceChildren(
       h("div", {}, h("h2", {}, "Input"), json(run.input)),
