@@ -45,6 +45,14 @@ async def count_by_status(db: DatabaseManager, run_ids: Sequence[str]) -> Counte
         return Counter({status: count for status, count in rows})
 
 
+async def with_status(db: DatabaseManager, run_ids: Sequence[str], status: str) -> list[str]:
+    async with db.connect() as conn:
+        rows = await conn.execute(
+            select(runs.c.id).where(runs.c.id.in_(list(run_ids)), runs.c.status == status)
+        )
+        return list(rows.scalars())
+
+
 async def running_under(db: DatabaseManager, run_ids: Sequence[str], pattern: str) -> list[str]:
     """The runs ``running`` under a lease owner matching ``pattern``."""
     async with db.connect() as conn:

@@ -37,6 +37,7 @@ from tests.faults.suspension import (
     decide_all,
     events_of,
     running_under,
+    with_status,
 )
 from tests.faults.suspension_app import MAX_ATTEMPTS
 from tests.helpers import FULL_SIZE, wait_for
@@ -204,12 +205,16 @@ async def test_kill_9_of_the_timer_sweep_leader_while_timers_come_due(
     [leader] = [proc for proc in procs if f":{proc.pid}:" in holder]
     leader.kill()
     leader.wait()
-    assert (await count_by_status(db, run_ids))[WAITING] > 0, "every timer fired before the kill"
+    parked = await with_status(db, run_ids, WAITING)
+    assert parked, "every timer fired before the kill: the test did not test"
     workers.start()  # the survivor takes the lead when the dead one's lease lapses
     await until_all(db, run_ids, SUCCEEDED, "every run finished")
     workers.terminate_all()
     resumed = await events_of(db, run_ids, "resumed")
-    assert resumed == Counter({run_id: 1 for run_id in run_ids}), "a timer fired twice"
+    assert max(resumed.values()) == 1, "a timer fired twice"
+    # A run the leader was executing when it died is reclaimed; if its sleep is due by then,
+    # the replay returns at once without parking. Those parked at the kill were all moved.
+    assert set(parked) <= set(resumed), "a timer due after the kill never fired"
     assert (await timer_leader(db)) != holder
     await check_outcomes(db, run_ids, effects, {}, keys=("prepare", "finish"))
 
@@ -243,7 +248,7 @@ async def test_two_timer_sweeps_that_both_lead_move_each_run_once(
     """Fault: two sweeps, each leading its own lease, race on the same due runs."""
     workers.extra_env["MOORLINE_TIMER_INTERVAL"] = "3600"  # only the test's sweeps act
     tenant = await tenants.new(PLAN)
-    sleepers = await start_runs(db, tenant, RUNS, effects=str(effects), ask=False, sleep_s=1.0)
+    sleepers = await start_runs(db, tenant, RUNS, effects=str(effects), ask=False, sleep_s=2.0)
     # A permission that expires while its run waits: the sweeps record the timeout.
     expiring = await start_runs(db, tenant, RUNS // 2, effects=str(effects), timeout_s=2.0)
     run_ids = sleepers + expiring
@@ -280,9 +285,10 @@ async def test_two_timer_sweeps_that_both_lead_move_each_run_once(
         assert await sweep.elector.tick(), "a sweep did not lead"
     once = Counter(r.run_id for r in moved)
     assert max(once.values()) == 1, "a run was moved twice"
-    assert set(sleepers) <= set(once), "a due sleep was never moved"
-    # A permission can expire before its run parks (the workflow then times it out in
-    # memory): such a run is moved by no sweep. Every ``resumed`` came from one move.
+    # Every run that parked was moved once, by one of the sweeps. (A run whose timer is due
+    # by the time it would park, on a slow machine, does not park at all.)
+    assert await events_of(db, run_ids, "waiting") == once, "a parked run was not moved once"
+    assert set(sleepers) & set(once), "no sleeper parked: the test did not test"
     assert await events_of(db, run_ids, "resumed") == once
     timed_out = Posted(approved=False, reason="timeout", data=None)
     await check_outcomes(db, sleepers, effects, {}, keys=("prepare", "finish"))
