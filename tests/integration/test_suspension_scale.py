@@ -35,11 +35,7 @@ from moorline.types import RunId, RunStatus, TenantId
 from moorline.worker.worker import Worker
 from tests.contract.queue_helpers import Tenants, no_caps, unique
 from tests.helpers import FULL_SIZE, wait_for
-from tests.runtime.conftest import (  # noqa: F401 - fixtures, found by name
-    make_redis_store,
-    redis_client,
-    redis_prefix,
-)
+from tests.runtime.conftest import make_redis_store
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +60,10 @@ async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
 
 
 @pytest.fixture
-async def store(backend: str, request: pytest.FixtureRequest) -> AsyncIterator[RuntimeStore]:
+async def store(backend: str, redis_prefix: str) -> AsyncIterator[RuntimeStore]:
     """SQLite with the in-memory store; the servers with Redis, as they are deployed."""
     made: RuntimeStore = (
-        InMemoryRuntimeStore()
-        if backend == "sqlite"
-        else make_redis_store(request.getfixturevalue("redis_prefix"))
+        InMemoryRuntimeStore() if backend == "sqlite" else make_redis_store(redis_prefix)
     )
     try:
         yield made
