@@ -131,6 +131,8 @@ class _Execution:
     started: float = field(default_factory=time.monotonic)
     finished: bool = False
     """Its outcome is written (or given up): no heartbeat or fence concerns it any more."""
+    parked: bool = False
+    """Its attempt parked the run and is winding down: it holds no lease to renew or lose."""
 
 
 class Worker:
@@ -603,7 +605,9 @@ class Worker:
         held = [
             execution
             for execution in self._executions
-            if not execution.lost and execution.task is not None and not execution.task.done()
+            if not (execution.lost or execution.parked)
+            and execution.task is not None
+            and not execution.task.done()
         ]
         if not held:
             return
@@ -629,12 +633,17 @@ class Worker:
                     renewed.append(execution)
                 if fence.run_id in renewal.cancel_requested:
                     execution.cancel_requested.set()
+            elif (fence.run_id, fence.attempt) in renewal.parked:
+                # The park took the lease, not another worker: let the workflow's clean-up
+                # finish. Its fenced writes fail by themselves now; no self-fence is needed.
+                execution.parked = True
+                self._leave_self_fence(execution)
             else:
                 self._lose(execution, "renewal matched no row (reclaimed, cancelled or finished)")
         self._arm_self_fence(renewed, sent)
         # In its own task: a slow RuntimeStore must never delay the next database heartbeat.
         if self._runtime_renewal is None or self._runtime_renewal.done():
-            kept = [e.claim for e in held if not (e.lost or e.finished)]
+            kept = [e.claim for e in held if not (e.lost or e.finished or e.parked)]
             self._runtime_renewal = asyncio.create_task(
                 self._renew_runtime(kept), name="runtime-renewal"
             )
