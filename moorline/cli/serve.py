@@ -5,6 +5,7 @@ API, FastAPI and uvicorn cost a worker process over a second of start-up it has 
 """
 
 import asyncio
+import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -67,8 +68,8 @@ def serve(
     `moorline.cli.banner` for the admin token it may generate).
     """
     settings = load_settings()
-    configure_logging(settings)
-    application = load_app(app or settings.app)
+    configure_logging(settings, warn_unknown=True)
+    application = load_app(app or settings.app, app_dir=os.getcwd())
     # The port first: a port in use must be one line before anything is printed, generated or
     # connected to (no banner, no admin token, no worker against the database).
     listening = bind_socket(host, port)

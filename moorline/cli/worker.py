@@ -1,6 +1,7 @@
 """``moorline worker``: claim and execute runs (and run the reaper loop) until stopped."""
 
 import asyncio
+import os
 from typing import Annotated
 
 import typer
@@ -56,8 +57,8 @@ def worker(
     Every worker also runs the reaper loop; only the elected leader acts.
     """
     settings = load_settings()
-    configure_logging(settings)
-    application = load_app(app or settings.app)
+    configure_logging(settings, warn_unknown=True)
+    application = load_app(app or settings.app, app_dir=os.getcwd())
     served = resolve_lanes(lanes, default_lane_slots(resolve_plans(settings)))
     pin_mmap_threshold()  # RSS stays flat on asyncio's read buffers: see the function
     asyncio.run(_work(settings, application, served, grace))
