@@ -32,6 +32,7 @@ from moorline.api.guards import RequestGuard
 from moorline.api.routes import (
     admin,
     admin_runs,
+    catalogue,
     dashboard,
     health,
     metrics,
@@ -107,7 +108,7 @@ def create_app(
     # The runs routes first: a request is matched against the routes in order, and triggers are
     # the hot path. No two routers share a path, so the order changes nothing else.
     runs.install(app)
-    for module in (health, admin, admin_runs, webhooks, usage, metrics):
+    for module in (health, admin, admin_runs, webhooks, usage, metrics, catalogue):
         app.include_router(module.build_router())
     dashboard.install(app)
     return app

@@ -43,6 +43,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "deny": "moorline.cli.client_commands",
     "inject": "moorline.cli.client_commands",
     "runs": "moorline.cli.client_commands",
+    "workflows": "moorline.cli.catalogue",
 }
 """Each command's module, imported only when the command runs (or help lists it), by name.
 
@@ -67,6 +68,7 @@ HELP_ORDER = (
     "deny",
     "inject",
     "runs",
+    "workflows",
 )
 """The order ``moorline --help`` lists the commands in (as before they were lazy)."""
 

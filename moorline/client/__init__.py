@@ -44,6 +44,9 @@ from moorline.client.results import (
     TenantCreated,
     Usage,
     Webhook,
+    WorkflowInfo,
+    WorkflowLimits,
+    Workflows,
 )
 from moorline.client.sse import parse_sse
 from moorline.errors import Unauthorized
@@ -118,6 +121,10 @@ class Client:
         return (await self._call(Queues, "GET", "/v1/admin/queues", admin=True)).lanes
 
     # --- runs ---------------------------------------------------------------------------------
+
+    async def workflows(self) -> list[WorkflowInfo]:
+        """The workflows the server runs, by name, with their inputs as JSON Schema."""
+        return (await self._call(Workflows, "GET", "/v1/workflows")).workflows
 
     async def trigger(
         self,
@@ -379,6 +386,8 @@ __all__ = [
     "TenantCreated",
     "Usage",
     "Webhook",
+    "WorkflowInfo",
+    "WorkflowLimits",
     "error_from_response",
     "parse_sse",
 ]

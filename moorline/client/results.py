@@ -157,6 +157,30 @@ class Usage(Result):
     resets_at: datetime
 
 
+class WorkflowLimits(Result):
+    """What bounds one run of a workflow."""
+
+    max_attempts: int
+    timeout_s: float | None
+    soft_timeout_s: float | None
+
+
+class WorkflowInfo(Result):
+    """One workflow of the catalogue: its input as JSON Schema, limits and lanes."""
+
+    name: str
+    parameters: dict[str, Any]
+    limits: WorkflowLimits
+    lanes: list[str]
+    lane: str
+
+
+class Workflows(Result):
+    """The catalogue (``GET /v1/workflows``)."""
+
+    workflows: list[WorkflowInfo]
+
+
 class Readiness(Result):
     """``/readyz``: whether every backend accepts work, and each one's state."""
 
