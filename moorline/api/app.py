@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from moorline.admission.admit import Admission
 from moorline.admission.gate import make_gate
@@ -59,6 +60,8 @@ from moorline.runtime.factory import make_runtime_store
 from moorline.settings import Settings
 
 API_VERSION = "1"
+DOCS_ASSETS_URL = "/docs-assets"
+"""Where the Swagger UI and ReDoc scripts of ``/docs`` and ``/redoc`` are served from."""
 
 
 def create_app(
@@ -89,7 +92,11 @@ def create_app(
         async with closing:
             yield
 
-    app = FastAPI(
+    # fastapi-offline: /docs and /redoc load Swagger UI and ReDoc from files installed with
+    # the package (mounted at DOCS_ASSETS_URL) instead of FastAPI's default CDN, so they work
+    # offline and behind a strict proxy. Every other argument goes to FastAPI as it is.
+    app = FastAPIOffline(
+        static_url=DOCS_ASSETS_URL,
         title="Moorline",
         summary="Durable, multi-tenant execution for LLM and agent workloads.",
         version=API_VERSION,
