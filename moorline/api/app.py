@@ -95,7 +95,7 @@ def create_app(
     # fastapi-offline: /docs and /redoc load Swagger UI and ReDoc from files installed with
     # the package (mounted at DOCS_ASSETS_URL) instead of FastAPI's default CDN, so they work
     # offline and behind a strict proxy. Every other argument goes to FastAPI as it is.
-    app = FastAPIOffline(
+    app: FastAPI = FastAPIOffline(
         static_url=DOCS_ASSETS_URL,
         title="Moorline",
         summary="Durable, multi-tenant execution for LLM and agent workloads.",

@@ -325,9 +325,17 @@ async def status(
         table.add_row(Text("waits for", style="bold"), Text(asked))
     if run.output is not None:
         table.add_row(Text("output", style="bold"), Text(json.dumps(run.output)))
+    trace = None
     if run.error is not None:
-        table.add_row(Text("error", style="bold"), Text(json.dumps(run.error)))
-    stdout().print(table)
+        # The traceback (error.traceback) goes below the table as it was written, one frame
+        # a line: inside the JSON it would be one long line of escaped newlines.
+        error = dict(run.error) if isinstance(run.error, dict) else run.error
+        trace = error.pop("traceback", None) if isinstance(error, dict) else None
+        table.add_row(Text("error", style="bold"), Text(json.dumps(error)))
+    console = stdout()
+    console.print(table)
+    if isinstance(trace, str):
+        console.print(Text(trace.rstrip("\n")))
 
 
 def describe_steps(run: Run) -> str:

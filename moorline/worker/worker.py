@@ -52,6 +52,7 @@ from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import LeaseLost
 from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Cancelled
+from moorline.engine.failures import FailureDescriber
 from moorline.engine.runner import Runner
 from moorline.errors import BackendUnavailable, MoorlineError, TimeLimitExceeded
 from moorline.observability.logs import bind_run
@@ -151,6 +152,7 @@ class Worker:
         grace_s: float = DEFAULT_GRACE_S,
         rng: random.Random | None = None,
         metrics: Metrics | None = None,
+        secrets: Iterable[str] = (),
     ) -> None:
         """Create a worker; nothing runs before :meth:`run`.
 
@@ -169,6 +171,8 @@ class Worker:
             rng: Jitter source for retry backoff.
             metrics: Where attempts, retries and lease losses are counted; default a private
                 set nobody scrapes.
+            secrets: Values blanked in a failed run's stored error (its message and
+                traceback): the settings' tokens and keys.
         """
         if not lanes:
             raise ValueError("a worker needs at least one lane")
@@ -187,6 +191,7 @@ class Worker:
         self._rng = rng or random.Random()
         self._metrics = metrics or Metrics()
         self._completer = Completer(self._runs)
+        self._failures = FailureDescriber(secrets)
         self._executions: set[_Execution] = set()
         self._in_lane = dict.fromkeys(self._lanes, 0)
         self._recheck = {lane: asyncio.Event() for lane in self._lanes}
@@ -500,16 +505,19 @@ class Worker:
             decision = self._policy.decide(
                 exc, claim.fence.attempt, claim.run.max_attempts, self._rng
             )
-            logger.info(
+            # WARNING with the stack: a failing workflow is the developer's to fix, and the
+            # log has the whole traceback where the run's error keeps a bounded one.
+            logger.warning(
                 "run %s attempt %d failed (%s): %r",
                 claim.fence.run_id,
                 claim.fence.attempt,
                 decision.reason,
                 exc,
+                exc_info=exc,
             )
             return Failed(
                 fence=claim.fence,
-                error={"type": type(exc).__name__, "message": str(exc), "reason": decision.reason},
+                error=self._failures.describe(exc, reason=decision.reason),
                 retry_delay_s=decision.delay_s if decision.retry else None,
             )
         return Succeeded(fence=claim.fence, output=output)

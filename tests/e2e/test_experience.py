@@ -1,14 +1,17 @@
 """End to end, issue 21: what a new user and an operator meet on a real deployment.
 
 The workflow catalogue (``moorline workflows``, and the list ``serve`` and ``worker`` print at
-start), run through the ``cluster`` of ``conftest.py``: ``moorline serve`` and ``moorline
-worker`` processes on SQLite.
+start) and a failed run's traceback (the API, ``moorline status``, the worker's log), through
+the ``cluster`` of ``conftest.py``: ``moorline serve`` and ``moorline worker`` on SQLite.
 """
 
 import json
 
+from moorline import Client
+from moorline.types import RunStatus
 from tests.e2e.conftest import APP, Cluster
-from tests.e2e.test_e2e import cli_as, new_tenant
+from tests.e2e.test_e2e import TIMEOUT_S, cli_as, new_tenant, wait_until
+from tests.helpers import wait_for
 
 
 async def test_the_cli_lists_the_served_workflows(cluster: Cluster) -> None:
@@ -32,3 +35,32 @@ def test_serve_and_worker_print_their_workflows_at_start(cluster: Cluster) -> No
         assert f"Workflows of {APP}:" in text, text
         assert "  . greet(name: str)  [max_attempts=3]" in text, text
         assert "  . explode()  [max_attempts=1]" in text, text
+
+
+async def test_a_failed_run_keeps_its_traceback_in_the_api_the_cli_and_the_log(
+    cluster: Cluster,
+) -> None:
+    key = await new_tenant(cluster)
+    async with Client(cluster.url, key) as client:
+        accepted = await client.trigger("explode", {})
+        run = await wait_until(client, accepted.run_id, RunStatus.FAILED)
+    assert isinstance(run.error, dict)
+    assert (run.error["type"], run.error["message"]) == ("RuntimeError", "boom")
+    trace = run.error["traceback"]
+    assert trace.startswith("Traceback (most recent call last):")
+    assert 'raise RuntimeError("boom")' in trace and "in explode" in trace
+
+    shown = cli_as(cluster, key, "status", accepted.run_id)
+    assert shown.returncode == 0, shown.stderr
+    assert '"message": "boom"' in shown.stdout
+    assert "Traceback (most recent call last):" in shown.stdout
+    assert "\\n" not in shown.stdout  # the traceback is printed as lines, not escaped
+
+    async def logged() -> str | None:
+        log = cluster.logs[1].read_text(encoding="utf-8")
+        return log if f"WARNING moorline.worker.worker: run {accepted.run_id}" in log else None
+
+    log = await wait_for(logged, timeout_s=TIMEOUT_S, message="the failure's log line")
+    assert log is not None
+    after = log[log.index(f"run {accepted.run_id} attempt 1 failed") :]
+    assert after.splitlines()[1] == "Traceback (most recent call last):"
