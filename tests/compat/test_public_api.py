@@ -17,6 +17,7 @@ EXPECTED = {
     "RunStatus",
     "Settings",
     "SoftTimeLimitExceeded",
+    "SyncClient",
     "__version__",
 }
 
