@@ -36,9 +36,11 @@ from moorline.api.routes import (
     catalogue,
     dashboard,
     health,
+    keys,
     metrics,
     runs,
     usage,
+    webhook_admin,
     webhooks,
 )
 from moorline.db.manager import DatabaseManager
@@ -115,7 +117,8 @@ def create_app(
     # The runs routes first: a request is matched against the routes in order, and triggers are
     # the hot path. No two routers share a path, so the order changes nothing else.
     runs.install(app)
-    for module in (health, admin, admin_runs, webhooks, usage, metrics, catalogue):
+    modules = (health, admin, admin_runs, keys, webhooks, webhook_admin, usage, metrics, catalogue)
+    for module in modules:
         app.include_router(module.build_router())
     dashboard.install(app)
     return app
