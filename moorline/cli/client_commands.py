@@ -66,11 +66,8 @@ RunIdArg = Annotated[str, typer.Argument(metavar="RUN_ID", help="The run's id.")
 
 def register(cli: typer.Typer) -> None:
     """Add the client commands to the ``moorline`` command tree."""
-    tenants = typer.Typer(
-        help="Manage tenants (admin).", no_args_is_help=True, rich_markup_mode="markdown"
-    )
-    tenants.command("create")(tenants_create)
-    cli.add_typer(tenants, name="tenants")
+    # ``tenants create`` lives here with the other client commands; its group, with the rest
+    # of tenant and key management, is moorline.cli.management's.
     for name, command in (
         ("submit", submit),
         ("status", status),

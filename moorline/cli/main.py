@@ -35,7 +35,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "worker": "moorline.cli.worker",
     "db": "moorline.cli.schema",
     "bench": "moorline.cli.bench",
-    "tenants": "moorline.cli.client_commands",
+    "tenants": "moorline.cli.management",
     "submit": "moorline.cli.client_commands",
     "status": "moorline.cli.client_commands",
     "cancel": "moorline.cli.client_commands",
@@ -44,6 +44,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "inject": "moorline.cli.client_commands",
     "runs": "moorline.cli.client_commands",
     "workflows": "moorline.cli.catalogue",
+    "webhooks": "moorline.cli.management",
 }
 """Each command's module, imported only when the command runs (or help lists it), by name.
 
@@ -69,6 +70,7 @@ HELP_ORDER = (
     "inject",
     "runs",
     "workflows",
+    "webhooks",
 )
 """The order ``moorline --help`` lists the commands in (as before they were lazy)."""
 

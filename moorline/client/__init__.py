@@ -39,6 +39,8 @@ from moorline.client.calls import (
 )
 from moorline.client.errors import ApiError, ServerUnreachable, error_from_response
 from moorline.client.results import (
+    ApiKey,
+    ApiKeyIssued,
     CancelAccepted,
     Event,
     Lane,
@@ -53,8 +55,10 @@ from moorline.client.results import (
     Step,
     Tenant,
     TenantCreated,
+    TenantPage,
     Usage,
     Webhook,
+    WebhookListed,
     WorkflowInfo,
     WorkflowLimits,
 )
@@ -115,6 +119,24 @@ class Client:
     async def change_plan(self, tenant_id: str, plan: str) -> Tenant:
         """Move a tenant to another plan (admin)."""
         return await self._call(calls.change_plan(tenant_id, plan))
+
+    async def list_tenants(
+        self, *, limit: int | None = None, cursor: str | None = None
+    ) -> TenantPage:
+        """One page of tenants with their plan's limits and use, oldest first (admin)."""
+        return await self._call(calls.list_tenants(limit=limit, cursor=cursor))
+
+    async def list_keys(self, tenant_id: str) -> list[ApiKey]:
+        """A tenant's API keys, revoked ones too, never the keys themselves (admin)."""
+        return (await self._call(calls.list_keys(tenant_id))).keys
+
+    async def issue_key(self, tenant_id: str) -> ApiKeyIssued:
+        """Issue another API key for a tenant, shown this once (admin)."""
+        return await self._call(calls.issue_key(tenant_id))
+
+    async def revoke_key(self, tenant_id: str, key_id: str) -> None:
+        """Revoke one of a tenant's API keys; every API process refuses it within 5 s (admin)."""
+        await self._call(calls.revoke_key(tenant_id, key_id))
 
     async def queues(self) -> list[Lane]:
         """Every lane's load (admin)."""
@@ -345,6 +367,14 @@ class Client:
     async def create_webhook(self, workflow: str, *, secret: str | None = None) -> Webhook:
         """A webhook that triggers ``workflow`` for GitHub-signed deliveries."""
         return await self._call(calls.create_webhook(workflow, secret))
+
+    async def list_webhooks(self) -> list[WebhookListed]:
+        """The tenant's webhooks, oldest first (without their secrets)."""
+        return (await self._call(calls.list_webhooks())).webhooks
+
+    async def delete_webhook(self, webhook_id: str) -> None:
+        """Delete one of the tenant's webhooks; deliveries to it are refused from then on."""
+        await self._call(calls.delete_webhook(webhook_id))
 
     async def usage(self) -> Usage:
         """The tenant's daily quota and what is used of it."""

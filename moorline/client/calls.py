@@ -16,6 +16,8 @@ from pydantic import BaseModel
 
 from moorline.client.errors import ServerUnreachable, error_from_response
 from moorline.client.results import (
+    ApiKeyIssued,
+    ApiKeys,
     CancelAccepted,
     MessageAccepted,
     Queues,
@@ -26,8 +28,10 @@ from moorline.client.results import (
     RunPage,
     Tenant,
     TenantCreated,
+    TenantPage,
     Usage,
     Webhook,
+    Webhooks,
     Workflows,
 )
 from moorline.errors import Unauthorized
@@ -45,6 +49,10 @@ MAX_RECONNECTS = 8
 """Reconnects of an event stream in a row, without an event in between, before giving up."""
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class NoContent(BaseModel):
+    """The answer of a 204: nothing."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +94,8 @@ def result(call: Call[M], response: httpx.Response) -> M:
     """The answer of ``call`` as its model, or the error the answer carries, raised."""
     if response.status_code >= 400:
         raise error_from_response(response)
+    if response.status_code == 204:
+        return call.model.model_validate({})
     return call.model.model_validate(response.json())
 
 
@@ -139,6 +149,40 @@ def change_plan(tenant_id: str, plan: str) -> Call[Tenant]:
     """``PATCH /v1/admin/tenants/{tenant_id}``."""
     path = f"/v1/admin/tenants/{segment(tenant_id)}"
     return Call(model=Tenant, method="PATCH", path=path, json={"plan": plan}, admin=True)
+
+
+def list_tenants(*, limit: int | None, cursor: str | None) -> Call[TenantPage]:
+    """``GET /v1/admin/tenants``."""
+    params = {key: v for key, v in (("limit", limit), ("cursor", cursor)) if v is not None}
+    return Call(model=TenantPage, method="GET", path="/v1/admin/tenants", params=params, admin=True)
+
+
+def list_keys(tenant_id: str) -> Call[ApiKeys]:
+    """``GET /v1/admin/tenants/{tenant_id}/keys``."""
+    path = f"/v1/admin/tenants/{segment(tenant_id)}/keys"
+    return Call(model=ApiKeys, method="GET", path=path, admin=True)
+
+
+def issue_key(tenant_id: str) -> Call[ApiKeyIssued]:
+    """``POST /v1/admin/tenants/{tenant_id}/keys``."""
+    path = f"/v1/admin/tenants/{segment(tenant_id)}/keys"
+    return Call(model=ApiKeyIssued, method="POST", path=path, admin=True)
+
+
+def revoke_key(tenant_id: str, key_id: str) -> Call[NoContent]:
+    """``DELETE /v1/admin/tenants/{tenant_id}/keys/{key_id}``."""
+    path = f"/v1/admin/tenants/{segment(tenant_id)}/keys/{segment(key_id)}"
+    return Call(model=NoContent, method="DELETE", path=path, admin=True)
+
+
+def list_webhooks() -> Call[Webhooks]:
+    """``GET /v1/webhooks``."""
+    return Call(model=Webhooks, method="GET", path="/v1/webhooks")
+
+
+def delete_webhook(webhook_id: str) -> Call[NoContent]:
+    """``DELETE /v1/webhooks/{webhook_id}``."""
+    return Call(model=NoContent, method="DELETE", path=f"/v1/webhooks/{segment(webhook_id)}")
 
 
 def queues() -> Call[Queues]:

@@ -39,6 +39,45 @@ class Tenant(Result):
     plan: str
 
 
+class TenantLoad(Tenant):
+    """A tenant as the admin listing shows it: its plan's limits and what it uses of them."""
+
+    lane: str
+    daily_quota: int
+    used_today: int
+    tenant_concurrency: int
+    running: int
+    created_at: datetime
+
+
+class TenantPage(Result):
+    """A page of tenants, oldest first; ``next_cursor`` is None on the last page."""
+
+    tenants: list[TenantLoad]
+    next_cursor: str | None
+
+
+class ApiKey(Result):
+    """One API key as listed: its id and first characters, never the key."""
+
+    key_id: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class ApiKeyIssued(ApiKey):
+    """A new API key, shown this once."""
+
+    api_key: str
+
+
+class ApiKeys(Result):
+    """A tenant's API keys, revoked ones too, oldest first."""
+
+    keys: list[ApiKey]
+
+
 class Lane(Result):
     """One lane's load."""
 
@@ -144,6 +183,20 @@ class Webhook(Result):
     webhook_id: str
     url: str
     secret: str
+
+
+class WebhookListed(Result):
+    """A webhook as listed (its secret was shown when it was created)."""
+
+    webhook_id: str
+    workflow: str
+    url: str
+
+
+class Webhooks(Result):
+    """The tenant's webhooks, oldest first."""
+
+    webhooks: list[WebhookListed]
 
 
 class Usage(Result):

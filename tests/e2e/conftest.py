@@ -92,6 +92,14 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
             time.sleep(0.05)
 
 
+def _wait_serving(process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while " serving " not in log.read_text(encoding="utf-8", errors="replace"):
+        assert process.poll() is None, f"moorline worker exited:\n{log.read_text()}"
+        assert time.monotonic() < deadline, "moorline worker did not start serving"
+        time.sleep(0.05)
+
+
 @contextmanager
 def run_cluster(root: Path, **settings: str) -> Iterator[Cluster]:
     """``moorline serve --workers 0`` and ``moorline worker`` with ``settings``, until exit."""
@@ -112,6 +120,9 @@ def run_cluster(root: Path, **settings: str) -> Iterator[Cluster]:
     try:
         _wait_ready(url, server, logs[0])
         worker = _start(["worker", "--grace", "1"], env, root, logs[1])
+        # Serving means its stop signals are handled: a module whose tests end sooner would
+        # otherwise SIGTERM a worker still importing, which dies of the signal (-15).
+        _wait_serving(worker, logs[1])
         yield Cluster(url=url, env=env, root=root, logs=logs)
         assert worker.poll() is None, f"the worker died:\n{logs[1].read_text()}"
     finally:

@@ -142,3 +142,24 @@ async def test_errors_are_the_same_classes(cluster: Cluster, make: Any) -> None:
         await make("http://127.0.0.1:1", "ml_x")("usage")
     assert await client("healthz") is True
     assert (await client("readyz")).ready
+
+
+async def test_keys_are_rotated_and_webhooks_managed(cluster: Cluster, make: Any) -> None:
+    admin = make(cluster.url, admin_token=ADMIN_TOKEN)
+    created = await admin("create_tenant", f"rotate-{uuid.uuid4().hex[:8]}", "team")
+    issued = await admin("issue_key", created.tenant_id)
+    keys = await admin("list_keys", created.tenant_id)
+    assert [key.key_id for key in keys][-1] == issued.key_id
+    await admin("revoke_key", created.tenant_id, keys[0].key_id)
+    # The serving process revoked it: refused at once there.
+    with pytest.raises(Unauthorized):
+        await make(cluster.url, created.api_key)("usage")
+    client = make(cluster.url, issued.api_key)
+    assert (await client("usage")).plan == "team"
+    page = await admin("list_tenants")
+    assert created.tenant_id in {tenant.tenant_id for tenant in page.tenants}
+
+    hook = await client("create_webhook", "greet")
+    assert [listed.webhook_id for listed in await client("list_webhooks")] == [hook.webhook_id]
+    await client("delete_webhook", hook.webhook_id)
+    assert await client("list_webhooks") == []

@@ -9,9 +9,11 @@ import json
 
 from moorline import Client
 from moorline.types import RunStatus
+from tests.api.conftest import ADMIN_TOKEN
 from tests.e2e.conftest import APP, Cluster
 from tests.e2e.test_e2e import TIMEOUT_S, cli_as, new_tenant, wait_until
 from tests.helpers import wait_for
+from tests.integration.test_cli import assert_one_line_error
 
 
 async def test_the_cli_lists_the_served_workflows(cluster: Cluster) -> None:
@@ -64,3 +66,34 @@ async def test_a_failed_run_keeps_its_traceback_in_the_api_the_cli_and_the_log(
     assert log is not None
     after = log[log.index(f"run {accepted.run_id} attempt 1 failed") :]
     assert after.splitlines()[1] == "Traceback (most recent call last):"
+
+
+async def test_tenants_and_webhooks_are_managed_with_the_cli(cluster: Cluster) -> None:
+    admin = {"MOORLINE_ADMIN_TOKEN": ADMIN_TOKEN}
+    created = cluster.cli(
+        "tenants", "create", "cli-managed", "--plan", "sandbox", "--json", **admin
+    )
+    assert created.returncode == 0, created.stderr
+    tenant = json.loads(created.stdout)
+    moved = cluster.cli("tenants", "plan", tenant["tenant_id"], "team", "--json", **admin)
+    assert json.loads(moved.stdout)["plan"] == "team", moved.stderr
+    listed = cluster.cli("tenants", "list", "--json", **admin)
+    assert tenant["tenant_id"] in {row["tenant_id"] for row in json.loads(listed.stdout)["tenants"]}
+
+    issued = cluster.cli("tenants", "issue-key", tenant["tenant_id"], "--json", **admin)
+    second = json.loads(issued.stdout)
+    keys = json.loads(cluster.cli("tenants", "keys", tenant["tenant_id"], "--json", **admin).stdout)
+    first_id = keys["keys"][0]["key_id"]
+    revoked = cluster.cli("tenants", "revoke-key", tenant["tenant_id"], first_id, **admin)
+    assert revoked.returncode == 0 and "revoked" in revoked.stdout, revoked.stderr
+    refused = cli_as(cluster, tenant["api_key"], "webhooks", "list")
+    assert_one_line_error(refused, "error: unauthorized")
+
+    async with Client(cluster.url, second["api_key"]) as client:
+        hook = await client.create_webhook("greet")
+    hooks = cli_as(cluster, second["api_key"], "webhooks", "list", "--json")
+    assert [h["webhook_id"] for h in json.loads(hooks.stdout)["webhooks"]] == [hook.webhook_id]
+    deleted = cli_as(cluster, second["api_key"], "webhooks", "delete", hook.webhook_id)
+    assert deleted.returncode == 0, deleted.stderr
+    again = cli_as(cluster, second["api_key"], "webhooks", "delete", hook.webhook_id)
+    assert_one_line_error(again, "error: webhook_not_found")
