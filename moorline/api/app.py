@@ -28,6 +28,7 @@ from moorline.admission.gate import make_gate
 from moorline.admission.quotas import make_quota_store
 from moorline.admission.ratelimit import RateLimiter
 from moorline.api.deps import Services, StreamSlots
+from moorline.api.docs import DOCS_ASSETS_URL, install_docs
 from moorline.api.errors import install_error_handlers
 from moorline.api.guards import RequestGuard
 from moorline.api.routes import (
@@ -62,8 +63,6 @@ from moorline.runtime.factory import make_runtime_store
 from moorline.settings import Settings
 
 API_VERSION = "1"
-DOCS_ASSETS_URL = "/docs-assets"
-"""Where the Swagger UI and ReDoc scripts of ``/docs`` and ``/redoc`` are served from."""
 
 
 def create_app(
@@ -94,10 +93,11 @@ def create_app(
         async with closing:
             yield
 
-    # fastapi-offline: /docs and /redoc load Swagger UI and ReDoc from files installed with
-    # the package (mounted at DOCS_ASSETS_URL) instead of FastAPI's default CDN, so they work
-    # offline and behind a strict proxy. Every other argument goes to FastAPI as it is.
+    # fastapi-offline mounts Swagger UI's and ReDoc's files at DOCS_ASSETS_URL; the pages
+    # themselves are moorline.api.docs' (with a CSP). Other arguments go to FastAPI as they are.
     app: FastAPI = FastAPIOffline(
+        docs_url=None,
+        redoc_url=None,
         static_url=DOCS_ASSETS_URL,
         title="Moorline",
         summary="Durable, multi-tenant execution for LLM and agent workloads.",
@@ -120,6 +120,7 @@ def create_app(
     modules = (health, admin, admin_runs, keys, webhooks, webhook_admin, usage, metrics, catalogue)
     for module in modules:
         app.include_router(module.build_router())
+    install_docs(app)
     dashboard.install(app)
     return app
 

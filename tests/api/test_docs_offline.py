@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from moorline.api.app import DOCS_ASSETS_URL
+from moorline.api.docs import CONTENT_SECURITY_POLICY, DOCS_ASSETS_URL
 from tests.api.conftest import Api
 
 # Every place an HTML page names something to load: attributes and CSS url(...).
@@ -17,6 +17,7 @@ async def test_the_docs_page_references_only_the_server_itself(api: Api, page: s
     response = await api.client.get(page)
     assert response.status_code == 200, response.text
     html = response.text
+    assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
     references = [a or b for a, b in REFERENCE.findall(html)]
     assert references, html
     external = [ref for ref in references if re.match(r"^(?:[a-z][a-z0-9+.-]*:)?//", ref, re.I)]

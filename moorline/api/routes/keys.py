@@ -16,7 +16,14 @@ from moorline.api.deps import RUN_ID_PATTERN, ServicesDep, authenticate_admin, r
 from moorline.api.errors import responses
 from moorline.api.guards import authenticated_by
 from moorline.db.repos.records import ApiKey
-from moorline.errors import ApiKeyNotFound, Forbidden, NotFound, TenantNotFound, Unauthorized
+from moorline.errors import (
+    ApiKeyNotFound,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    TenantNotFound,
+    Unauthorized,
+)
 from moorline.types import TenantId
 
 ADMIN_ERRORS = (Unauthorized, Forbidden)
@@ -99,7 +106,7 @@ def build_router() -> APIRouter:
         "/tenants/{tenant_id}/keys",
         list_keys,
         methods=["GET"],
-        responses=responses(*ADMIN_ERRORS, TenantNotFound),
+        responses=responses(*ADMIN_ERRORS, InvalidRequest, TenantNotFound),
         summary="A tenant's API keys (never the keys themselves)",
     )
     router.add_api_route(
@@ -107,7 +114,7 @@ def build_router() -> APIRouter:
         issue_key,
         methods=["POST"],
         status_code=201,
-        responses=responses(*ADMIN_ERRORS, TenantNotFound),
+        responses=responses(*ADMIN_ERRORS, InvalidRequest, TenantNotFound),
         summary="Issue another API key for a tenant",
     )
     router.add_api_route(
@@ -116,7 +123,7 @@ def build_router() -> APIRouter:
         methods=["DELETE"],
         status_code=204,
         response_class=Response,
-        responses=responses(*ADMIN_ERRORS, TenantNotFound, ApiKeyNotFound),
+        responses=responses(*ADMIN_ERRORS, InvalidRequest, TenantNotFound, ApiKeyNotFound),
         summary="Revoke an API key (within 5 s on every API process)",
     )
     return router

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from moorline.api.deps import RUN_ID_PATTERN, CallerDep, ServicesDep, authenticate_tenant
 from moorline.api.errors import responses
 from moorline.api.guards import authenticated_by
-from moorline.errors import Unauthorized, WebhookNotFound
+from moorline.errors import InvalidRequest, Unauthorized, WebhookNotFound
 
 
 class WebhookOut(BaseModel):
@@ -79,7 +79,7 @@ def build_router() -> APIRouter:
         methods=["DELETE"],
         status_code=204,
         response_class=Response,
-        responses=responses(Unauthorized, WebhookNotFound),
+        responses=responses(Unauthorized, InvalidRequest, WebhookNotFound),
         summary="Delete a webhook",
     )
     return router
