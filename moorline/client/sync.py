@@ -190,22 +190,21 @@ class SyncClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         last_seq = 0
         while True:
-            run = self.get_run(run_id)
+            run = self.get_run(run_id)  # a server that does not answer raises here
             if run.status.is_terminal:
                 return run
             left = STREAM_READ_TIMEOUT_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"run {run_id} had not ended after {timeout} s")
-            # The stream's read timeout is the time left: a silent stream ends the wait in time
-            # (the server pings every SSE_PING_INTERVAL, so a long wait is not cut short).
+            # One connection, its read timeout the time left (at most the usual silence
+            # bound): a silent stream ends this wait on time, where events() would reconnect.
             try:
-                for event in self.events(run_id, after=last_seq, read_timeout_s=left):
+                for event in self._stream_once(run_id, last_seq, min(left, STREAM_READ_TIMEOUT_S)):
                     last_seq = event.seq
-                    if deadline is not None and time.monotonic() >= deadline:
+                    if event.is_terminal:
                         break
-            except ServerUnreachable:
-                if deadline is None or time.monotonic() < deadline:
-                    raise
+            except (httpx.TransportError, ServerUnreachable):
+                pass  # timed out or dropped: read the run again (and the clock)
 
     def get_run(self, run_id: str) -> Run:
         """A run with its steps and the decision it waits for, if any."""

@@ -7,6 +7,7 @@ because the sync client needs one).
 """
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -111,8 +112,10 @@ async def test_trigger_with_wait_returns_the_finished_run(cluster: Cluster, make
 async def test_wait_times_out_then_sees_the_end(cluster: Cluster, make: Any) -> None:
     client = make(cluster.url, await tenant_key(make, cluster))
     accepted = await client("trigger", "wait", {})
+    started = time.monotonic()
     with pytest.raises(TimeoutError):
         await client("wait", accepted.run_id, timeout=0.5)
+    assert time.monotonic() - started < 3.0  # the bound, not a reconnect loop after it
     await client("cancel", accepted.run_id)
     run = await client("wait", accepted.run_id, timeout=TIMEOUT_S)
     assert run.status == RunStatus.CANCELLED
