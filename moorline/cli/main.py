@@ -109,26 +109,27 @@ def build_cli() -> typer.Typer:
     return cli
 
 
+def _print_version(value: bool) -> None:
+    """``--version``: print it and stop before any command runs."""
+    if value:
+        import moorline
+
+        typer.echo(f"moorline {moorline.__version__}")
+        raise typer.Exit()
+
+
 def _top_options(
     version: Annotated[
         bool,
         typer.Option(
             "--version",
             is_eager=True,
-            callback=lambda value: _print_version(value),
+            callback=_print_version,
             help="Print the installed version and exit.",
         ),
     ] = False,
 ) -> None:
     del version  # handled by its callback, before any command runs
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        import moorline
-
-        typer.echo(f"moorline {moorline.__version__}")
-        raise typer.Exit()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
