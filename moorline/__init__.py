@@ -4,7 +4,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moorline.client import Client
+    from moorline.client import Client, SyncClient
     from moorline.engine.context import Cancelled, Context, Decision
     from moorline.engine.registry import Moorline
     from moorline.errors import (
@@ -37,6 +37,7 @@ _MODULE_OF = {
     "RunStatus": "moorline.types",
     "Settings": "moorline.settings",
     "SoftTimeLimitExceeded": "moorline.errors",
+    "SyncClient": "moorline.client",
 }
 """Where each public name lives. Imported on first use (PEP 562): every ``moorline`` process
 imports this package, and a client command needs neither the engine nor the database layer,
@@ -83,5 +84,6 @@ __all__ = [
     "RunStatus",
     "Settings",
     "SoftTimeLimitExceeded",
+    "SyncClient",
     "__version__",
 ]

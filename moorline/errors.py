@@ -18,7 +18,8 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     │   ├── WorkflowNotFound   workflow_not_found
     │   ├── TenantNotFound     tenant_not_found
     │   ├── WebhookNotFound    webhook_not_found
-    │   └── InterruptNotFound  interrupt_not_found
+    │   ├── InterruptNotFound  interrupt_not_found
+    │   └── ApiKeyNotFound     api_key_not_found
     ├── Conflict               409: the request contradicts the current state
     │   ├── TransitionRejected a fenced or conditional transition matched no row
     │   ├── IdempotencyConflict idempotency_conflict
@@ -170,6 +171,12 @@ class WebhookNotFound(NotFound):
     """No webhook with that id."""
 
     code = "webhook_not_found"
+
+
+class ApiKeyNotFound(NotFound):
+    """No unrevoked API key with that id for that tenant (admin)."""
+
+    code = "api_key_not_found"
 
 
 class InterruptNotFound(NotFound):

@@ -9,7 +9,7 @@ database stores.
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from moorline.types import RunStatus
 
@@ -194,6 +194,31 @@ class WaitingFor(BaseModel):
     """The interrupt a ``permission`` wait waits for."""
 
 
+RUN_ERROR_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "object",
+            "description": "Why the run ended without an output.",
+            "properties": {
+                "type": {"type": "string", "description": "The exception's class name."},
+                "message": {"type": "string"},
+                "reason": {"type": "string"},
+                "traceback": {
+                    "type": "string",
+                    "description": "A failed attempt's traceback: its innermost frames, at "
+                    "most 4000 characters, secrets blanked.",
+                },
+            },
+            "additionalProperties": True,
+        },
+        {"type": "null"},
+    ],
+    "title": "Error",
+}
+"""The OpenAPI schema of a run's ``error``. The value is served as stored (a dict, and fields
+added later pass through), so only the document describes it (``WithJsonSchema``)."""
+
+
 class RunSummary(BaseModel):
     """A run as listed."""
 
@@ -203,7 +228,7 @@ class RunSummary(BaseModel):
     status: RunStatus
     queue: str
     attempt: int
-    error: Any
+    error: Annotated[Any, WithJsonSchema(RUN_ERROR_SCHEMA)]
     conversation_id: str | None
     created_at: datetime
     started_at: datetime | None

@@ -66,11 +66,8 @@ RunIdArg = Annotated[str, typer.Argument(metavar="RUN_ID", help="The run's id.")
 
 def register(cli: typer.Typer) -> None:
     """Add the client commands to the ``moorline`` command tree."""
-    tenants = typer.Typer(
-        help="Manage tenants (admin).", no_args_is_help=True, rich_markup_mode="markdown"
-    )
-    tenants.command("create")(tenants_create)
-    cli.add_typer(tenants, name="tenants")
+    # ``tenants create`` lives here with the other client commands; its group, with the rest
+    # of tenant and key management, is moorline.cli.management's.
     for name, command in (
         ("submit", submit),
         ("status", status),
@@ -329,9 +326,17 @@ async def status(
         table.add_row(Text("waits for", style="bold"), Text(asked))
     if run.output is not None:
         table.add_row(Text("output", style="bold"), Text(json.dumps(run.output)))
+    trace = None
     if run.error is not None:
-        table.add_row(Text("error", style="bold"), Text(json.dumps(run.error)))
-    stdout().print(table)
+        # The traceback (error.traceback) goes below the table as it was written, one frame
+        # a line: inside the JSON it would be one long line of escaped newlines.
+        error = dict(run.error) if isinstance(run.error, dict) else run.error
+        trace = error.pop("traceback", None) if isinstance(error, dict) else None
+        table.add_row(Text("error", style="bold"), Text(json.dumps(error)))
+    console = stdout()
+    console.print(table)
+    if isinstance(trace, str):
+        console.print(Text(trace.rstrip("\n")))
 
 
 def describe_steps(run: Run) -> str:

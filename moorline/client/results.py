@@ -39,6 +39,45 @@ class Tenant(Result):
     plan: str
 
 
+class TenantLoad(Tenant):
+    """A tenant as the admin listing shows it: its plan's limits and what it uses of them."""
+
+    lane: str
+    daily_quota: int
+    used_today: int
+    tenant_concurrency: int
+    running: int
+    created_at: datetime
+
+
+class TenantPage(Result):
+    """A page of tenants, oldest first; ``next_cursor`` is None on the last page."""
+
+    tenants: list[TenantLoad]
+    next_cursor: str | None
+
+
+class ApiKey(Result):
+    """One API key as listed: its id and first characters, never the key."""
+
+    key_id: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class ApiKeyIssued(ApiKey):
+    """A new API key, shown this once."""
+
+    api_key: str
+
+
+class ApiKeys(Result):
+    """A tenant's API keys, revoked ones too, oldest first."""
+
+    keys: list[ApiKey]
+
+
 class Lane(Result):
     """One lane's load."""
 
@@ -156,6 +195,20 @@ class Webhook(Result):
     secret: str
 
 
+class WebhookListed(Result):
+    """A webhook as listed (its secret was shown when it was created)."""
+
+    webhook_id: str
+    workflow: str
+    url: str
+
+
+class Webhooks(Result):
+    """The tenant's webhooks, oldest first."""
+
+    webhooks: list[WebhookListed]
+
+
 class Usage(Result):
     """The tenant's daily quota."""
 
@@ -165,6 +218,30 @@ class Usage(Result):
     used_today: int
     remaining: int
     resets_at: datetime
+
+
+class WorkflowLimits(Result):
+    """What bounds one run of a workflow."""
+
+    max_attempts: int
+    timeout_s: float | None
+    soft_timeout_s: float | None
+
+
+class WorkflowInfo(Result):
+    """One workflow of the catalogue: its input as JSON Schema, limits and lanes."""
+
+    name: str
+    parameters: dict[str, Any]
+    limits: WorkflowLimits
+    lanes: list[str]
+    lane: str
+
+
+class Workflows(Result):
+    """The catalogue (``GET /v1/workflows``)."""
+
+    workflows: list[WorkflowInfo]
 
 
 class Readiness(Result):

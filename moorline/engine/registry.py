@@ -65,6 +65,16 @@ class WorkflowDefinition:
         dumped: JSONObject = model.model_dump(mode="json")
         return dumped
 
+    def parameters_schema(self) -> JSONObject:
+        """The JSON Schema of the workflow's input, as the function's signature declares it.
+
+        The same model :meth:`validate_input` checks with, so the catalogue (``GET
+        /v1/workflows``) can never describe an input the trigger would refuse.
+        """
+        schema: JSONObject = self.input_model.model_json_schema()
+        schema["title"] = self.name  # not the generated model's ``<name>_input``
+        return schema
+
     def bind(self, data: Mapping[str, Any]) -> dict[str, Any]:
         """Validated keyword arguments (pydantic-converted values) for calling ``fn``."""
         model = self.input_model.model_validate(dict(data))

@@ -52,6 +52,7 @@ from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import LeaseLost
 from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Cancelled
+from moorline.engine.failures import FailureDescriber
 from moorline.engine.runner import Runner
 from moorline.errors import BackendUnavailable, MoorlineError, RunParked, TimeLimitExceeded
 from moorline.observability.logs import bind_run
@@ -153,6 +154,7 @@ class Worker:
         grace_s: float = DEFAULT_GRACE_S,
         rng: random.Random | None = None,
         metrics: Metrics | None = None,
+        secrets: Iterable[str] = (),
     ) -> None:
         """Create a worker; nothing runs before :meth:`run`.
 
@@ -171,6 +173,8 @@ class Worker:
             rng: Jitter source for retry backoff.
             metrics: Where attempts, retries and lease losses are counted; default a private
                 set nobody scrapes.
+            secrets: Values blanked in a failed run's stored error (its message and
+                traceback): the settings' tokens and keys.
         """
         if not lanes:
             raise ValueError("a worker needs at least one lane")
@@ -189,6 +193,7 @@ class Worker:
         self._rng = rng or random.Random()
         self._metrics = metrics or Metrics()
         self._completer = Completer(self._runs)
+        self._failures = FailureDescriber(secrets)
         self._executions: set[_Execution] = set()
         self._in_lane = dict.fromkeys(self._lanes, 0)
         self._recheck = {lane: asyncio.Event() for lane in self._lanes}
@@ -509,16 +514,19 @@ class Worker:
             # Claims after a resume are no failures: they do not use up the budget.
             tries = claim.fence.attempt - claim.run.resumes
             decision = self._policy.decide(exc, tries, claim.run.max_attempts, self._rng)
-            logger.info(
+            # WARNING with the stack: a failing workflow is the developer's to fix, and the
+            # log has the whole traceback where the run's error keeps a bounded one.
+            logger.warning(
                 "run %s attempt %d failed (%s): %r",
                 claim.fence.run_id,
                 claim.fence.attempt,
                 decision.reason,
                 exc,
+                exc_info=exc,
             )
             return Failed(
                 fence=claim.fence,
-                error={"type": type(exc).__name__, "message": str(exc), "reason": decision.reason},
+                error=self._failures.describe(exc, reason=decision.reason),
                 retry_delay_s=decision.delay_s if decision.retry else None,
             )
         return Succeeded(fence=claim.fence, output=output)

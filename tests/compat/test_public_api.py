@@ -18,6 +18,7 @@ EXPECTED = {
     "RunStatus",
     "Settings",
     "SoftTimeLimitExceeded",
+    "SyncClient",
     "__version__",
 }
 

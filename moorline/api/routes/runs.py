@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from enum import Enum
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -243,10 +244,14 @@ def answer_trigger(admitted: Admitted, *, fast: bool = True) -> Response:
     body = accepted(admitted.run).model_dump_json().encode()
     status_code = 202 if admitted.created else 200
     rate = admitted.rate
+    # A new run's address (RFC 9110's Location of a 202): where to follow it.
+    location = f"/v1/runs/{quote(admitted.run.run_id, safe='')}" if admitted.created else None
     if not fast:
         headers = (
-            None if rate is None else rate_limit_headers(rate.limit, rate.remaining, rate.reset_s)
+            {} if rate is None else rate_limit_headers(rate.limit, rate.remaining, rate.reset_s)
         )
+        if location is not None:
+            headers["location"] = location
         return Response(body, status_code=status_code, headers=headers, media_type=_JSON)
     header_lines = (
         []
@@ -257,6 +262,8 @@ def answer_trigger(admitted: Admitted, *, fast: bool = True) -> Response:
             (b"ratelimit-reset", str(rate.reset_s).encode()),
         ]
     )
+    if location is not None:
+        header_lines.append((b"location", location.encode()))
     header_lines += [(b"content-length", str(len(body)).encode()), _JSON_CONTENT_TYPE]
     return TriggerAnswer(body, status_code=status_code, raw=header_lines)
 

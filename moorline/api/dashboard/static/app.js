@@ -126,6 +126,13 @@ function svg(tag, attrs = {}) {
 const describeWait = (wait) => wait.kind +
   (wait.until ? ` until ${new Date(wait.until).toLocaleString()}` : " (no time limit)");
 const badge = (status) => h("span", { class: `badge ${status}`, "data-status": status }, status);
+// A failed run's error: its fields as JSON, then its traceback as written (one frame a line).
+function errorParts(error) {
+  if (typeof error !== "object" || typeof error.traceback !== "string") return [json(error)];
+  const { traceback, ...rest } = error;
+  return [json(rest), h("h3", {}, "Traceback"), h("pre", { class: "traceback" }, traceback)];
+}
+
 const json = (value) => h("pre", {}, value === null || value === undefined ? "—"
   : JSON.stringify(value, null, 2));
 
@@ -456,7 +463,7 @@ function viewRun(runId) {
     io.replaceChildren(
       h("div", {}, h("h2", {}, "Input"), json(run.input)),
       h("div", { id: "result" }, h("h2", {}, run.error ? "Error" : "Output"),
-        json(run.error ? run.error : run.output)));
+        ...(run.error ? errorParts(run.error) : [json(run.output)])));
     drawInterrupt();
     drawControls();
     drawSteps();
