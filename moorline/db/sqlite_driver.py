@@ -269,6 +269,12 @@ class Connection(aiosqlite.Connection):
         self._busy_timeout_ms: int | None = None
         # The open transaction ran a big statement: its commit crosses too.
         self._big_transaction = False
+        # Calls sent to the thread, and calls the thread finished: each counted by one thread
+        # only. While they differ the thread may be inside sqlite3 (a caller cancelled while
+        # its call waits for the lock does not stop the call), and a call made inline beside
+        # it, such as SQLAlchemy closing the connection it gave up on, would crash sqlite3.
+        self._sent_to_thread = 0
+        self._done_on_thread = 0
 
     def run_inline(self, *, busy_timeout_ms: int) -> None:
         """Run calls on the event loop's thread from now on; see the module docstring.
@@ -301,7 +307,7 @@ class Connection(aiosqlite.Connection):
         # executemany with no transaction open would commit row by row, so a busy refusal at
         # row n could not be resumed without repeating rows 1..n-1: it always crosses.
         autocommitting = many and begin is None and not self._is_in_transaction()
-        if self._busy_timeout_ms is None or big or autocommitting:
+        if self._busy_timeout_ms is None or big or autocommitting or self._is_thread_busy():
             # A big statement (a batch claim, a batch of runs) costs milliseconds, the
             # crossing little beside it, and the loop goes on with other work meanwhile; its
             # transaction's commit writes as many pages, and crosses too.
@@ -318,9 +324,13 @@ class Connection(aiosqlite.Connection):
         Inline when the connection allows; such a call is one step, so one refused as busy
         has done nothing and is sent again, whole, from the thread.
         """
-        if self._busy_timeout_ms is None or self._big_transaction:
+        if self._busy_timeout_ms is None or self._big_transaction or self._is_thread_busy():
             return await self._on_thread(fn, *args, **kwargs)
         return await self._inline(fn, *args, **kwargs)
+
+    def _is_thread_busy(self) -> bool:
+        """Whether a call sent to the thread may still run there (then the next one queues)."""
+        return self._sent_to_thread != self._done_on_thread
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the connection's thread, with the busy timeout an inline one lacks."""
@@ -350,11 +360,23 @@ class Connection(aiosqlite.Connection):
         try:
             return rest()
         finally:
-            connection.execute("PRAGMA busy_timeout=0")
+            if not _is_closed(connection):  # ``rest`` may be the close itself
+                connection.execute("PRAGMA busy_timeout=0")
 
     async def _execute_on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        result: T = await super()._execute(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
+        if not self._running or self._connection is None:
+            raise ValueError("Connection closed")  # as aiosqlite says it, before any count
+        self._sent_to_thread += 1
+        call = partial(fn, *args, **kwargs)
+        result: T = await super()._execute(self._counted, call)  # type: ignore[no-untyped-call]
         return result
+
+    def _counted(self, call: Callable[[], T]) -> T:
+        # On the connection's thread.
+        try:
+            return call()
+        finally:
+            self._done_on_thread += 1
 
     def hold_begin(self, sql: str) -> None:
         """Keep ``BEGIN …`` until the transaction's first statement."""
@@ -486,3 +508,11 @@ def _commit_then(connection: sqlite3.Connection, rows: list[Any]) -> list[Any]:
 
 
 __all__: Sequence[str] = ("Connection", "connector")
+
+
+def _is_closed(connection: sqlite3.Connection) -> bool:
+    try:
+        connection.total_changes  # noqa: B018 - any attribute read checks the connection
+    except sqlite3.ProgrammingError:
+        return True
+    return False

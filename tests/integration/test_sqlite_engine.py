@@ -20,6 +20,7 @@ from moorline.db.backends import sqlite as sqlite_backend
 from moorline.db.backends import sqlite_checkpoint
 from moorline.db.manager import DatabaseManager
 from moorline.settings import Settings
+from tests.helpers import wait_for
 
 EXPECTED_PRAGMAS = {
     "journal_mode": "wal",
@@ -366,6 +367,37 @@ async def test_a_write_that_meets_the_lock_waits_for_it_off_the_event_loop(
         assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 1
         assert (await conn.execute(text("PRAGMA busy_timeout"))).scalar_one() == 0
     assert crossings == []
+
+
+async def test_a_call_given_up_while_it_waits_for_the_lock_keeps_the_next_off_the_loop(
+    sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
+) -> None:
+    # A cancelled attempt gives up a write waiting for the lock on the connection's thread; the
+    # write goes on there. What SQLAlchemy then does with the connection (it closes it) must
+    # queue behind that write on the thread: run inline beside it, it crashed sqlite3.
+    other = raw_connection(db_path)
+    ticker = Ticker()
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        write = asyncio.create_task(
+            sqlite_db.write_statement(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+        )
+        await ticker.until(50)
+        assert not write.done()
+        write.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await write
+
+        async def followed_up() -> bool:
+            await asyncio.sleep(0)
+            return len(crossings) > 1
+
+        await wait_for(followed_up, message="SQLAlchemy's close of the given-up connection")
+        other.execute("COMMIT")
+    finally:
+        ticker.stop()
+        other.close()
+    assert crossings[:2] == ["_run", "close"]
 
 
 async def test_a_statement_refused_inside_a_transaction_resumes_in_it(
