@@ -413,6 +413,24 @@ class Connection(aiosqlite.Connection):
         finally:
             self._big_transaction = False
 
+    async def close(self) -> None:
+        """Roll back whatever is open, then close (aiosqlite's close, with the rollback first).
+
+        sqlite3 cannot free a connection while a statement of it lives on, in a cursor that an
+        exception's traceback still holds (an attempt's failed event write keeps its error):
+        the closed connection stays behind as a zombie that keeps its transaction, and so
+        the write lock, until that cursor is collected. Rolled back first, it holds nothing.
+        """
+        if self._connection is None:
+            return
+        try:
+            await self._execute(_roll_back_and_close, self._connection)
+        finally:
+            self._connection = None
+            stopped = self.stop()
+            if stopped is not None:
+                await stopped
+
     async def rollback(self) -> None:
         """Roll back the open transaction; no crossing when none is open."""
         self._held_begin, self._commit_next = None, False
@@ -424,9 +442,12 @@ class Connection(aiosqlite.Connection):
 
     def _is_in_transaction(self) -> bool:
         # Read from the event loop's thread: sqlite3 checks only that the connection is open
-        # (not the thread), and nothing runs on this connection between two of its awaits.
+        # (not the thread), and nothing runs on this connection between two of its awaits,
+        # except a call given up by its caller that still runs on the thread. That one may yet
+        # open a transaction (its BEGIN goes with its statement): count one as open then, so
+        # that the commit or rollback crosses and queues behind it.
         connection = self._connection
-        return connection is not None and connection.in_transaction
+        return connection is not None and (self._is_thread_busy() or connection.in_transaction)
 
 
 def connector(
@@ -516,3 +537,11 @@ def _is_closed(connection: sqlite3.Connection) -> bool:
     except sqlite3.ProgrammingError:
         return True
     return False
+
+
+def _roll_back_and_close(connection: sqlite3.Connection) -> None:
+    try:
+        if connection.in_transaction:
+            connection.rollback()
+    finally:
+        connection.close()

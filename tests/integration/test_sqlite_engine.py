@@ -400,6 +400,36 @@ async def test_a_call_given_up_while_it_waits_for_the_lock_keeps_the_next_off_th
     assert crossings[:2] == ["_run", "close"]
 
 
+async def test_closing_a_connection_whose_cursor_lives_on_releases_the_write_lock(
+    sqlite_db: DatabaseManager, db_path: Path
+) -> None:
+    # A cursor whose statement still runs, kept alive elsewhere (a traceback an attempt keeps
+    # with its error holds the frames that hold it): sqlite3 cannot free the closed
+    # connection, which kept its transaction, and the write lock, open.
+    driver = sqlite_driver.Connection(
+        lambda: sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    )
+    await driver
+
+    def open_write(connection: sqlite3.Connection) -> sqlite3.Cursor:
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("UPDATE counter SET n = n + 1 WHERE id = 1")
+        cursor = connection.execute("SELECT n FROM counter UNION ALL SELECT 2")
+        cursor.fetchone()  # a statement still running when the connection is closed
+        return cursor
+
+    kept = await driver._execute(open_write, driver._conn)
+    await driver.close()
+    probe = raw_connection(db_path)
+    try:
+        probe.execute("BEGIN IMMEDIATE")  # the write lock is free
+        assert probe.execute("SELECT n FROM counter").fetchone() == (0,)
+        probe.execute("ROLLBACK")
+    finally:
+        probe.close()
+    del kept
+
+
 async def test_a_statement_refused_inside_a_transaction_resumes_in_it(
     sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
 ) -> None:
