@@ -397,7 +397,7 @@ async def test_a_call_given_up_while_it_waits_for_the_lock_keeps_the_next_off_th
     finally:
         ticker.stop()
         other.close()
-    assert crossings[:2] == ["_run", "close"]
+    assert crossings[:2] == ["_run", "_roll_back_and_close"]
 
 
 async def test_closing_a_connection_whose_cursor_lives_on_releases_the_write_lock(
