@@ -277,7 +277,7 @@ class Context:
             progress = StepProgress(self._events, key, failures + 1)
             await progress.started()
             try:
-                result = await call_step_function(fn, args, kwargs, self._step_stream(key))
+                result = await call_step_function(fn, args, kwargs, lambda: self._step_stream(key))
                 output = to_json(result, f"the result of step {key!r}")
             except (Exception, AttemptStopped) as exc:
                 # AttemptStopped too, as when it was an Exception: the fail write then meets

@@ -69,7 +69,7 @@ async def call_step_function(
     fn: Callable[..., Any],
     args: Sequence[object],
     kwargs: Mapping[str, object],
-    stream: StepStream | None = None,
+    stream: Callable[[], StepStream] | None = None,
 ) -> object:
     """Await an async ``fn``; run a sync one in a thread so it never blocks the event loop.
 
@@ -78,20 +78,21 @@ async def call_step_function(
     SDK call at once. The thread sees the caller's context variables, so
     ``ctx.idempotency_key()`` works inside a sync step too.
 
-    With ``stream``, a generator function (sync or async), or a function returning a
-    generator, has its items streamed and joined by ``stream``
-    (:mod:`moorline.engine.streaming`). Calling a generator function only makes the generator:
-    its body runs as the stream is consumed (a sync one in the bridge's thread).
+    With ``stream`` (which makes the step's :class:`StepStream` when one is needed), a
+    generator function (sync or async), or a function returning a generator, has its items
+    streamed and joined (:mod:`moorline.engine.streaming`). Calling a generator function only
+    makes the generator: its body runs as the stream is consumed (a sync one in the bridge's
+    thread).
     """
-    if stream is not None and is_generator_function(fn):
-        return await stream.consume(fn(*args, **kwargs))
     if inspect.iscoroutinefunction(fn):
         result: object = await fn(*args, **kwargs)
         return result
+    if stream is not None and is_generator_function(fn):
+        return await stream().consume(fn(*args, **kwargs))
     result = await run_in_thread(fn, *args, **kwargs)
     if inspect.isawaitable(result):
         # A sync callable returning an awaitable (a partial of an async def, a lambda).
         result = await result
     if stream is not None and is_stream(result):
-        return await stream.consume(result)
+        return await stream().consume(result)
     return result

@@ -7,7 +7,7 @@ way that proves it: the producer thread is gone and the generator's ``finally`` 
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
@@ -38,8 +38,10 @@ class Sink:
         if self.stop_after is not None and len(self.events) >= self.stop_after:
             raise Stopped
 
-    def stream(self, key: str = "gen") -> StepStream:
-        return StepStream(key, send=self.send, check=self.check, to_json=to_json, max_queued=QUEUE)
+    def stream(self, key: str = "gen") -> Callable[[], StepStream]:
+        return lambda: StepStream(
+            key, send=self.send, check=self.check, to_json=to_json, max_queued=QUEUE
+        )
 
 
 class Endless:
@@ -163,7 +165,7 @@ async def test_cancelling_a_stalled_consumer_leaves_no_producer_thread_blocked()
         await never.wait()  # a database that stopped answering
 
     stream = StepStream("gen", send=stalled, check=lambda: None, to_json=to_json, max_queued=QUEUE)
-    task = asyncio.create_task(call_step_function(endless, ["x"], {}, stream))
+    task = asyncio.create_task(call_step_function(endless, ["x"], {}, lambda: stream))
 
     async def queue_full() -> bool:
         return endless.produced >= QUEUE + 1
