@@ -430,6 +430,52 @@ async def test_closing_a_connection_whose_cursor_lives_on_releases_the_write_loc
     del kept
 
 
+async def test_a_rollback_after_a_given_up_statement_queues_behind_it(db_path: Path) -> None:
+    # The given-up statement brings its transaction's BEGIN along: until it has run on the
+    # thread, the loop cannot see that transaction, and a rollback that looked from there
+    # found none, skipped itself, and left the lock held for good.
+    setup = raw_connection(db_path)
+    setup.execute("CREATE TABLE counter (id INTEGER PRIMARY KEY, n INTEGER)")
+    setup.execute("INSERT INTO counter (id, n) VALUES (1, 0)")
+    setup.close()
+    driver = sqlite_driver.Connection(
+        lambda: sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    )
+    await driver
+    driver.run_inline(busy_timeout_ms=5000)
+    other = raw_connection(db_path)
+    ticker = Ticker()
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        cursor = await driver.cursor()
+        await cursor.execute("BEGIN IMMEDIATE")  # held back, sent with the statement
+        update = asyncio.create_task(cursor.execute("UPDATE counter SET n = 1 WHERE id = 1"))
+        await ticker.until(50)
+        assert not update.done()
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        rollback = asyncio.create_task(driver.rollback())
+        other.execute("COMMIT")
+        await asyncio.wait_for(rollback, 10)
+
+        async def thread_idle() -> bool:
+            return driver._sent_to_thread == driver._done_on_thread
+
+        await wait_for(thread_idle, message="the given-up statement to have run")
+        probe = raw_connection(db_path)
+        try:
+            probe.execute("BEGIN IMMEDIATE")  # the write lock is free
+            assert probe.execute("SELECT n FROM counter").fetchone() == (0,)
+            probe.execute("ROLLBACK")
+        finally:
+            probe.close()
+    finally:
+        ticker.stop()
+        other.close()
+        await driver.close()
+
+
 async def test_a_statement_refused_inside_a_transaction_resumes_in_it(
     sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
 ) -> None:
