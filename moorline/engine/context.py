@@ -68,6 +68,7 @@ from moorline.engine.steps import (
     function_name,
     to_json,
 )
+from moorline.engine.streaming import StepStream
 from moorline.engine.waits import Waits
 from moorline.errors import (
     AttemptStopped,
@@ -259,7 +260,9 @@ class Context(Waits):
         """Run ``fn(*args, **kwargs)`` once per run, checkpointed under ``key``.
 
         When step ``key`` already succeeded in this run its stored result is returned and
-        ``fn`` is not called. A sync ``fn`` runs in a thread; an async one is awaited.
+        ``fn`` is not called. A sync ``fn`` runs in a thread; an async one is awaited. A
+        generator function (sync or async) streams each item it yields as a ``delta`` event
+        and its items, joined, are the result (:mod:`moorline.engine.streaming`).
 
         Args:
             key: The step's key, unique within the run (``f"llm:{i}"`` in loops).
@@ -293,7 +296,7 @@ class Context(Waits):
             progress = StepProgress(self._events, key, failures + 1)
             await progress.started()
             try:
-                result = await call_step_function(fn, args, kwargs)
+                result = await call_step_function(fn, args, kwargs, lambda: self._step_stream(key))
                 output = to_json(result, f"the result of step {key!r}")
             except (Exception, AttemptStopped) as exc:
                 # AttemptStopped too, as when it was an Exception: the fail write then meets
@@ -557,6 +560,16 @@ class Context(Waits):
         """The cancel, as it is raised into the workflow code (which is thereby told)."""
         self._is_cancelled = self._cancel_delivered = True
         return Cancelled(self.run_id)
+
+    def _step_stream(self, key: str) -> StepStream:
+        """How a generator step of ``key`` streams: deltas through the writer, stop checks."""
+        return StepStream(key, send=self._events.add, check=self._check_stop, to_json=to_json)
+
+    def _check_stop(self) -> None:
+        """Before each streamed item: raise the lost lease or the cancel seen so far."""
+        self._check_lease()
+        if self._is_cancelled:
+            raise self._deliver_cancel()
 
     async def _fenced(self, write: Coroutine[Any, Any, T]) -> T:
         """Await a fenced write, after the buffered events (which keep their place before it)."""
