@@ -86,6 +86,7 @@ async def run_worker_process(
                 owner=owner,
                 grace_s=grace_s,
                 metrics=counted,
+                workflows=[workflow.name for workflow in app],
             )
             for owner in owners[:loops]
         ]
