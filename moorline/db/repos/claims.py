@@ -35,15 +35,15 @@ re-evaluated after a lock wait, and two claimers then take the same run.
    Either way the candidates are put in claim order
    (:func:`~moorline.db.fairness.take_in_claim_order`) and taken up to each tenant's free
    slots.
-A worker claims only the workflows it serves (``workflows``): every read above filters on
-them, on the last column of ``ix_runs_lane_tenant``, so a run no worker of this lane serves
-(a rolling deploy, a worker started with another app) stays ``queued`` for one that does,
-instead of failing with ``workflow_not_found`` in the wrong worker.
-
 3. The claim sets ``running``, ``attempt + 1`` (the fencing token), the owner,
    ``lease_expires_at`` from database time, ``started_at`` the first time, and appends one
    ``started`` event per run in the same transaction, with one ``INSERT … SELECT`` that reads
    each run's next ``seq`` itself.
+
+A worker claims only the workflows it serves (``workflows``): every read above filters on
+them, on the last column of ``ix_runs_lane_tenant``, so a run that no worker of the lane
+serves (a rolling deploy, a worker started with another app) stays ``queued`` for one that
+does, instead of failing as ``workflow_not_found`` in the wrong worker.
 
 Claims are not wrapped in ``with_retry``: a commit whose acknowledgement was lost would be
 repeated as a second batch, orphaning the first until its leases expire.
