@@ -7,10 +7,14 @@ of ``--batch`` on a fresh database, in turn without the filter (``plain``) and w
 (``filtered``: the worker serves ``noop`` and one other name, as ``moorline worker`` passes its
 app's names):
 
-    .venv/bin/python bench/claim_filter.py [--backend sqlite] [--runs 5000] [--rounds 5]
+    PYTHONPATH=. .venv/bin/python bench/claim_filter.py [--backend sqlite] [--runs 5000]
+        [--rounds 5] [--drain]
 
 Run against an older checkout it measures ``plain`` only (its claim takes no filter). Prints the
-median CPU and wall seconds per mode, and claims per wall second.
+median CPU and wall seconds per mode, and claims per wall second. ``--drain`` measures instead
+the CPU of ``moorline bench``'s drain (one worker, 10,000 no-op runs, SQLite in this process),
+as that tree's worker claims. ``PYTHONPATH=.`` makes the checkout in the current directory the
+one imported, whatever the virtualenv has installed.
 """
 
 import argparse
@@ -20,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+from moorline.benchmarks import dispatch
 from moorline.benchmarks.common import analyze, on_fresh_database, seed_tenant
 from moorline.benchmarks.dispatch import LANE, new_run
 from moorline.db.manager import DatabaseManager
@@ -58,6 +63,28 @@ async def claim_all(url: str, runs: int, batch: int, filtered: bool) -> tuple[fl
         await db.dispose()
 
 
+async def drain_cpu(url: str) -> tuple[float, float]:
+    """CPU seconds and runs/s of one drain of 10,000 runs at ``url``."""
+    db = await dispatch.on_fresh_manager(url)
+    try:
+        tenant = await seed_tenant(db)
+        cpu = time.process_time()
+        rate = await dispatch.drain_rate(db, tenant, 10_000, 20)
+        return time.process_time() - cpu, rate
+    finally:
+        await db.dispose()
+
+
+async def drains(backend: str, rounds: int) -> None:
+    measured = [await on_fresh_database(backend, drain_cpu) for _ in range(rounds)]
+    cpu = statistics.median(c for c, _ in measured)
+    rate = statistics.median(r for _, r in measured)
+    print(
+        f"{backend} drain: CPU {cpu:.2f} s per 10,000 runs, {rate:,.0f} runs/s; "
+        f"CPU per round {[round(c, 2) for c, _ in measured]}"
+    )
+
+
 async def main(backend: str, runs: int, batch: int, rounds: int) -> None:
     modes = ["plain"]
     if "workflows" in inspect.signature(QueueRepo.claim).parameters:
@@ -86,5 +113,9 @@ if __name__ == "__main__":
     parser.add_argument("--runs", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--drain", action="store_true")
     args = parser.parse_args()
-    asyncio.run(main(args.backend, args.runs, args.batch, args.rounds))
+    if args.drain:
+        asyncio.run(drains(args.backend, args.rounds))
+    else:
+        asyncio.run(main(args.backend, args.runs, args.batch, args.rounds))
