@@ -120,6 +120,13 @@ class LaneOut(BaseModel):
     oldest_queued_age_s: float | None = Field(
         description="Seconds the longest-waiting claimable run has waited; null when none."
     )
+    unserved: int = Field(
+        description="Queued runs of the lane whose workflow no live worker serves there (a "
+        "rolling deploy, a worker started with another app): they wait for one that does."
+    )
+    unserved_workflows: list[str] = Field(
+        description="The workflows of the unserved runs, by name; empty when none."
+    )
 
 
 class Queues(BaseModel):

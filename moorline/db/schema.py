@@ -123,7 +123,9 @@ runs = Table(
 # Claim: the tenants with queued runs in a lane (an index skip-scan), then each one's next runs
 # in claim order (priority first, oldest eligible first), without reading a backlog past them.
 # It is the only index leading with (status, lane), so a planner without statistics yet (a
-# young table) cannot pick a worse one for the claim's reads.
+# young table) cannot pick a worse one for the claim's reads. ``workflow`` comes last: a
+# worker claims only the workflows it serves, a filter checked on the index entries the claim
+# walks anyway, and the unserved queued runs are counted from the index alone.
 Index(
     "ix_runs_lane_tenant",
     runs.c.status,
@@ -132,6 +134,7 @@ Index(
     runs.c.priority.desc(),
     runs.c.not_before,
     runs.c.id,
+    runs.c.workflow,
 )
 
 steps = Table(
@@ -224,6 +227,22 @@ leader_leases = Table(
     Column("name", String(64), primary_key=True),
     Column("holder", String(KEY), nullable=False),
     Column("term", Integer, nullable=False),
+    Column("expires_at", UTCDateTime(), nullable=False),
+)
+
+# The worker processes alive now and what they serve: each renews its row with its heartbeat,
+# so a row whose ``expires_at`` passed is a worker gone (killed, partitioned, stopped). A queued
+# run whose (lane, workflow) no live row serves is reported as unserved.
+workers = Table(
+    "workers",
+    metadata,
+    Column("id", String(KEY), primary_key=True),  # the worker's lease owner id
+    Column("host", String(KEY), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("lanes", JSONDocument(), nullable=False),  # {lane: slots}
+    Column("workflows", JSONDocument(), nullable=True),  # [name, ...]; null: every workflow
+    Column("started_at", UTCDateTime(), nullable=False),
+    Column("last_seen_at", UTCDateTime(), nullable=False),
     Column("expires_at", UTCDateTime(), nullable=False),
 )
 

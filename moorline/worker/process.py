@@ -94,6 +94,7 @@ async def run_worker_process(
                 grace_s=grace_s,
                 metrics=counted,
                 secrets=secrets,
+                workflows=[workflow.name for workflow in app],
             )
             for owner in owners[:loops]
         ]

@@ -2,6 +2,10 @@
 
 One :class:`Worker` per process (or per in-process loop of ``moorline serve``):
 
+- **Served workflows.** A worker claims only runs of the workflows its app registers
+  (``workflows``), and announces them with its lanes in a ``workers`` row renewed every
+  ``LEASE_TTL/3`` (:mod:`moorline.worker.presence`): in a rolling deploy a run of a workflow
+  the new app lacks stays ``queued`` and shows as unserved instead of failing.
 - **Lanes and slots.** Each lane has its own slots and its own claim loop, so a flooded
   sandbox lane never takes a professional slot. A loop claims as many runs as it has free
   slots, in one transaction (:meth:`~moorline.db.repos.queue.QueueRepo.claim`, which also
@@ -39,7 +43,7 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -50,6 +54,7 @@ from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import LeaseLost
+from moorline.db.repos.workers import WorkerEntry, WorkersRepo
 from moorline.dispatch.retry import RetryPolicy
 from moorline.engine.context import Cancelled
 from moorline.engine.failures import FailureDescriber
@@ -59,6 +64,7 @@ from moorline.observability.logs import bind_run
 from moorline.observability.metrics import Metrics
 from moorline.types import JSONObject, RunStatus
 from moorline.worker.completions import Completer
+from moorline.worker.presence import Presence
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +161,7 @@ class Worker:
         rng: random.Random | None = None,
         metrics: Metrics | None = None,
         secrets: Iterable[str] = (),
+        workflows: Collection[str] | None = None,
     ) -> None:
         """Create a worker; nothing runs before :meth:`run`.
 
@@ -175,6 +182,8 @@ class Worker:
                 set nobody scrapes.
             secrets: Values blanked in a failed run's stored error (its message and
                 traceback): the settings' tokens and keys.
+            workflows: The workflow names ``runner`` can run; only their runs are claimed.
+                None claims every workflow (a runner that runs anything, in tests).
         """
         if not lanes:
             raise ValueError("a worker needs at least one lane")
@@ -188,6 +197,18 @@ class Worker:
         self._waiter = waiter
         self._policy = retry_policy or RetryPolicy()
         self.owner = owner or make_owner_id()
+        self._workflows = None if workflows is None else sorted(set(workflows))
+        self._presence = Presence(
+            WorkersRepo(db),
+            WorkerEntry(
+                worker_id=self.owner,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                lanes=self._lanes,
+                workflows=self._workflows,
+            ),
+            ttl_s=lease_ttl_s,
+        )
         self._poll_interval_s = poll_interval_s
         self._grace_s = grace_s
         self._rng = rng or random.Random()
@@ -237,10 +258,13 @@ class Worker:
             self.owner,
             ", ".join(f"{lane}={slots}" for lane, slots in self._lanes.items()),
         )
+        # Announced before the first claim, so a run it claims never shows as unserved.
+        await self._presence.beat()
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._completer.run(), name="completer")
                 group.create_task(self._heartbeat_loop(), name="heartbeat")
+                group.create_task(self._presence.run(stop), name="presence")
                 claimers = [
                     group.create_task(self._claim_loop(lane, stop), name=f"claim:{lane}")
                     for lane in self._lanes
@@ -313,6 +337,7 @@ class Worker:
                     limit=free,
                     lease_ttl_s=self._lease_ttl_s,
                     tenant_caps=await self._tenant_caps(),
+                    workflows=self._workflows,
                 )
             except (DBAPIError, BackendUnavailable) as exc:
                 # A dropped connection, a failover, a terminated backend: the worker outlives

@@ -206,6 +206,33 @@ async def test_a_file_from_an_older_version_gets_the_current_indexes(db_path: Pa
     assert "ix_runs_claim" not in names
 
 
+async def test_an_index_whose_columns_changed_is_rebuilt(db_path: Path) -> None:
+    """Revision 0006 added ``workflow`` to the claim index; an older file gets it too."""
+    url = f"sqlite+aiosqlite:///{db_path}"
+    old = DatabaseManager(Settings(database_url=url))
+    try:
+        await old.initialize()
+        async with old.transaction() as conn:
+            await conn.execute(text("DROP INDEX ix_runs_lane_tenant"))
+            await conn.execute(
+                text(
+                    "CREATE INDEX ix_runs_lane_tenant ON runs "
+                    "(status, lane, tenant_id, priority DESC, not_before, id)"
+                )
+            )
+    finally:
+        await old.dispose()
+    current = DatabaseManager(Settings(database_url=url))
+    try:
+        await current.initialize()
+        async with current.connect() as conn:
+            rows = await conn.execute(text("PRAGMA index_info(ix_runs_lane_tenant)"))
+            columns = [row[2] for row in rows]
+    finally:
+        await current.dispose()
+    assert columns == ["status", "lane", "tenant_id", "priority", "not_before", "id", "workflow"]
+
+
 async def test_a_file_from_an_older_version_gets_the_columns_added_since(db_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{db_path}"
     old = DatabaseManager(Settings(database_url=url))

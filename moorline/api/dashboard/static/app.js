@@ -268,8 +268,18 @@ function viewLanes() {
       h("div", { class: "figure" }, h("b", { class: "running" }, lane.running), h("span", {}, "running")),
       h("div", { class: "figure" }, h("b", {}, lane.oldest_queued_age_s === null ? "—"
         : duration(lane.oldest_queued_age_s)), h("span", {}, "oldest queued"))),
+    unservedNote(lane),
     throughputChart(lane.lane))));
   });
+}
+
+// Queued runs no live worker serves wait for a worker that has their workflow (a rolling
+// deploy, a worker started with another app): say which, since nothing else will run them.
+function unservedNote(lane) {
+  if (!lane.unserved) return null;
+  return h("p", { class: "unserved", role: "status" },
+    h("b", {}, `${lane.unserved} unserved`),
+    ` — no live worker serves ${lane.unserved_workflows.join(", ")}`);
 }
 
 function throughputChart(lane) {
