@@ -90,6 +90,7 @@ class WaitingFor(Result):
     """``permission``, ``sleep`` or ``message``."""
     until: datetime | None
     interrupt_id: str | None = None
+    children: int | None = None
 
 
 class RunSummary(Result):
@@ -108,6 +109,16 @@ class RunSummary(Result):
     finished_at: datetime | None
     elapsed_time: float | None
     waiting_for: WaitingFor | None = None
+    parent_run_id: str | None = None
+
+
+class Child(Result):
+    """A child run, as its parent lists it."""
+
+    run_id: str
+    key: str
+    workflow: str
+    status: RunStatus
 
 
 class Run(RunSummary):
@@ -117,6 +128,7 @@ class Run(RunSummary):
     output: Any
     steps: list[Step]
     pending_interrupt: PendingInterrupt | None
+    children: list[Child] = []
 
 
 class RunPage(Result):

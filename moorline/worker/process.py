@@ -88,6 +88,7 @@ async def run_worker_process(
                 owner=owner,
                 grace_s=grace_s,
                 metrics=counted,
+                notifier=notifier,
             )
             for owner in owners[:loops]
         ]
