@@ -324,6 +324,8 @@ class ChildrenRepo:
             select(runs)
             .join(parent, parent.c.id == runs.c.parent_run_id)
             .where(
+                # Children only (ix_runs_parent): top-level runs are never read.
+                runs.c.parent_run_id.is_not(None),
                 runs.c.detached == 0,
                 runs.c.status.not_in(_TERMINAL),
                 parent.c.status.in_(_TERMINAL),
