@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 _MODULE_OF = {
     "BackendUnavailable": "moorline.errors",
     "Cancelled": "moorline.engine.context",
+    "ChildFailed": "moorline.errors",
     "Client": "moorline.client",
     "ConfigError": "moorline.errors",
     "Conflict": "moorline.errors",
@@ -71,6 +72,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BackendUnavailable",
     "Cancelled",
+    "ChildFailed",
     "Client",
     "ConfigError",
     "Conflict",

@@ -407,3 +407,21 @@ class RunParked(AttemptStopped):
     def __init__(self, fence: Holder, kind: str) -> None:
         super().__init__(fence, f"run {fence.run_id} parked, waiting for a {kind}")
         self.kind = kind
+
+
+class ChildFailed(MoorlineError):
+    """A child run the workflow joined did not succeed.
+
+    Attributes:
+        run_id: The child's run id.
+        child_status: How it ended (``failed``, ``cancelled``, ``timed_out``).
+        error: Its error, as stored (None for a cancel).
+    """
+
+    code = "child_failed"
+
+    def __init__(self, run_id: str, child_status: str, error: object) -> None:
+        super().__init__(f"child run {run_id} ended {child_status}: {error!r}")
+        self.run_id = run_id
+        self.child_status = child_status
+        self.error = error

@@ -193,12 +193,14 @@ class PendingInterrupt(BaseModel):
 class WaitingFor(BaseModel):
     """What a ``waiting`` run waits for (it holds no worker slot meanwhile)."""
 
-    kind: Literal["permission", "sleep", "message"]
+    kind: Literal["permission", "sleep", "message", "children"]
     until: datetime | None
     """When the wait ends by itself: the permission's deadline, the sleep's end, the message
     wait's timeout; null for a message wait without one."""
     interrupt_id: str | None = None
     """The interrupt a ``permission`` wait waits for."""
+    children: int | None = None
+    """How many child runs a ``children`` wait awaits."""
 
 
 RUN_ERROR_SCHEMA: dict[str, Any] = {
@@ -243,6 +245,17 @@ class RunSummary(BaseModel):
     elapsed_time: float | None
     waiting_for: WaitingFor | None = None
     """What a ``waiting`` run waits for; null for every other status."""
+    parent_run_id: str | None = None
+    """The run that started this one with ``ctx.start_child``; null for a top-level run."""
+
+
+class ChildOut(BaseModel):
+    """A child run, as its parent lists it."""
+
+    run_id: str
+    key: str
+    workflow: str
+    status: RunStatus
 
 
 class RunOut(RunSummary):
@@ -250,6 +263,8 @@ class RunOut(RunSummary):
 
     input: Any
     output: Any
+    children: list[ChildOut] = []
+    """The runs this one started with ``ctx.start_child``, in the order it started them."""
     steps: list[StepOut]
     pending_interrupt: PendingInterrupt | None
 

@@ -12,6 +12,7 @@ Errors (the server's, or a bad ``--input``) are one line on stderr, ``error: <co
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from functools import wraps
 from pathlib import Path
@@ -316,6 +317,12 @@ async def status(
         ("steps", describe_steps(run)),
     ):
         table.add_row(Text(field, style="bold"), Text(value))
+    if run.parent_run_id is not None:
+        table.add_row(Text("parent", style="bold"), Text(run.parent_run_id))
+    if run.children:
+        counts = Counter(str(child.status) for child in run.children)
+        shown = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        table.add_row(Text("children", style="bold"), Text(f"{len(run.children)}: {shown}"))
     if run.waiting_for is not None:
         waiting = run.waiting_for
         until = "no time limit" if waiting.until is None else f"until {waiting.until.isoformat()}"

@@ -129,6 +129,7 @@ class WaitingFor(Result):
     """``permission``, ``sleep`` or ``message``."""
     until: datetime | None
     interrupt_id: str | None = None
+    children: int | None = None
 
 
 class RunSummary(Result):
@@ -147,6 +148,16 @@ class RunSummary(Result):
     finished_at: datetime | None
     elapsed_time: float | None
     waiting_for: WaitingFor | None = None
+    parent_run_id: str | None = None
+
+
+class Child(Result):
+    """A child run, as its parent lists it."""
+
+    run_id: str
+    key: str
+    workflow: str
+    status: RunStatus
 
 
 class Run(RunSummary):
@@ -156,6 +167,7 @@ class Run(RunSummary):
     output: Any
     steps: list[Step]
     pending_interrupt: PendingInterrupt | None
+    children: list[Child] = []
 
 
 class RunPage(Result):

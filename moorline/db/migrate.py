@@ -124,9 +124,14 @@ ADDED_SQLITE_COLUMNS = (
     ("runs", "wake_at", "DATETIME"),
     ("runs", "resumes", "INTEGER NOT NULL DEFAULT 0"),
     ("runs", "deadline_at", "DATETIME"),
+    ("runs", "parent_run_id", "VARCHAR(36)"),
+    ("runs", "child_key", "VARCHAR(255)"),
+    ("runs", "depth", "INTEGER NOT NULL DEFAULT 0"),
+    ("runs", "detached", "INTEGER NOT NULL DEFAULT 0"),
+    ("runs", "awaited", "INTEGER NOT NULL DEFAULT 0"),
 )
 """Columns added since the first version (table, column, SQLite type), as the server
-migrations add them (0004, 0005): ``create_all`` never alters a table that exists."""
+migrations add them (0004, 0005, 0008): ``create_all`` never alters a table that exists."""
 
 
 def _create_all_sqlite(conn: Connection) -> None:

@@ -104,7 +104,20 @@ runs = Table(
     Column("resumes", Integer, nullable=False, default=0, server_default="0"),
     # Wall-clock limit of the whole run, waits included (``deadline=``, ``deadline_seconds``).
     Column("deadline_at", UTCDateTime(), nullable=True),
+    # A child run: its parent, its key among the parent's children (unique per parent, so a
+    # replayed start_child finds the child it started), its depth (top-level runs: 0),
+    # whether it outlives its parent (detached), and whether the parent awaits it now.
+    Column("parent_run_id", String(ID), nullable=True),
+    Column("child_key", String(KEY), nullable=True),
+    Column("depth", Integer, nullable=False, default=0, server_default="0"),
+    # 0 or 1: integers, whose server defaults every backend reflects alike (booleans' differ).
+    Column("detached", Integer, nullable=False, default=0, server_default="0"),
+    Column("awaited", Integer, nullable=False, default=0, server_default="0"),
     UniqueConstraint("tenant_id", "idempotency_key"),
+    # A unique index, not a constraint: SQLite files made before it can get an index.
+    Index("ix_runs_parent_key", "parent_run_id", "child_key", unique=True),
+    # A parent's children by status: its joins, the cancel cascade, GET /v1/runs?parent_run_id.
+    Index("ix_runs_parent", "parent_run_id", "status"),
     # Reaper: running runs whose lease expired.
     Index("ix_runs_lease", "status", "lease_expires_at"),
     # Tenant concurrency cap, and a tenant's listing filtered on a status (newest first).

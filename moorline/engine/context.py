@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar, overload
 
+from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.events import (
     EVENT_CANCELLED,
     EVENT_FAILED,
@@ -52,6 +53,7 @@ from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt
 from moorline.db.repos.steps import StepsRepo
 from moorline.engine.checkpoints import Checkpoints
+from moorline.engine.children import DEFAULT_MAX_CHILDREN, Children
 from moorline.engine.events import (
     BUFFERED_EVENT_TYPES,
     EVENT_PERMISSION_REQUEST,
@@ -61,6 +63,7 @@ from moorline.engine.events import (
     EventWriter,
 )
 from moorline.engine.progress import StepProgress, permission_request, permission_resolved
+from moorline.engine.registry import Moorline
 from moorline.engine.steps import (
     backoff_delay_s,
     call_hash,
@@ -168,7 +171,7 @@ def _decision_of(interrupt: Interrupt) -> Decision:
     return Decision(approved=interrupt.approved, reason=reason.value, data=interrupt.decision)
 
 
-class Context(Waits):
+class Context(Waits, Children):
     """The first argument of every workflow: the run being executed, attempt by attempt.
 
     Built by the runner for one claim; workflows never construct it.
@@ -184,6 +187,9 @@ class Context(Waits):
         messages: MessagesRepo,
         parking: ParkingRepo,
         store: RuntimeStore,
+        children: ChildrenRepo | None = None,
+        workflows: Moorline | None = None,
+        max_children: int = DEFAULT_MAX_CHILDREN,
         permission_timeout_s: float,
         park_after_s: float = DEFAULT_PARK_AFTER_S,
         deadline_s: float | None = None,
@@ -199,6 +205,9 @@ class Context(Waits):
         self._permission_timeout_s = permission_timeout_s
         self._interrupt_poll_s = interrupt_poll_s
         self._parking = parking
+        self._children = children
+        self._workflows = workflows
+        self._max_children = max_children
         self._park_after_s = park_after_s
         self._deadline_s = deadline_s
         self._permissions = 0

@@ -47,6 +47,7 @@ class WorkflowDefinition:
     parameters: tuple[str, ...] = field(default=())
     soft_timeout_s: float | None = None
     deadline_s: float | None = None
+    max_children: int = 1_000
 
     def validate_input(self, data: Mapping[str, Any]) -> JSONObject:
         """Check ``data`` against the function's parameters; return it as JSON-ready values.
@@ -130,6 +131,7 @@ class Moorline:
         timeout: float | None = None,
         soft_timeout: float | None = None,
         deadline: float | None = None,
+        max_children: int = 1_000,
     ) -> Callable[[F], F]:
         """Register an ``async def`` workflow under a persisted ``name``.
 
@@ -147,6 +149,8 @@ class Moorline:
             deadline: Wall-clock seconds from the run's creation, waits included, past which
                 a run that is ``waiting`` ends ``timed_out`` (``timeout`` counts execution
                 only). None for no deadline.
+            max_children: Child runs one run may start (``ctx.start_child``); past it the
+                workflow gets ``ChildLimitExceeded``.
 
         Raises:
             ConfigError: A bad name or limit, or a second workflow with this name.
@@ -155,6 +159,8 @@ class Moorline:
             raise ConfigError(f"workflow name {name!r}: use letters, digits, '_', '.', '-'")
         if max_attempts < 1:
             raise ConfigError(f"workflow {name!r}: max_attempts must be at least 1")
+        if max_children < 0:
+            raise ConfigError(f"workflow {name!r}: max_children must not be negative")
         for label, limit in (
             ("timeout", timeout),
             ("soft_timeout", soft_timeout),
@@ -181,6 +187,7 @@ class Moorline:
                 parameters=parameters,
                 soft_timeout_s=soft_timeout,
                 deadline_s=deadline,
+                max_children=max_children,
             )
             return registered
 

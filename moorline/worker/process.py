@@ -95,6 +95,7 @@ async def run_worker_process(
                 metrics=counted,
                 secrets=secrets,
                 workflows=[workflow.name for workflow in app],
+                notifier=notifier,
             )
             for owner in owners[:loops]
         ]

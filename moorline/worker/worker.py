@@ -44,18 +44,20 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import LeaseLost
 from moorline.db.repos.workers import WorkerEntry, WorkersRepo
 from moorline.dispatch.retry import RetryPolicy
+from moorline.dispatch.wakeups import Notifier
 from moorline.engine.context import Cancelled
 from moorline.engine.failures import FailureDescriber
 from moorline.engine.runner import Runner
@@ -162,6 +164,7 @@ class Worker:
         metrics: Metrics | None = None,
         secrets: Iterable[str] = (),
         workflows: Collection[str] | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         """Create a worker; nothing runs before :meth:`run`.
 
@@ -184,6 +187,7 @@ class Worker:
                 traceback): the settings' tokens and keys.
             workflows: The workflow names ``runner`` can run; only their runs are claimed.
                 None claims every workflow (a runner that runs anything, in tests).
+            notifier: Wakes other processes' workers when a child's end re-queues its parent.
         """
         if not lanes:
             raise ValueError("a worker needs at least one lane")
@@ -215,6 +219,8 @@ class Worker:
         self._metrics = metrics or Metrics()
         self._completer = Completer(self._runs)
         self._failures = FailureDescriber(secrets)
+        self._children = ChildrenRepo(db)
+        self._notifier = notifier
         self._executions: set[_Execution] = set()
         self._in_lane = dict.fromkeys(self._lanes, 0)
         self._recheck = {lane: asyncio.Event() for lane in self._lanes}
@@ -448,6 +454,8 @@ class Worker:
                 applied = await self._completer.complete(outcome)
                 if applied:
                     self._count_outcome(execution, outcome)
+                    if claim.run.parent_run_id is not None:
+                        await self._tell_parent(claim, outcome)
                     if isinstance(outcome, Failed) and outcome.retry_delay_s is not None:
                         # Claimable again once its delay has passed: look for it then
                         # rather than at the next poll.
@@ -470,6 +478,29 @@ class Worker:
             self._finish(execution)
             # After the outcome: the attempt's conversation lease and window go last.
             await self._release_runtime(claim)
+
+    async def _tell_parent(self, claim: Claim, outcome: Outcome) -> None:
+        """A child ended: wake its parent if it waits for it (the timer sweep is the backstop)."""
+        if isinstance(outcome, Succeeded):
+            status = RunStatus.SUCCEEDED
+        elif isinstance(outcome, Failed):
+            if outcome.retry_delay_s is not None:
+                return  # queued again: not ended
+            status = RunStatus.FAILED
+        else:
+            status = outcome.status
+        try:
+            lanes = await self._children.wake_parents([replace(claim.run, status=status)])
+        except Exception as exc:
+            logger.warning(
+                "run %s: parent %s not woken: %r", claim.fence.run_id, claim.run.parent_run_id, exc
+            )
+            return
+        for lane in lanes:
+            if lane in self._recheck:
+                self._recheck[lane].set()
+        if lanes and self._notifier is not None:
+            await self._notifier.notify(lanes)
 
     def _count_outcome(self, execution: _Execution, outcome: Outcome) -> None:
         name: str

@@ -5,6 +5,7 @@ import moorline
 EXPECTED = {
     "BackendUnavailable",
     "Cancelled",
+    "ChildFailed",
     "Client",
     "ConfigError",
     "Conflict",

@@ -11,8 +11,8 @@ def test_waiting_event_types() -> None:
 
 
 def test_what_a_run_waits_for_and_why_it_resumed() -> None:
-    assert [kind.value for kind in WaitKind] == ["permission", "sleep", "message"]
-    assert [reason.value for reason in ResumeReason] == ["decision", "message", "timer"]
+    assert [kind.value for kind in WaitKind] == ["permission", "sleep", "message", "children"]
+    assert [r.value for r in ResumeReason] == ["decision", "message", "timer", "children"]
 
 
 def test_timer_checkpoints_are_steps_named_by_position() -> None:
@@ -24,3 +24,16 @@ def test_timer_checkpoints_are_steps_named_by_position() -> None:
 def test_the_park_is_a_base_exception() -> None:
     assert RunParked.code == "run_parked"
     assert not issubclass(RunParked, Exception)
+
+
+def test_child_run_names() -> None:
+    from moorline.db.repos.children import (
+        EVENT_CHILD_FINISHED,
+        EVENT_CHILD_STARTED,
+        ChildLimitExceeded,
+    )
+    from moorline.errors import ChildFailed
+
+    assert (EVENT_CHILD_STARTED, EVENT_CHILD_FINISHED) == ("child_started", "child_finished")
+    assert WaitKind.CHILDREN.value == "children" and ResumeReason.CHILDREN.value == "children"
+    assert (ChildFailed.code, ChildLimitExceeded.code) == ("child_failed", "child_limit_exceeded")

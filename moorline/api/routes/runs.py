@@ -52,6 +52,7 @@ from moorline.api.schemas import (
     CONVERSATION,
     WORKFLOW,
     Cancelled,
+    ChildOut,
     MessageAccepted,
     MessageIn,
     PendingInterrupt,
@@ -65,6 +66,7 @@ from moorline.api.schemas import (
     StepOut,
     WaitingFor,
 )
+from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.interrupts import InterruptResolved
 from moorline.db.repos.listing import RunCursor, RunFilter, RunPage
 from moorline.db.repos.records import DecisionReason, Event, Run
@@ -128,6 +130,7 @@ def summary(run: Run) -> RunSummary:
         finished_at=run.finished_at,
         elapsed_time=run.elapsed_time,
         waiting_for=None if run.waiting_for is None else WaitingFor.model_validate(run.waiting_for),
+        parent_run_id=run.parent_run_id,
     )
 
 
@@ -296,12 +299,22 @@ async def get_run(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) -
 async def describe_run(services: Services, run: Run) -> RunOut:
     """``run`` with its steps and the decision it waits for, if any."""
     steps = await services.steps.list(run.run_id)
+    children = await ChildrenRepo(services.db).list(run.run_id)
     pending = await services.interrupts.pending_for_run(run.run_id)
     waiting = pending[0] if pending and not run.status.is_terminal else None
     return RunOut(
         **summary(run).model_dump(),
         input=run.input,
         output=run.output,
+        children=[
+            ChildOut(
+                run_id=child.run_id,
+                key=child.child_key or "",
+                workflow=child.workflow,
+                status=child.status,
+            )
+            for child in children
+        ],
         steps=[
             StepOut(
                 key=step.key,
@@ -335,11 +348,19 @@ async def list_runs(
         int, Query(ge=1, description=f"Runs per page; above {MAX_PAGE_SIZE} counts as that.")
     ] = DEFAULT_PAGE_SIZE,
     cursor: Annotated[str | None, Query(max_length=500)] = None,
+    parent_run_id: Annotated[
+        str | None, Query(max_length=36, description="Only this run's child runs.")
+    ] = None,
 ) -> RunList:
     """The tenant's runs, newest first, a page at a time."""
     page = await services.listing.page(
         caller.tenant.tenant_id,
-        where=RunFilter(status=status, workflow=workflow, conversation_id=conversation_id),
+        where=RunFilter(
+            status=status,
+            workflow=workflow,
+            conversation_id=conversation_id,
+            parent_run_id=parent_run_id,
+        ),
         limit=min(limit, MAX_PAGE_SIZE),
         after=None if cursor is None else decode_cursor(cursor),
     )
@@ -413,7 +434,9 @@ async def cancel(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) ->
 
 async def cancel_owned(services: Services, run: Run) -> Cancelled:
     """Cancel ``run``: a queued one ends at once, a running one at its next check."""
-    cancelled = await cancel_run(services.runs, services.store, run.tenant_id, run.run_id)
+    cancelled = await cancel_run(
+        services.runs, services.store, run.tenant_id, run.run_id, ChildrenRepo(services.db)
+    )
     return Cancelled(run_id=cancelled.run_id, status=cancelled.status)
 
 

@@ -397,10 +397,11 @@ function viewRun(runId) {
   const interrupt = h("div");
   const io = h("div", { class: "grid2" });
   const timeline = h("div", { class: "panel timeline", id: "steps" });
+  const family = h("div", { id: "family" });
   const streamed = h("pre", { class: "stream-text", id: "streamed" });
   const events = h("div", { class: "panel events", id: "events" });
   main.replaceChildren(title, h("div", { class: "panel" }, facts), interrupt, controls, io,
-    h("h2", {}, "Steps"), timeline, h("h2", {}, "Streamed text"), streamed,
+    family, h("h2", {}, "Steps"), timeline, h("h2", {}, "Streamed text"), streamed,
     h("h2", {}, "Events"), events);
   let run = null;
 
@@ -476,7 +477,27 @@ function viewRun(runId) {
         ...(run.error ? errorParts(run.error) : [json(run.output)])));
     drawInterrupt();
     drawControls();
+    drawFamily();
     drawSteps();
+  }
+
+  // The run's place in its tree: a link up to its parent, and its children with links down.
+  function drawFamily() {
+    const parts = [];
+    if (run.parent_run_id) {
+      parts.push(h("p", { id: "parent" }, "Child of ",
+        h("a", { href: `#/runs/${run.parent_run_id}` }, h("code", {}, run.parent_run_id))));
+    }
+    if (run.children && run.children.length) {
+      parts.push(h("h2", {}, `Children (${run.children.length})`),
+        h("table", { class: "runs", id: "children" },
+          h("thead", {}, h("tr", {}, ...["run", "key", "workflow", "status"].map((c) => h("th", {}, c)))),
+          h("tbody", {}, ...run.children.map((child) => h("tr", {},
+            h("td", {}, h("a", { href: `#/runs/${child.run_id}` }, h("code", {}, child.run_id.slice(0, 8)))),
+            h("td", {}, h("code", {}, child.key)), h("td", {}, child.workflow),
+            h("td", {}, badge(child.status)))))));
+    }
+    family.replaceChildren(...parts);
   }
 
   const stop = new AbortController();
