@@ -27,7 +27,8 @@ async def test_a_parked_run_is_listed_as_waiting_with_what_it_waits_for(api: Api
     [summary] = listed.json()["runs"]
     assert summary["run_id"] == run_id and summary["status"] == "waiting"
     expected = {"kind": "permission", "until": summary["waiting_for"]["until"]}
-    assert summary["waiting_for"] == {**expected, "interrupt_id": opened.interrupt_id}
+    described = {**expected, "interrupt_id": opened.interrupt_id, "children": None}
+    assert summary["waiting_for"] == described
     assert datetime.fromisoformat(summary["waiting_for"]["until"]) == until
     detail = (await api.client.get(f"/v1/runs/{run_id}", headers=caller.headers)).json()
     assert detail["pending_interrupt"]["interrupt_id"] == opened.interrupt_id
