@@ -5,7 +5,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from moorline.client import Client, SyncClient
-    from moorline.engine.context import Cancelled, Context, Decision
+    from moorline.engine.context import Cancelled, Context
+    from moorline.engine.permissions import Decision
     from moorline.engine.registry import Moorline
     from moorline.errors import (
         BackendUnavailable,
@@ -29,7 +30,7 @@ _MODULE_OF = {
     "ConfigError": "moorline.errors",
     "Conflict": "moorline.errors",
     "Context": "moorline.engine.context",
-    "Decision": "moorline.engine.context",
+    "Decision": "moorline.engine.permissions",
     "LimitExceeded": "moorline.errors",
     "Moorline": "moorline.engine.registry",
     "MoorlineError": "moorline.errors",

@@ -16,7 +16,7 @@ module as :class:`~moorline.engine.waits.Waits` is.
 import asyncio
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from moorline.db.repos.children import ChildrenRepo, NewChild
 from moorline.db.repos.parking import Wait, WaitKind
@@ -62,18 +62,20 @@ class Children:
     _max_children: int
     _park_after_s: float
 
-    # Provided by Context and Waits.
-    async def _fenced(self, write: Coroutine[Any, Any, T]) -> T:
-        raise NotImplementedError
+    if TYPE_CHECKING:
+        # Provided by the class these are mixed into; declared for the type checker only,
+        # so no stub here can shadow the real method in the MRO.
+        async def _fenced(self, write: Coroutine[Any, Any, T]) -> T:
+            raise NotImplementedError
 
-    async def _check_boundary(self) -> None:
-        raise NotImplementedError
+        async def _check_boundary(self) -> None:
+            raise NotImplementedError
 
-    async def _pause(self, delay_s: float) -> None:
-        raise NotImplementedError
+        async def _pause(self, delay_s: float) -> None:
+            raise NotImplementedError
 
-    async def _park(self, wait: Wait) -> None:
-        raise NotImplementedError
+        async def _park(self, wait: Wait) -> None:
+            raise NotImplementedError
 
     async def start_child(
         self, workflow: str, input: JSONObject, *, key: str, detached: bool = False

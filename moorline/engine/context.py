@@ -27,9 +27,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from contextvars import ContextVar
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, TypeVar
 
 from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.events import (
@@ -46,11 +44,11 @@ from moorline.db.repos.events import (
     EVENT_TIMED_OUT,
     EVENT_WAITING,
 )
-from moorline.db.repos.interrupts import InterruptResolved, InterruptsRepo
+from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.messages import MessagesRepo
-from moorline.db.repos.parking import ParkingRepo, Wait, WaitKind
+from moorline.db.repos.parking import ParkingRepo
 from moorline.db.repos.queue import Claim
-from moorline.db.repos.records import DecisionReason, Fence, Interrupt
+from moorline.db.repos.records import Fence
 from moorline.db.repos.steps import StepsRepo
 from moorline.engine.checkpoints import Checkpoints
 from moorline.engine.children import DEFAULT_MAX_CHILDREN, Children
@@ -62,7 +60,8 @@ from moorline.engine.events import (
     EVENT_STEP_STARTED,
     EventWriter,
 )
-from moorline.engine.progress import StepProgress, permission_request, permission_resolved
+from moorline.engine.permissions import DEFAULT_INTERRUPT_POLL_S, Permissions
+from moorline.engine.progress import StepProgress
 from moorline.engine.registry import Moorline
 from moorline.engine.steps import (
     backoff_delay_s,
@@ -81,7 +80,7 @@ from moorline.errors import (
     MoorlineError,
     RunParked,
 )
-from moorline.runtime.base import CANCELLED_DECISION, RuntimeStore, StoreShutdown
+from moorline.runtime.base import RuntimeStore, StoreShutdown
 from moorline.types import Attempt, JSONObject, JSONValue, RunId, TenantId
 
 logger = logging.getLogger(__name__)
@@ -91,15 +90,8 @@ T = TypeVar("T")
 DEFAULT_STEP_BACKOFF_S = 1.0
 """Pause after a step's first failed try, in seconds; doubled after each further one."""
 
-DEFAULT_INTERRUPT_POLL_S = 3.0
-"""How often a permission wait re-reads its interrupt from the database, in seconds: a
-wake-up lost by the RuntimeStore then costs this much latency, never the decision."""
-
 DEFAULT_PARK_AFTER_S = 2.0
 """Seconds a wait is awaited in memory before the run parks (``MOORLINE_PARK_AFTER``)."""
-
-STORE_INTERRUPT_MARGIN_S = 60.0
-"""Extra seconds an interrupt stays in the RuntimeStore past its deadline."""
 
 SYSTEM_EVENT_TYPES = frozenset(
     {
@@ -149,29 +141,7 @@ class NotInStep(MoorlineError):
     code = "not_in_step"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Decision:
-    """The answer to ``ctx.request_permission``.
-
-    Attributes:
-        approved: Whether the action may go ahead.
-        reason: ``approved``, ``denied``, ``timeout``, ``cancelled`` or ``shutdown``.
-        data: What the approver sent with the decision, if anything.
-    """
-
-    approved: bool
-    reason: str
-    data: JSONObject | None
-
-
-def _decision_of(interrupt: Interrupt) -> Decision:
-    reason = interrupt.reason or (
-        DecisionReason.APPROVED if interrupt.approved else DecisionReason.DENIED
-    )
-    return Decision(approved=interrupt.approved, reason=reason.value, data=interrupt.decision)
-
-
-class Context(Waits, Children):
+class Context(Permissions, Waits, Children):
     """The first argument of every workflow: the run being executed, attempt by attempt.
 
     Built by the runner for one claim; workflows never construct it.
@@ -408,141 +378,6 @@ class Context(Waits, Children):
         except BackendUnavailable as exc:
             logger.warning("run %s: message signals not cleared: %r", self.run_id, exc)
         return [message.content for message in drained.messages]
-
-    # --- permissions -------------------------------------------------------------------------
-
-    async def request_permission(
-        self,
-        action: str,
-        data: JSONValue,
-        timeout: float | None = None,  # noqa: ASYNC109 - docs/design.md's contract
-        *,
-        park_after: float | None = None,
-    ) -> Decision:
-        """Pause until a person approves or denies ``action``, or the wait ends otherwise.
-
-        The interrupt is persisted before the wait, keyed by the position of this request
-        among the run's permission requests, so a replayed run finds the same interrupt and
-        the same decision. The wait always ends: a decision, ``timeout`` (at the deadline),
-        ``cancelled`` (the run was cancelled) or ``shutdown`` (the runtime store is shutting
-        down); every outcome is persisted and only the first one counts.
-
-        Args:
-            action: What permission is asked for, shown to the approver.
-            data: Details for the approver (JSON).
-            timeout: Seconds to wait; ``MOORLINE_PERMISSION_TIMEOUT`` when None.
-            park_after: Seconds to wait in memory before the run parks (``waiting``, holding
-                no slot); ``MOORLINE_PARK_AFTER`` when None, 0 parks at once. The replay
-                after the decision returns it at this same call.
-
-        Raises:
-            RunParked: The run parked; let it through (the attempt ends here).
-            Cancelled: The run was cancelled before the request; nothing was written.
-            LeaseLost: This attempt no longer holds the run; nothing was written.
-            InterruptMismatch: A replay asked a different action at this position.
-        """
-        timeout_s = self._permission_timeout_s if timeout is None else timeout
-        if timeout_s <= 0:
-            raise ValueError(f"permission {action!r}: timeout must be positive")
-        park_after_s = self._park_after_s if park_after is None else park_after
-        if park_after_s < 0:
-            raise ValueError(f"permission {action!r}: park_after must not be negative")
-        payload = to_json(data, f"the data of permission {action!r}")
-        await self._check_boundary()
-        self._permissions += 1
-        key = f"permission:{self._permissions}"
-        interrupt = await self._fenced(
-            self._interrupts.open(self._fence, key, action, payload, timeout_s)
-        )
-        if not interrupt.is_pending:
-            return _decision_of(interrupt)
-        await self._fenced(self._events.write(*permission_request(interrupt)))
-        left_s = (interrupt.expires_at - datetime.now(UTC)).total_seconds()
-        remaining_s = max(0.0, min(timeout_s, left_s))
-        decision = None
-        if remaining_s > park_after_s:
-            decision = await self._await_decision(interrupt, park_after_s, final=False)
-            if decision is None:
-                wait = Wait(
-                    kind=WaitKind.PERMISSION,
-                    until=interrupt.expires_at,
-                    interrupt_id=interrupt.interrupt_id,
-                )
-                await self._park(wait)
-                # Not parked: the decision is recorded, or the deadline passed.
-                remaining_s = max(0.0, (interrupt.expires_at - datetime.now(UTC)).total_seconds())
-        if decision is None:
-            decision = await self._await_decision(interrupt, remaining_s, final=True)
-        resolved = permission_resolved(
-            interrupt, approved=decision.approved, reason=decision.reason, data=decision.data
-        )
-        await self._events.add(*resolved)  # progress: the resume does not wait for its write
-        return decision
-
-    @overload
-    async def _await_decision(
-        self, interrupt: Interrupt, remaining_s: float, *, final: Literal[True]
-    ) -> Decision: ...
-
-    @overload
-    async def _await_decision(
-        self, interrupt: Interrupt, remaining_s: float, *, final: bool
-    ) -> Decision | None: ...
-
-    async def _await_decision(
-        self, interrupt: Interrupt, remaining_s: float, *, final: bool
-    ) -> Decision | None:
-        """The decision within ``remaining_s``; then a timeout if ``final``, else None."""
-        store, iid = self._store, interrupt.interrupt_id
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + remaining_s
-        try:
-            await store.open_interrupt(self.run_id, iid, remaining_s + STORE_INTERRUPT_MARGIN_S)
-            # Read once the store has the interrupt, so a decision signalled before is seen.
-            found = await self._interrupts.get(iid)
-            while found is None or found.is_pending:
-                left_s = deadline - loop.time()
-                if left_s <= 0:
-                    if not final:
-                        return None
-                    return await self._settle(interrupt, DecisionReason.TIMEOUT)
-                slice_s = min(left_s, self._interrupt_poll_s)
-                woke = await store.wait_interrupt(self.run_id, iid, slice_s)
-                if woke == CANCELLED_DECISION:
-                    self._is_cancelled = self._cancel_delivered = True
-                    return await self._settle(interrupt, DecisionReason.CANCELLED)
-                if woke is None:
-                    # A poll slice ended, or the store forgot the interrupt: keep it open there
-                    # (idempotent) and read the database again.
-                    await store.open_interrupt(
-                        self.run_id,
-                        iid,
-                        max(0.0, deadline - loop.time()) + STORE_INTERRUPT_MARGIN_S,
-                    )
-                found = await self._interrupts.get(iid)
-                if woke is not None and (found is None or found.is_pending):
-                    # The store has a decision the database does not show yet: the approver
-                    # commits there first, so give its commit a poll slice to become visible.
-                    if await store.wait_cancelled(self.run_id, slice_s):
-                        self._is_cancelled = self._cancel_delivered = True
-                        return await self._settle(interrupt, DecisionReason.CANCELLED)
-            return _decision_of(found)
-        except StoreShutdown:
-            return await self._settle(interrupt, DecisionReason.SHUTDOWN)
-
-    async def _settle(self, interrupt: Interrupt, reason: DecisionReason) -> Decision:
-        """Deny the interrupt for ``reason`` in the database, unless a decision came first."""
-        self._check_lease()
-        try:
-            resolved = await self._interrupts.resolve(
-                self.run_id, interrupt.interrupt_id, approved=False, reason=reason, data=None
-            )
-        except InterruptResolved:
-            found = await self._interrupts.get(interrupt.interrupt_id)
-            if found is None:  # pragma: no cover - interrupts are never deleted while running
-                raise
-            resolved = found
-        return _decision_of(resolved)
 
     # --- the attempt's state -----------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import asyncio
 import math
 from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from moorline.db.repos.messages import MessagesRepo
 from moorline.db.repos.parking import ParkingRepo, Wait, WaitKind
@@ -68,18 +68,20 @@ class Waits:
     _drains: int
     _parked: RunParked | None
 
-    # Provided by Context.
-    async def _fenced(self, write: Coroutine[Any, Any, T]) -> T:
-        raise NotImplementedError
+    if TYPE_CHECKING:
+        # Provided by the class these are mixed into; declared for the type checker only,
+        # so no stub here can shadow the real method in the MRO.
+        async def _fenced(self, write: Coroutine[Any, Any, T]) -> T:
+            raise NotImplementedError
 
-    async def _check_boundary(self) -> None:
-        raise NotImplementedError
+        async def _check_boundary(self) -> None:
+            raise NotImplementedError
 
-    async def _pause(self, delay_s: float) -> None:
-        raise NotImplementedError
+        async def _pause(self, delay_s: float) -> None:
+            raise NotImplementedError
 
-    async def _drain(self, limit: int | None) -> list[str]:
-        raise NotImplementedError
+        async def _drain(self, limit: int | None) -> list[str]:
+            raise NotImplementedError
 
     # --- sleeping ----------------------------------------------------------------------------
 
