@@ -1,0 +1,135 @@
+"""Do stored waiting runs slow dispatch? Claim latency and drain rate with 0 and N of them.
+
+Issue 16 lets a worker hold thousands of parked runs: they stay rows of ``runs`` in their lane,
+status ``waiting``, and every claim walks that lane. The figures (internal path: the
+repositories and a :class:`~moorline.worker.worker.Worker` of this process, as
+:mod:`~moorline.benchmarks.dispatch` measures them) are taken twice per round, each time on a
+fresh database: once with no waiting run, once after ``N`` waiting rows were inserted in bulk
+into the same lane, for the same tenant (setup, not measured: rows as a parked permission wait
+leaves them, timer a day ahead). Then:
+
+- **claim**: ``--claims`` runs are queued, then claimed one per transaction
+  (:meth:`~moorline.db.repos.queue.QueueRepo.claim`, limit 1); p50 and p99 in ms;
+- **drain**: ``--drain-runs`` no-op runs executed by one worker with ``--slots`` slots (what
+  :func:`~moorline.benchmarks.dispatch.drain_rate` measures), runs/s;
+- **ratio**: drain rate with N waiting / without (target >= 0.9), and claim p50 without /
+  with (1 means no slowdown);
+- **bytes per waiting row**: the bulk rows' storage (:mod:`~moorline.benchmarks.sizes`)
+  divided by N: the run row and its index entries, without events or interrupt.
+"""
+
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import insert
+
+from moorline.benchmarks.common import analyze, percentile, seed_tenant
+from moorline.benchmarks.dispatch import CAPS, LANE, drain_rate, new_run, on_fresh_manager
+from moorline.benchmarks.sizes import stored_bytes
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.queue import QueueRepo
+from moorline.db.repos.runs import RunsRepo
+from moorline.db.schema import runs
+from moorline.db.types import utcnow
+from moorline.types import RunStatus, TenantId
+
+INSERT_BATCH = 1000
+CLAIM_LANE = "bench_claim"
+"""Lane of the claim figure's runs; the waiting rows are in both lanes (half in each)."""
+
+
+@dataclass(frozen=True)
+class LoadSizes:
+    """How much work one round of the waiting-load figures does."""
+
+    waiting_rows: int = 10_000
+    claims: int = 500
+    drain_runs: int = 2_000
+    slots: int = 64
+
+
+QUICK = LoadSizes(waiting_rows=1_000, claims=100, drain_runs=300, slots=32)
+
+
+def waiting_row(tenant: TenantId, lane: str, now: Any) -> dict[str, Any]:
+    """A run row as a permission wait parks it: ``waiting``, attempt 1, timer a day ahead."""
+    run_id = str(uuid.uuid4())
+    until = now + timedelta(days=1)
+    return {
+        "id": run_id,
+        "tenant_id": tenant,
+        "workflow": "noop",
+        "status": RunStatus.WAITING.value,
+        "lane": lane,
+        "priority": 0,
+        "attempt": 1,
+        "max_attempts": 3,
+        "not_before": now,
+        "input_hash": "0" * 64,
+        "input": {},
+        "created_at": now,
+        "updated_at": now,
+        "started_at": now,
+        "waiting_for": {
+            "kind": "permission",
+            "until": until.isoformat(),
+            "interrupt_id": str(uuid.uuid4()),
+        },
+        "wake_at": until,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "resumes": 0,
+    }
+
+
+async def insert_waiting(db: DatabaseManager, tenant: TenantId, count: int) -> None:
+    """``count`` waiting rows, half in the drain lane and half in the claim lane (setup)."""
+    now = utcnow()
+    for start in range(0, count, INSERT_BATCH):
+        rows = [
+            waiting_row(tenant, LANE if index % 2 else CLAIM_LANE, now)
+            for index in range(start, min(count, start + INSERT_BATCH))
+        ]
+        async with db.transaction() as conn:
+            await conn.execute(insert(runs), rows)
+
+
+async def claim_latencies_ms(db: DatabaseManager, tenant: TenantId, count: int) -> list[float]:
+    """Durations in ms of ``count`` single-run claims from a lane of ``count`` queued runs."""
+    repo = RunsRepo(db)
+    for start in range(0, count, INSERT_BATCH):
+        batch = min(INSERT_BATCH, count - start)
+        await repo.submit_many([new_run(tenant, CLAIM_LANE) for _ in range(batch)])
+    await analyze(db)
+    queue = QueueRepo(db)
+    latencies = []
+    for _ in range(count):
+        began = time.perf_counter()
+        batch_claimed = await queue.claim(
+            CLAIM_LANE, "bench", limit=1, lease_ttl_s=600.0, tenant_caps=CAPS
+        )
+        latencies.append((time.perf_counter() - began) * 1000)
+        assert len(batch_claimed.claims) == 1
+    return latencies
+
+
+async def load_round(url: str, waiting: int, sizes: LoadSizes) -> dict[str, float]:
+    """Claim and drain figures on the empty database at ``url`` after ``waiting`` rows."""
+    db = await on_fresh_manager(url)
+    try:
+        tenant = await seed_tenant(db)
+        found: dict[str, float] = {}
+        if waiting:
+            before = await stored_bytes(db)
+            await insert_waiting(db, tenant, waiting)
+            found["bytes_per_waiting_row"] = (await stored_bytes(db) - before) / waiting
+        claims = await claim_latencies_ms(db, tenant, sizes.claims)
+        found["claim_p50"] = percentile(claims, 0.5)
+        found["claim_p99"] = percentile(claims, 0.99)
+        found["drain"] = await drain_rate(db, tenant, sizes.drain_runs, sizes.slots)
+        return found
+    finally:
+        await db.dispose()
