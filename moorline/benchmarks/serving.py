@@ -83,7 +83,7 @@ async def serving(url: str, store: str, workflows: Moorline) -> AsyncIterator[Se
                 yield served
         finally:
             if store == "redis":
-                await _delete_keys(prefix)
+                await delete_keys(prefix)
 
 
 @asynccontextmanager
@@ -126,7 +126,7 @@ async def _server(settings: Settings, workflows: Moorline) -> AsyncIterator[Serv
                 await workers
 
 
-async def _delete_keys(prefix: str) -> None:
+async def delete_keys(prefix: str) -> None:
     """Every Redis key of this server (they all start with its prefix)."""
     redis = Redis.from_url(REDIS_URL)
     try:
