@@ -333,6 +333,9 @@ LINES: tuple[tuple[str, str, str, str, str], ...] = (
     ("drain_0", "drain rate, 0 waiting", " runs/s", "internal", ""),
     ("drain_n", "drain rate, N waiting", " runs/s", "internal", ""),
     ("drain_ratio", "drain ratio (N / 0)", "", "internal", ">= 0.9"),
+    ("drain_cpu_0", "drain CPU per run, 0 waiting", " ms", "internal", ""),
+    ("drain_cpu_n", "drain CPU per run, N waiting", " ms", "internal", ""),
+    ("drain_cpu_ratio", "drain CPU ratio (0 / N)", "", "internal", ">= 0.9"),
     ("bytes_per_waiting_row", "bytes per waiting row (runs table)", " B", "setup", ""),
     ("replay_2", "resumed attempt, 2 steps", " ms", "internal", ""),
     ("replay_200", "resumed attempt, 200 steps", " ms", "internal", "<= 20 ms"),
@@ -362,12 +365,14 @@ def _load_rounds(count: int, backend: str, sizes: LoadSizes) -> dict[str, list[f
         with_rows = asyncio.run(
             on_fresh_database(backend, partial(load_round, waiting=sizes.waiting_rows, sizes=sizes))
         )
-        for key in ("claim_p50", "claim_p99", "drain"):
+        for key in ("claim_p50", "claim_p99", "drain", "drain_cpu"):
             figures.setdefault(f"{key}_0", []).append(without[key])
             figures.setdefault(f"{key}_n", []).append(with_rows[key])
         figures.setdefault("bytes_per_waiting_row", []).append(with_rows["bytes_per_waiting_row"])
         figures.setdefault("claim_ratio", []).append(without["claim_p50"] / with_rows["claim_p50"])
         figures.setdefault("drain_ratio", []).append(with_rows["drain"] / without["drain"])
+        cpu_ratio = without["drain_cpu"] / with_rows["drain_cpu"]
+        figures.setdefault("drain_cpu_ratio", []).append(cpu_ratio)
     return figures
 
 

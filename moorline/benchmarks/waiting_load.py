@@ -12,12 +12,15 @@ leaves them, timer a day ahead). Then:
   (:meth:`~moorline.db.repos.queue.QueueRepo.claim`, limit 1); p50 and p99 in ms;
 - **drain**: ``--drain-runs`` no-op runs executed by one worker with ``--slots`` slots (what
   :func:`~moorline.benchmarks.dispatch.drain_rate` measures), runs/s;
-- **ratio**: drain rate with N waiting / without (target >= 0.9), and claim p50 without /
-  with (1 means no slowdown);
+- **drain CPU**: this process's CPU per drained run (the whole path on SQLite, the client
+  side of the database on the servers): steadier than the rate on a loaded machine;
+- **ratio**: drain rate with N waiting / without (target >= 0.9), drain CPU without / with,
+  and claim p50 without / with (1 means no slowdown);
 - **bytes per waiting row**: the bulk rows' storage (:mod:`~moorline.benchmarks.sizes`)
   divided by N: the run row and its index entries, without events or interrupt.
 """
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,7 +30,7 @@ from typing import Any
 from sqlalchemy import insert
 
 from moorline.benchmarks.common import analyze, percentile, seed_tenant
-from moorline.benchmarks.dispatch import CAPS, LANE, drain_rate, new_run, on_fresh_manager
+from moorline.benchmarks.dispatch import CAPS, LANE, make_worker, new_run, on_fresh_manager
 from moorline.benchmarks.sizes import stored_bytes
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import QueueRepo
@@ -136,6 +139,39 @@ async def claim_latencies_ms(db: DatabaseManager, tenant: TenantId, count: int) 
     return latencies
 
 
+@dataclass(frozen=True)
+class Drained:
+    """One drain: runs finished per second, and this process's CPU per run (ms)."""
+
+    rate: float
+    cpu_ms: float
+
+
+async def drain(db: DatabaseManager, tenant: TenantId, count: int, slots: int) -> Drained:
+    """``count`` pre-enqueued no-op runs executed by one worker of this process.
+
+    As :func:`~moorline.benchmarks.dispatch.drain_rate`, with the worker's CPU beside the
+    rate: on a machine other processes load, the rate swings with them; the CPU this process
+    spends per run (all of it on SQLite, the client side on the servers) hardly does.
+    """
+    repo = RunsRepo(db)
+    for start in range(0, count, INSERT_BATCH):
+        await repo.submit_many(
+            [new_run(tenant, LANE) for _ in range(min(INSERT_BATCH, count - start))]
+        )
+    await analyze(db)
+    worker = make_worker(db, slots)
+    stop = asyncio.Event()
+    began, cpu_began = time.perf_counter(), time.process_time()
+    task = asyncio.create_task(worker.run(stop))
+    while worker.finished < count:  # noqa: ASYNC110 - a counter, read to within 5 ms
+        await asyncio.sleep(0.005)
+    elapsed, cpu_s = time.perf_counter() - began, time.process_time() - cpu_began
+    stop.set()
+    await task
+    return Drained(rate=count / elapsed, cpu_ms=cpu_s * 1000 / count)
+
+
 async def load_round(url: str, waiting: int, sizes: LoadSizes) -> dict[str, float]:
     """Claim and drain figures on the empty database at ``url`` after ``waiting`` rows."""
     db = await on_fresh_manager(url)
@@ -150,7 +186,8 @@ async def load_round(url: str, waiting: int, sizes: LoadSizes) -> dict[str, floa
         claims = await claim_latencies_ms(db, tenant, sizes.claims)
         found["claim_p50"] = percentile(claims, 0.5)
         found["claim_p99"] = percentile(claims, 0.99)
-        found["drain"] = await drain_rate(db, tenant, sizes.drain_runs, sizes.slots)
+        drained = await drain(db, tenant, sizes.drain_runs, sizes.slots)
+        found["drain"], found["drain_cpu"] = drained.rate, drained.cpu_ms
         return found
     finally:
         await db.dispose()

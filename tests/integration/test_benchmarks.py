@@ -64,7 +64,13 @@ async def test_suspension_script_rounds_give_their_figures(tmp_path: Path) -> No
     url = f"sqlite+aiosqlite:///{tmp_path}/bench-%s.db"
     toy = waiting_load.LoadSizes(waiting_rows=50, claims=5, drain_runs=10, slots=4)
     loaded = await waiting_load.load_round(url % "load", 50, toy)
-    assert set(loaded) == {"bytes_per_waiting_row", "claim_p50", "claim_p99", "drain"}
+    assert set(loaded) == {
+        "bytes_per_waiting_row",
+        "claim_p50",
+        "claim_p99",
+        "drain",
+        "drain_cpu",
+    }
     replayed = await suspension.replay_round(url % "replay", "memory", samples=1)
     assert set(replayed) == {"replay_2", "replay_200"}
     assert all(value > 0 for value in (loaded | replayed).values())
