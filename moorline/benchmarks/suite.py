@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from moorline.benchmarks import dispatch, engine
+from moorline.benchmarks import dispatch, engine, suspension
 
 DATABASES = ("sqlite", "postgresql", "mysql")
 STORES = ("memory", "redis")
@@ -45,10 +45,16 @@ METRICS = {
         Metric("step", "Step overhead", "ms", False),
         Metric("resolve_resume", "Resolve → resume", "ms", False),
         Metric("signal_resume", "Signal → resume", "ms", False),
+        Metric("parked_resume_p50", "Approve → parked run resumes p50", "ms", False),
+        Metric("parked_resume_p99", "Approve → parked run resumes p99", "ms", False),
         Metric("events_x1", "Events/s, 1 reader (SSE)", "events/s", True),
         Metric("events_x100", "Events/s, each of 100 readers (SSE)", "events/s", True),
     )
 }
+
+PARKED = 20
+PARKED_QUICK = 5
+"""Runs parked (after the default 2 s) then approved one by one in a ``parked_resume`` round."""
 
 Measure = Callable[[str, str | None, bool], Awaitable[dict[str, float]]]
 """(database url, store kind or None, quick) → the figures of one round."""
@@ -73,6 +79,12 @@ async def _step(url: str, store: str | None, quick: bool) -> dict[str, float]:
 async def _resume(url: str, store: str | None, quick: bool) -> dict[str, float]:
     assert store is not None
     return await engine.resume_round(url, store, engine.QUICK if quick else engine.EngineSizes())
+
+
+async def _parked_resume(url: str, store: str | None, quick: bool) -> dict[str, float]:
+    assert store is not None
+    parked = PARKED_QUICK if quick else PARKED
+    return await suspension.resume_round(url, store, parked=parked)
 
 
 async def _events(url: str, store: str | None, quick: bool) -> dict[str, float]:
@@ -101,6 +113,13 @@ BENCHMARKS = {
         Benchmark("latency", "submit → start at a steady arrival rate", _latency, False),
         Benchmark("step", "one checkpointed no-op step", _step, False),
         Benchmark("resume", "interrupt resolved as the API does → workflow resumes", _resume, True),
+        Benchmark(
+            "parked_resume",
+            "approve through the HTTP API (moorline.Client, in-process) → a run parked after "
+            "MOORLINE_PARK_AFTER continues; a Worker at default settings",
+            _parked_resume,
+            True,
+        ),
         Benchmark("events", "ctx.emit → EventStream readers (what SSE reads)", _events, True),
     )
 }

@@ -53,7 +53,8 @@ def bench(
         typer.Option(
             "--stores",
             metavar="STORE,...",
-            help="Runtime stores for the resume and events benchmarks, among memory (with "
+            help="Runtime stores for the resume, parked_resume and events benchmarks, among "
+            "memory (with "
             "SQLite) and redis (with PostgreSQL); each needs its database in --backends.",
         ),
     ] = ",".join(STORES),

@@ -95,6 +95,19 @@ class Checkpoints:
         keys.add(key)
         return Started(replay=True, output=started.step.output) if started.replay else RUN
 
+    async def replayed(self, key: str, function: str, call_hash: str) -> Started | None:
+        """Step ``key``'s recorded output if it succeeded for this call, else None.
+
+        Answered from what the attempt read (one read at its first step), never by a write:
+        None sends the step through :meth:`start`, which decides everything else.
+        """
+        await self._recorded_keys()
+        recorded = self._replays.get(key)
+        if recorded is None or (recorded.function, recorded.call_hash) != (function, call_hash):
+            return None
+        del self._replays[key]
+        return Started(replay=True, output=recorded.output)
+
     async def was_recorded(self, key: str) -> bool:
         """Whether step ``key`` has a row that an earlier attempt (or this one) wrote."""
         return key in await self._recorded_keys()

@@ -10,9 +10,10 @@ stops the attempt and writes nothing more (invariant 2).
 A cancel is learnt three ways: the store's flag, asked at every check; the runner, which
 watches the store's signal and the worker's heartbeat (the database's record of the request)
 and marks the context; and the database itself, whose step and interrupt starts refuse a run
-with a recorded cancel. :class:`Cancelled` is then raised at the top of every step, at a
-message drain, at a permission request and during a step's retry pauses; a permission wait in
-progress ends with the decision ``cancelled``. Like ``asyncio.CancelledError`` it is a
+with a recorded cancel. :class:`Cancelled` is then raised at the top of every step that runs
+(a replayed one returns its recorded output without asking), at a message drain, at a
+permission request and during a step's retry pauses; a permission wait in progress ends with
+the decision ``cancelled``. Like ``asyncio.CancelledError`` it is a
 ``BaseException``, so ``except Exception`` cannot swallow it.
 
 Events go through the attempt's :class:`~moorline.engine.events.EventWriter`: ``delta`` events
@@ -255,7 +256,8 @@ class Context(Permissions, Waits, Children):
             ``fn``'s result as stored (JSON: tuples come back as lists).
 
         Raises:
-            Cancelled: The run was cancelled before the step started.
+            Cancelled: The run was cancelled before the step started (a step replayed from its
+                checkpoint returns without checking: it runs nothing).
             StepMismatch: ``key`` already succeeded for a different call (the workflow's
                 code changed between attempts); fails the run.
             TypeError: The arguments or the result are not JSON-serialisable.
@@ -265,6 +267,13 @@ class Context(Permissions, Waits, Children):
             raise ValueError(f"step {key!r}: retries and backoff must not be negative")
         function = function_name(fn)
         digest = call_hash(function, args, kwargs)
+        # A replayed step runs and writes nothing, so it skips the cancel check's store round
+        # trip (one per step made a 200-step replay over Redis several times slower); a cancel
+        # is raised at the first step that runs, or the next wait, instead.
+        self._check_lease()
+        replayed = await self._checkpoints.replayed(key, function, digest)
+        if replayed is not None:
+            return replayed.output
         failures = 0
         while True:
             await self._check_boundary()

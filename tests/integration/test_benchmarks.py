@@ -8,7 +8,7 @@ returns) fails here in seconds instead of in the next full ``make bench``.
 import json
 from pathlib import Path
 
-from moorline.benchmarks import dispatch, engine
+from moorline.benchmarks import dispatch, engine, suspension, waiting_load
 from moorline.benchmarks.suite import BENCHMARKS, METRICS, Report, Target, plan
 
 TOY_DISPATCH = dispatch.DispatchSizes(
@@ -28,6 +28,7 @@ async def test_each_round_gives_its_figures(tmp_path: Path) -> None:
     found |= await engine.step_round(url % "step", TOY_ENGINE)
     found |= await engine.resume_round(url % "resume", "memory", TOY_ENGINE)
     found |= await engine.events_round(url % "events", "memory", TOY_ENGINE)
+    found |= await suspension.resume_round(url % "parked", "memory", parked=2)
     assert set(found) == set(METRICS)
     assert all(value > 0 for value in found.values()), found
     assert found["latency_p50"] <= found["latency_p99"]
@@ -40,7 +41,7 @@ def test_plan_pairs_stores_with_their_database() -> None:
         ("step", "sqlite"),
         ("resume", "memory+sqlite"),
     ]
-    assert len(list(plan(list(BENCHMARKS), ["sqlite", "postgresql", "mysql"], ["redis"]))) == 14
+    assert len(list(plan(list(BENCHMARKS), ["sqlite", "postgresql", "mysql"], ["redis"]))) == 15
 
 
 def test_report_table_has_a_column_per_target(tmp_path: Path) -> None:
@@ -57,3 +58,19 @@ def test_report_table_has_a_column_per_target(tmp_path: Path) -> None:
         ("step", "sqlite", 2.0),
         ("resolve_resume", "memory+sqlite", 5.0),
     ]
+
+
+async def test_suspension_script_rounds_give_their_figures(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path}/bench-%s.db"
+    toy = waiting_load.LoadSizes(waiting_rows=50, claims=5, drain_runs=10, slots=4)
+    loaded = await waiting_load.load_round(url % "load", 50, toy)
+    assert set(loaded) == {
+        "bytes_per_waiting_row",
+        "claim_p50",
+        "claim_p99",
+        "drain",
+        "drain_cpu",
+    }
+    replayed = await suspension.replay_round(url % "replay", "memory", samples=1)
+    assert set(replayed) == {"replay_2", "replay_200"}
+    assert all(value > 0 for value in (loaded | replayed).values())
