@@ -135,6 +135,29 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1024 * 1024, gt=0)
     """Largest request body accepted, in bytes."""
 
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024)
+    """Largest request head (request line and headers) ``moorline serve`` reads, in bytes; a
+    larger one is 431 ``headers_too_large``."""
+
+    max_headers: int = Field(default=100, ge=1)
+    """Most headers a request may have; more are 431 ``headers_too_large``."""
+
+    header_timeout: float = Field(default=10.0, gt=0)
+    """Seconds a request's head may take to arrive, from its first byte (from the connection's
+    opening, for its first request); then 408 ``request_timeout`` and the connection closes."""
+
+    body_timeout: float = Field(default=30.0, gt=0)
+    """Seconds a request's body may take to arrive after its head, not counting the time the
+    server itself stopped reading; then 408 ``request_timeout`` and the connection closes."""
+
+    keep_alive_timeout: float = Field(default=5.0, gt=0)
+    """Seconds an idle kept-alive connection stays open (uvicorn's ``timeout_keep_alive``,
+    rounded up to whole seconds)."""
+
+    max_connections: int = Field(default=1000, ge=1)
+    """Connections ``moorline serve`` holds open at once (event streams included); one
+    beyond is answered 503 ``server_busy`` and closed."""
+
     llm_base_url: str | None = None
     """OpenAI-compatible endpoint; unset means the simulated model."""
 
