@@ -35,7 +35,7 @@ from moorline.db.repos.listing import RunListing
 from moorline.db.repos.records import Run, Tenant
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.repos.steps import StepsRepo
-from moorline.db.repos.tenants import TenantsRepo, hash_api_key
+from moorline.db.repos.tenants import TenantsRepo, hash_api_key, is_api_key_shaped
 from moorline.db.repos.webhooks import WebhooksRepo
 from moorline.dispatch.wakeups import Notifier, Waiter
 from moorline.engine.inbox import Inbox
@@ -225,6 +225,8 @@ async def caller_of_key(services: Services, key: str | None) -> Caller:
     """
     if key is None:
         raise Unauthorized("an API key is required: send 'Authorization: Bearer <key>'")
+    if not is_api_key_shaped(key):
+        raise Unauthorized("the API key is not valid")  # no lookup: it cannot name a tenant
     digest = hash_api_key(key)
     tenant = await services.tenants.authenticate_digest(digest)
     if tenant is None:
