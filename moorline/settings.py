@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from moorline.errors import ConfigError
 
 ENV_PREFIX = "MOORLINE_"
+RATE_PATTERN = r"^[1-9][0-9]*/(second|minute|hour|day)$"
+"""A rate limit setting: ``<count>/<period>`` (the plans' grammar, without their spaces)."""
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./moorline.db"
 
 
@@ -131,6 +133,17 @@ class Settings(BaseSettings):
 
     max_streams_per_tenant: int = Field(default=20, ge=1)
     """Event streams one tenant may hold open at once in one API process; more are 429."""
+
+    request_rate_limit: str = Field(default="100/second", pattern=RATE_PATTERN)
+    """API requests one key may make other than triggers (reads, cancels, decisions, messages,
+    stream opens, webhook creations), ``"<count>/<second|minute|hour|day>"``; more are 429
+    ``rate_limited``. Triggers count against the plan's ``rate_limit`` instead."""
+
+    stream_rate_limit: str = Field(default="10/second", pattern=RATE_PATTERN)
+    """Event streams one key may open, as :attr:`request_rate_limit`."""
+
+    webhook_rate_limit: str = Field(default="10/minute", pattern=RATE_PATTERN)
+    """Webhooks one key may create, as :attr:`request_rate_limit`."""
 
     max_body_bytes: int = Field(default=1024 * 1024, gt=0)
     """Largest request body accepted, in bytes."""

@@ -29,6 +29,7 @@ from moorline.admission.ratelimit import RateLimiter
 from moorline.api.deps import Services, StreamSlots
 from moorline.api.errors import install_error_handlers
 from moorline.api.guards import RequestGuard
+from moorline.api.openapi import list_plans_in_openapi
 from moorline.api.routes import (
     admin,
     admin_runs,
@@ -53,7 +54,7 @@ from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
 from moorline.engine.streams import EventStreams
 from moorline.observability.metrics import Metrics
-from moorline.plans import PlansProvider
+from moorline.plans import PlansProvider, resolve_plans
 from moorline.runtime.factory import make_runtime_store
 from moorline.settings import Settings
 
@@ -99,6 +100,7 @@ def create_app(
         # otherwise ask the OpenTelemetry providers on every request whether they are set up.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    list_plans_in_openapi(app, resolve_plans(settings))
     app.state.settings = settings
     app.state.db = db
     app.state.services = services
@@ -159,6 +161,7 @@ def _build_services(
         interrupts=InterruptsRepo(db),
         webhooks=WebhooksRepo(db),
         admission=admission,
+        rate_limiter=rate_limiter,
         store=store,
         notifier=notifier,
         waiter=waiter,

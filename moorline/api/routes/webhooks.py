@@ -22,7 +22,14 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Request, Response
 
 from moorline.admission.admit import Trigger
-from moorline.api.deps import RUN_ID_PATTERN, CallerDep, ServicesDep, authenticate_tenant
+from moorline.api.deps import (
+    RUN_ID_PATTERN,
+    CallerDep,
+    RateKind,
+    ServicesDep,
+    authenticate_tenant,
+    count_request,
+)
 from moorline.api.errors import BODY_ERRORS, responses
 from moorline.api.guards import authenticated_by, parse_json
 from moorline.api.routes.runs import answer_trigger
@@ -81,6 +88,7 @@ async def create_webhook(
     body: WebhookCreate, caller: CallerDep, services: ServicesDep
 ) -> WebhookCreated:
     """Register a webhook that starts ``workflow``; deliver to ``url`` signed with ``secret``."""
+    await count_request(services, caller, RateKind.WEBHOOKS)
     services.workflows.get(body.workflow)  # WorkflowNotFound
     secret = body.secret or secrets.token_hex(SECRET_BYTES)
     webhook = await services.webhooks.create(caller.tenant.tenant_id, body.workflow, secret)
@@ -144,7 +152,7 @@ def build_router() -> APIRouter:
         create_webhook,
         methods=["POST"],
         status_code=201,
-        responses=responses(Unauthorized, *BODY_ERRORS, WorkflowNotFound),
+        responses=responses(Unauthorized, *BODY_ERRORS, WorkflowNotFound, RateLimited),
         summary="Register a webhook for a workflow",
     )
     router.add_api_route(
