@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 LINGER_S = 2.0
 """Seconds a refused connection still reads (and drops) what its client sends before it is
 closed (see :meth:`LimitedHttpToolsProtocol._answer_and_close`)."""
+LINGER_MAX_BYTES = 1024 * 1024
+"""Bytes dropped at most while lingering: a client flooding past its refusal costs no more."""
 
 HEADER_LINE_OVERHEAD = 4
 """``": "`` and ``"\\r\\n"`` around each header's name and value."""
@@ -97,14 +99,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._reading = _Reading.NOTHING_YET
         self._unended_head_bytes = 0
         """Bytes received since the last head ended: a bound on the one being read."""
-        self._head_bytes = 0
-        self._headers = 0
         self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._refusal: MoorlineError | None = None
         self._refused = False
         """Answered with a refusal: what still comes in is dropped."""
+        self._dropped = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.limits.max_connections:
@@ -129,7 +130,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._refused or self.transport.is_closing():
-            return  # refused: nothing more is parsed
+            # Refused: nothing more is parsed; a client that goes on sending is cut off.
+            self._dropped += len(data)
+            if self._dropped > LINGER_MAX_BYTES:
+                self.transport.close()
+            return
         if self._reading is not _Reading.BODY:
             self._unended_head_bytes += len(data)
         super().data_received(data)
@@ -148,23 +153,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._reading is not _Reading.NOTHING_YET:
             self._set_deadline(self.limits.header_timeout_s)
         self._reading = _Reading.HEAD
-        self._head_bytes = 0
-        self._headers = 0
         super().on_message_begin()
 
-    def on_url(self, url: bytes) -> None:
-        self._count_head(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers += 1
-        self._count_head(len(name) + len(value) + HEADER_LINE_OVERHEAD)
-        super().on_header(name, value)
-
     def on_headers_complete(self) -> None:
+        # Checked once the head is whole rather than header by header: a callback more per
+        # header cost every request measurably, and until here the unended head's bytes are
+        # bounded by data_received's count (a head complete in one read is at most that read).
+        limits = self.limits
+        if len(self.headers) > limits.max_headers or (
+            len(self.url)
+            + sum(len(name) + len(value) for name, value in self.headers)
+            + HEADER_LINE_OVERHEAD * len(self.headers)
+            > limits.max_header_bytes
+        ):
+            # Raised through the parser, which stops there; uvicorn's handler of parser errors
+            # calls send_400_response, which answers this refusal instead.
+            self._refusal = self._head_too_large()
+            raise self._refusal
         self._reading = _Reading.BODY
         self._unended_head_bytes = 0
-        self._set_deadline(self.limits.body_timeout_s)
+        self._set_deadline(limits.body_timeout_s)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -179,17 +187,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             super().send_400_response(msg)
         else:
             self._answer_and_close(refusal)
-
-    def _count_head(self, size: int) -> None:
-        self._head_bytes += size
-        if (
-            self._head_bytes > self.limits.max_header_bytes
-            or self._headers > self.limits.max_headers
-        ):
-            # Raised through the parser, which stops there; uvicorn's handler of parser errors
-            # calls send_400_response, which answers this refusal instead.
-            self._refusal = self._head_too_large()
-            raise self._refusal
 
     def _head_too_large(self) -> HeadersTooLarge:
         return HeadersTooLarge(
@@ -257,7 +254,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # A lingering close, as nginx's: closing a socket with unread bytes in it sends a
         # reset, which can destroy the answer before the client reads it. So the answer goes
         # out with a FIN, and what still comes in is read and dropped until the client closes
-        # (eof_received) or LINGER_S passes.
+        # (eof_received), LINGER_S passes or it has sent LINGER_MAX_BYTES more.
         self.transport.write_eof()
         if self.flow is not None:
             self.flow.resume_reading()
