@@ -29,7 +29,7 @@ from moorline.admission.ratelimit import RateLimiter
 from moorline.api.deps import Services, StreamSlots
 from moorline.api.errors import install_error_handlers
 from moorline.api.guards import RequestGuard
-from moorline.api.openapi import list_plans_in_openapi
+from moorline.api.openapi import complete_openapi
 from moorline.api.routes import (
     admin,
     admin_runs,
@@ -100,7 +100,7 @@ def create_app(
         # otherwise ask the OpenTelemetry providers on every request whether they are set up.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    list_plans_in_openapi(app, resolve_plans(settings))
+    complete_openapi(app, resolve_plans(settings))
     app.state.settings = settings
     app.state.db = db
     app.state.services = services

@@ -68,3 +68,21 @@ async def test_plan_names_are_the_configured_plans(api: Api) -> None:
         "/v1/admin/tenants", json={"name": "n", "plan": "no_such_plan"}, headers=ADMIN
     )
     assert refused.status_code == 422, refused.text
+
+
+async def test_a_deliverys_required_headers_are_documented_as_required(api: Api) -> None:
+    document = (await api.client.get("/openapi.json")).json()
+    parameters = {
+        p["name"]: p for p in document["paths"]["/v1/hooks/{webhook_id}"]["post"]["parameters"]
+    }
+    signature, delivery = parameters["x-hub-signature-256"], parameters["x-github-delivery"]
+    assert signature["required"] and delivery["required"]
+    assert signature["schema"]["pattern"] == "^sha256=[0-9a-fA-F]{64}$"
+    assert delivery["schema"]["pattern"] == "^[!-~]{1,100}$"
+    # Still checked by the route, signature first: a forgery lacking both is 401, not 422.
+    caller = await api.tenant()
+    hook = await api.client.post(
+        "/v1/webhooks", json={"workflow": "review"}, headers=caller.headers
+    )
+    refused = await api.client.post(f"/v1/hooks/{hook.json()['webhook_id']}", json={})
+    assert refused.status_code == 401, refused.text

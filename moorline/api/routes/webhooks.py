@@ -32,6 +32,7 @@ from moorline.api.deps import (
 )
 from moorline.api.errors import BODY_ERRORS, responses
 from moorline.api.guards import authenticated_by, parse_json
+from moorline.api.openapi import CHECKED_BY_ROUTE
 from moorline.api.routes.runs import answer_trigger
 from moorline.api.schemas import RunAccepted, WebhookCreate, WebhookCreated
 from moorline.errors import (
@@ -103,12 +104,23 @@ async def deliver_webhook(
     webhook_id: Annotated[str, Path(max_length=200)],
     request: Request,
     services: ServicesDep,
+    # Both required, and checked by the route after the webhook is found: the signature
+    # first (401), then the delivery id (422); the document says so (moorline.api.openapi).
     x_hub_signature_256: Annotated[
-        str | None, Header(description="`sha256=<hex HMAC-SHA256 of the raw body>`.")
+        str | None,
+        Header(
+            description="`sha256=<hex HMAC-SHA256 of the raw body>`.",
+            json_schema_extra={CHECKED_BY_ROUTE: {"type": "string", "pattern": _SIGNATURE.pattern}},
+        ),
     ] = None,
     x_github_event: Annotated[str | None, Header(max_length=100)] = None,
     x_github_delivery: Annotated[
-        str | None, Header(max_length=100, description="The delivery id (idempotency key).")
+        str | None,
+        Header(
+            max_length=100,
+            description="The delivery id (idempotency key).",
+            json_schema_extra={CHECKED_BY_ROUTE: {"type": "string", "pattern": _DELIVERY.pattern}},
+        ),
     ] = None,
 ) -> Response:
     """Verify a delivery's signature, then start the webhook's workflow with its payload."""
