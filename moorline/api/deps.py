@@ -9,7 +9,13 @@ Authentication reads ``Authorization: Bearer <credential>`` only:
   :mod:`moorline.db.repos.tenants`; a key found is trusted for
   :data:`~moorline.db.repos.tenants.AUTH_CACHE_TTL_S` seconds, so a revocation or plan change
   made by another process reaches this one within that bound, one made here at once); a
-  missing, unknown or revoked key is 401 ``unauthorized``, all alike.
+  missing, unknown or revoked key is 401 ``unauthorized``, all alike. A credential not shaped
+  as a key is refused without a lookup, and one that named nothing is remembered as such for
+  the same TTL.
+- :data:`CallerDep`: :func:`tenant_caller`, and the request counted against the key's
+  ``MOORLINE_REQUEST_RATE_LIMIT`` (:func:`count_request`; stream opens and webhook creations
+  count against a window of their own too). The trigger takes :data:`TriggerCallerDep`: its
+  rate is its plan's, counted by admission.
 - :func:`require_admin`: ``MOORLINE_ADMIN_TOKEN``, compared in constant time; a tenant's key
   is 403 ``forbidden``, anything else 401. Without an admin token the admin routes are off:
   every credential is refused there.
