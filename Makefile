@@ -42,7 +42,7 @@ test-full: install chromium
 FUZZ_EXAMPLES ?= 1000
 fuzz: install
 	MOORLINE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/api/test_server.py \
-		-k every_operation $(PYTEST_ARGS)
+		-k every_operation -s --timeout=0 $(PYTEST_ARGS)
 
 # Commit subjects stay within 72 characters (what `git log --oneline` and mail show), checked
 # from the last commit that landed before the rule; outside a git checkout there is nothing to check.

@@ -7,7 +7,8 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     │   └── SchemaOutOfDate    the database schema is behind the code (`moorline db upgrade`)
     ├── BadRequest             400: the request itself is malformed
     │   ├── InvalidJson        invalid_json: the body is not JSON, or nests deeper than 64
-    │   └── CredentialsInQuery key_in_query: an API key or token sent in the query string
+    │   ├── CredentialsInQuery key_in_query: an API key or token sent in the query string
+    │   └── RequestTimeout     408 request_timeout: the request's head or body came too slowly
     ├── Unauthorized           401 unauthorized: no key, or a key that names no tenant
     │   └── InvalidSignature   invalid_signature: a webhook delivery's signature does not verify
     ├── Forbidden              403 forbidden: a tenant key on an admin route
@@ -30,7 +31,9 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     ├── LimitExceeded          429: a quota or rate limit refused the request
     │   ├── RateLimited        rate_limited: the key's API rate limit; nothing was stored
     │   ├── QuotaExceeded      quota_exceeded: the daily quota; the run is stored rate_limited
-    │   └── BodyTooLarge       413 body_too_large: the body is over MOORLINE_MAX_BODY_BYTES
+    │   ├── BodyTooLarge       413 body_too_large: the body is over MOORLINE_MAX_BODY_BYTES
+    │   ├── HeadersTooLarge    431 headers_too_large: too many or too large request headers
+    │   └── ServerBusy         503 server_busy: the server holds MOORLINE_MAX_CONNECTIONS already
     ├── BackendUnavailable     503: the database or Redis could not be reached
     ├── SoftTimeLimitExceeded  raised inside a workflow at its soft time limit; catchable
     └── TimeLimitExceeded      an attempt ran past its hard time limit: the run ends timed_out
@@ -106,6 +109,13 @@ class CredentialsInQuery(BadRequest):
     """An API key or token arrived in the query string, where logs and proxies keep it."""
 
     code = "key_in_query"
+
+
+class RequestTimeout(BadRequest):
+    """The request's head or body did not arrive within its timeout; the connection is closed."""
+
+    code = "request_timeout"
+    status = 408
 
 
 class Unauthorized(MoorlineError):
@@ -298,6 +308,20 @@ class BodyTooLarge(LimitExceeded):
 
     code = "body_too_large"
     status = 413
+
+
+class HeadersTooLarge(LimitExceeded):
+    """The request's head is over ``MOORLINE_MAX_HEADER_BYTES`` or ``MOORLINE_MAX_HEADERS``."""
+
+    code = "headers_too_large"
+    status = 431
+
+
+class ServerBusy(LimitExceeded):
+    """The server already holds ``MOORLINE_MAX_CONNECTIONS`` connections; this one is closed."""
+
+    code = "server_busy"
+    status = 503
 
 
 class BackendUnavailable(MoorlineError):

@@ -17,6 +17,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from moorline.errors import ConfigError
 
 ENV_PREFIX = "MOORLINE_"
+RATE_PATTERN = r"^[1-9][0-9]*/(second|minute|hour|day)$"
+"""A rate limit setting: ``<count>/<period>`` (the plans' grammar, without their spaces)."""
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./moorline.db"
 
 
@@ -152,8 +154,42 @@ class Settings(BaseSettings):
     max_streams_per_tenant: int = Field(default=20, ge=1)
     """Event streams one tenant may hold open at once in one API process; more are 429."""
 
+    request_rate_limit: str = Field(default="100/second", pattern=RATE_PATTERN)
+    """API requests one key may make other than triggers (reads, cancels, decisions, messages,
+    stream opens, webhook creations), ``"<count>/<second|minute|hour|day>"``; more are 429
+    ``rate_limited``. Triggers count against the plan's ``rate_limit`` instead."""
+
+    stream_rate_limit: str = Field(default="10/second", pattern=RATE_PATTERN)
+    """Event streams one key may open, as :attr:`request_rate_limit`."""
+
+    webhook_rate_limit: str = Field(default="10/minute", pattern=RATE_PATTERN)
+    """Webhooks one key may create, as :attr:`request_rate_limit`."""
+
     max_body_bytes: int = Field(default=1024 * 1024, gt=0)
     """Largest request body accepted, in bytes."""
+
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024)
+    """Largest request head (request line and headers) ``moorline serve`` reads, in bytes; a
+    larger one is 431 ``headers_too_large``."""
+
+    max_headers: int = Field(default=100, ge=1)
+    """Most headers a request may have; more are 431 ``headers_too_large``."""
+
+    header_timeout: float = Field(default=10.0, gt=0)
+    """Seconds a request's head may take to arrive, from its first byte (from the connection's
+    opening, for its first request); then 408 ``request_timeout`` and the connection closes."""
+
+    body_timeout: float = Field(default=30.0, gt=0)
+    """Seconds a request's body may take to arrive after its head, not counting the time the
+    server itself stopped reading; then 408 ``request_timeout`` and the connection closes."""
+
+    keep_alive_timeout: float = Field(default=5.0, gt=0)
+    """Seconds an idle kept-alive connection stays open (uvicorn's ``timeout_keep_alive``,
+    rounded up to whole seconds)."""
+
+    max_connections: int = Field(default=1000, ge=1)
+    """Connections ``moorline serve`` holds open at once (event streams included); one
+    beyond is answered 503 ``server_busy`` and closed."""
 
     llm_base_url: str | None = None
     """OpenAI-compatible endpoint; unset means the simulated model."""

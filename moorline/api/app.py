@@ -31,6 +31,7 @@ from moorline.api.deps import Services, StreamSlots
 from moorline.api.docs import DOCS_ASSETS_URL, install_docs
 from moorline.api.errors import install_error_handlers
 from moorline.api.guards import RequestGuard
+from moorline.api.openapi import complete_openapi
 from moorline.api.routes import (
     admin,
     admin_runs,
@@ -58,7 +59,7 @@ from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
 from moorline.engine.streams import EventStreams
 from moorline.observability.metrics import Metrics
-from moorline.plans import PlansProvider
+from moorline.plans import PlansProvider, resolve_plans
 from moorline.runtime.factory import make_runtime_store
 from moorline.settings import Settings
 
@@ -109,6 +110,7 @@ def create_app(
         # otherwise ask the OpenTelemetry providers on every request whether they are set up.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    complete_openapi(app, resolve_plans(settings))
     app.state.settings = settings
     app.state.db = db
     app.state.services = services
@@ -171,6 +173,7 @@ def _build_services(
         interrupts=InterruptsRepo(db),
         webhooks=WebhooksRepo(db),
         admission=admission,
+        rate_limiter=rate_limiter,
         store=store,
         notifier=notifier,
         waiter=waiter,

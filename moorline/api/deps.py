@@ -9,7 +9,13 @@ Authentication reads ``Authorization: Bearer <credential>`` only:
   :mod:`moorline.db.repos.tenants`; a key found is trusted for
   :data:`~moorline.db.repos.tenants.AUTH_CACHE_TTL_S` seconds, so a revocation or plan change
   made by another process reaches this one within that bound, one made here at once); a
-  missing, unknown or revoked key is 401 ``unauthorized``, all alike.
+  missing, unknown or revoked key is 401 ``unauthorized``, all alike. A credential not shaped
+  as a key is refused without a lookup, and one that named nothing is remembered as such for
+  the same TTL.
+- :data:`CallerDep`: :func:`tenant_caller`, and the request counted against the key's
+  ``MOORLINE_REQUEST_RATE_LIMIT`` (:func:`count_request`; stream opens and webhook creations
+  count against a window of their own too). The trigger takes :data:`TriggerCallerDep`: its
+  rate is its plan's, counted by admission.
 - :func:`require_admin`: ``MOORLINE_ADMIN_TOKEN``, compared in constant time; a tenant's key
   is 403 ``forbidden``, anything else 401. Without an admin token the admin routes are off:
   every credential is refused there.
@@ -23,19 +29,21 @@ one of them to it.
 import hmac
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from moorline.admission.admit import Admission
+from moorline.admission.ratelimit import RateLimiter
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.listing import RunListing
 from moorline.db.repos.records import Run, Tenant
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.repos.steps import StepsRepo
-from moorline.db.repos.tenants import TenantsRepo, hash_api_key
+from moorline.db.repos.tenants import TenantsRepo, hash_api_key, is_api_key_shaped
 from moorline.db.repos.webhooks import WebhooksRepo
 from moorline.dispatch.wakeups import Notifier, Waiter
 from moorline.engine.inbox import Inbox
@@ -122,6 +130,8 @@ class Services:
     interrupts: InterruptsRepo
     webhooks: WebhooksRepo
     admission: Admission
+    rate_limiter: RateLimiter
+    """The API rate limits, the same as admission's: triggers' and :class:`RateKind`'s."""
     store: RuntimeStore
     notifier: Notifier
     waiter: Waiter
@@ -225,6 +235,8 @@ async def caller_of_key(services: Services, key: str | None) -> Caller:
     """
     if key is None:
         raise Unauthorized("an API key is required: send 'Authorization: Bearer <key>'")
+    if not is_api_key_shaped(key):
+        raise Unauthorized("the API key is not valid")  # no lookup: it cannot name a tenant
     digest = hash_api_key(key)
     tenant = await services.tenants.authenticate_digest(digest)
     if tenant is None:
@@ -280,7 +292,55 @@ async def check_admin(services: Services, credential: str | None) -> None:
     raise Unauthorized("the admin token is not valid")
 
 
-CallerDep = Annotated[Caller, Depends(tenant_caller)]
+class RateKind(StrEnum):
+    """What a tenant's request counts against beside triggers: a window of its own per key."""
+
+    REQUESTS = "requests"
+    """Every request of a :data:`CallerDep` route (``MOORLINE_REQUEST_RATE_LIMIT``)."""
+    STREAMS = "streams"
+    """Event stream opens (``MOORLINE_STREAM_RATE_LIMIT``)."""
+    WEBHOOKS = "webhooks"
+    """Webhook creations (``MOORLINE_WEBHOOK_RATE_LIMIT``)."""
+
+
+async def count_request(services: Services, caller: Caller, kind: RateKind) -> None:
+    """Count one request of ``caller``'s key against its ``kind`` window.
+
+    The same moving windows, storage and fail-open rule as the plans' trigger rates
+    (:mod:`moorline.admission.ratelimit`), under an identity of their own per kind.
+
+    Raises:
+        RateLimited: The window is full.
+    """
+    settings = services.settings
+    rate = {
+        RateKind.REQUESTS: settings.request_rate_limit,
+        RateKind.STREAMS: settings.stream_rate_limit,
+        RateKind.WEBHOOKS: settings.webhook_rate_limit,
+    }[kind]
+    await services.rate_limiter.hit(f"{caller.rate_identity}:{kind}", rate)
+
+
+async def rate_limited_caller(
+    request: Request, credentials: Annotated[Credentials, Depends(api_key_scheme)]
+) -> Caller:
+    """:func:`tenant_caller`, its request counted against ``MOORLINE_REQUEST_RATE_LIMIT``.
+
+    Raises:
+        Unauthorized: As :func:`tenant_caller`.
+        RateLimited: The key's request window is full.
+    """
+    caller = await tenant_caller(request, credentials)
+    await count_request(request.app.state.services, caller, RateKind.REQUESTS)
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(rate_limited_caller)]
+"""The caller of a tenant route, counted against the key's request rate. Every tenant route
+takes it but the trigger, whose rate is its plan's and which admission counts
+(:data:`TriggerCallerDep`)."""
+
+TriggerCallerDep = Annotated[Caller, Depends(tenant_caller)]
 
 
 async def any_run(services: Services, run_id: str) -> Run:

@@ -11,6 +11,7 @@ details and logged with its traceback.
 """
 
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -80,6 +81,23 @@ def error_response(exc: MoorlineError) -> JSONResponse:
         content=error_body(exc.code, exc.message, **exc.details),
         headers=headers,
     )
+
+
+def raw_error_response(exc: MoorlineError) -> bytes:
+    """``exc``'s answer as the bytes of a whole HTTP/1.1 response that closes the connection.
+
+    For the server's own refusals (:mod:`moorline.api.protocol`), written to the socket where
+    no ASGI app runs: a request head over the limits, a request too slow, a connection beyond
+    the cap.
+    """
+    response = error_response(exc)
+    head = [f"HTTP/1.1 {response.status_code} {HTTPStatus(response.status_code).phrase}"]
+    head += [
+        f"{name.decode('latin-1')}: {value.decode('latin-1')}"
+        for name, value in response.raw_headers
+    ]
+    head.append("connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + bytes(response.body)
 
 
 def rate_limit_headers(limit: int, remaining: int, reset_s: int) -> dict[str, str]:

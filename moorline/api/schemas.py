@@ -35,6 +35,9 @@ pydantic's (Rust) and Python's regex engines read alike, so clients generating f
 document agree with the server."""
 
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=DISPLAY_NAME)]
+PLAN_NAMES = "x-moorline-plan-name"
+"""Marks a schema whose values are plan names (see :mod:`moorline.api.openapi`)."""
+
 PlanName = Annotated[
     str,
     Field(
@@ -44,6 +47,8 @@ PlanName = Annotated[
         description="A configured plan: `professional`, `team`, `sandbox` or one of the plans "
         "file.",
         examples=["team"],
+        # The served document lists the plans configured at start (moorline.api.openapi).
+        json_schema_extra={PLAN_NAMES: True},
     ),
 ]
 WorkflowName = Annotated[str, Field(min_length=1, max_length=200, pattern=WORKFLOW)]

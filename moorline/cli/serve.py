@@ -21,6 +21,7 @@ from starlette.types import ASGIApp
 from moorline.api.access import ErrorAccessLog
 from moorline.api.app import create_app
 from moorline.api.deps import Services
+from moorline.api.protocol import uvicorn_limits
 from moorline.cli.banner import start_banner, workflow_lines
 from moorline.cli.main import configure_logging
 from moorline.db.manager import DatabaseManager
@@ -167,6 +168,8 @@ async def _serve(
             lifespan="on",
             log_config=None,
             access_log=settings.access_log is AccessLog.ALL,
+            # Head size and count, read timeouts, connections (moorline.api.protocol).
+            **uvicorn_limits(settings),
         )
     )
     shown = [*banner.lines, *listed]

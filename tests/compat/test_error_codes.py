@@ -27,6 +27,9 @@ PINNED: dict[type[errors.MoorlineError], tuple[str, int]] = {
     errors.QuotaExceeded: ("quota_exceeded", 429),
     errors.RateLimited: ("rate_limited", 429),
     errors.BackendUnavailable: ("backend_unavailable", 503),
+    errors.HeadersTooLarge: ("headers_too_large", 431),
+    errors.RequestTimeout: ("request_timeout", 408),
+    errors.ServerBusy: ("server_busy", 503),
 }
 
 

@@ -197,8 +197,40 @@ async def test_the_auth_cache_is_bounded_by_its_ttl_and_dropped_on_changes_made_
     [_, second_id] = [k.key_id for k in await cached.list_keys(tenant.tenant_id)]
     assert await cached.revoke_key(second_id)
     assert await cached.authenticate(second) is None
-    # Unknown keys are looked up every time, as revoked ones are.
+
+
+async def test_a_key_that_names_nothing_costs_one_read_per_ttl(db: DatabaseManager) -> None:
+    clock = Clock()
+    counted = CountingManager(db)
+    cached = TenantsRepo(counted, auth_ttl_s=5.0, clock=clock, max_entries=3)  # type: ignore[arg-type]
+    elsewhere = TenantsRepo(db)
+    tenant, key = await elsewhere.create(unique("negative"), "team")
+    # Not shaped as a key: refused without a read.
+    for malformed in ["", "ml_", key[:-1], key + "x", "x" * 10_000, "ml_" + "*" * 43]:
+        assert await cached.authenticate(malformed) is None
+    assert counted.reads == 0
+    # Well shaped but unknown: one read, then refused from memory until the TTL has passed.
+    unknown = "ml_" + "u" * 43
+    assert await asyncio.gather(*(cached.authenticate(unknown) for _ in range(10))) == [None] * 10
+    assert counted.reads == 1
+    clock.now += 4.9
+    assert await cached.authenticate(unknown) is None
+    assert counted.reads == 1
+    clock.now += 0.2
+    assert await cached.authenticate(unknown) is None
+    assert counted.reads == 2
+    # A key revoked elsewhere: refused within the TTL, then from memory as an unknown one.
+    assert await cached.authenticate(key) == tenant
+    [listed] = await elsewhere.list_keys(tenant.tenant_id)
+    assert await elsewhere.revoke_key(listed.key_id)
+    clock.now += 5.1
     reads = counted.reads
-    assert await cached.authenticate("ml_" + "u" * 43) is None
-    assert await cached.authenticate("ml_" + "u" * 43) is None
-    assert counted.reads == reads + 2
+    assert await cached.authenticate(key) is None
+    assert await cached.authenticate(key) is None
+    assert counted.reads == reads + 1
+    # The memory is bounded: past max_entries the oldest unknown key is read again.
+    for letter in "abc":
+        assert await cached.authenticate("ml_" + letter * 43) is None
+    reads = counted.reads
+    assert await cached.authenticate(key) is None
+    assert counted.reads == reads + 1

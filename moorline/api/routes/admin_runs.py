@@ -17,7 +17,7 @@ is 404 ``run_not_found``.
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import APIRouter, Depends, Query
 from sse_starlette import EventSourceResponse
 
 from moorline.api.deps import ServicesDep, any_run, authenticate_admin, require_admin
@@ -26,6 +26,9 @@ from moorline.api.guards import authenticated_by
 from moorline.api.routes.runs import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
+    AfterQuery,
+    CursorQuery,
+    LastEventIdHeader,
     RunIdPath,
     cancel_owned,
     decode_cursor,
@@ -81,7 +84,7 @@ async def list_all_runs(
     limit: Annotated[
         int, Query(ge=1, description=f"Runs per page; above {MAX_PAGE_SIZE} counts as that.")
     ] = DEFAULT_PAGE_SIZE,
-    cursor: Annotated[str | None, Query(max_length=500)] = None,
+    cursor: CursorQuery = None,
 ) -> RunList:
     """Every tenant's runs, newest first, a page at a time."""
     page = await services.listing.page_all_tenants(
@@ -118,10 +121,8 @@ async def message_any_run(
 async def stream_any_run(
     run_id: RunIdPath,
     services: ServicesDep,
-    after: Annotated[
-        str | None, Query(max_length=20, description="Resume after this event id.")
-    ] = None,
-    last_event_id: Annotated[str | None, Header(max_length=20)] = None,
+    after: AfterQuery = None,
+    last_event_id: LastEventIdHeader = None,
 ) -> EventSourceResponse:
     """Any tenant's run's events as Server-Sent Events, as ``GET /v1/runs/{run_id}/events``."""
     run = await any_run(services, run_id)
@@ -141,7 +142,10 @@ def _decode_offset(cursor: str | None) -> int:
 async def list_tenants(
     services: ServicesDep,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description="Tenants per page.")] = 100,
-    cursor: Annotated[str | None, Query(max_length=20)] = None,
+    cursor: Annotated[
+        str | None,
+        Query(pattern=r"^[0-9]{1,9}$", description="A `next_cursor` of an earlier page."),
+    ] = None,
 ) -> TenantList:
     """Tenants, oldest first, with their plan's limits and their use of them now."""
     offset = _decode_offset(cursor)

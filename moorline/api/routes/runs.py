@@ -38,12 +38,15 @@ from moorline.admission.admit import Admitted, Trigger
 from moorline.api.deps import (
     RUN_ID_PATTERN,
     CallerDep,
+    RateKind,
     Services,
     ServicesDep,
     StreamSlots,
+    TriggerCallerDep,
     authenticate_tenant,
     bearer_credential,
     caller_of_key,
+    count_request,
     owned_run,
 )
 from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
@@ -94,6 +97,38 @@ from moorline.settings import Settings
 from moorline.types import JSONObject, RunId, RunStatus
 
 logger = logging.getLogger(__name__)
+
+MAX_EVENT_ID = 2**31 - 1
+"""The largest event id (``seq`` is a 32-bit integer on every backend): a larger one names no
+event, and PostgreSQL would refuse to compare with it after the stream's 200."""
+
+CURSOR_PATTERN = r"^[A-Za-z0-9_-]+$"
+"""A ``next_cursor`` is unpadded URL-safe base64 (:func:`encode_cursor`)."""
+
+# The parameters' constraints are in the OpenAPI document as the server applies them: what
+# FastAPI checks is refused 422 invalid_request before a route runs.
+CursorQuery = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=500,
+        pattern=CURSOR_PATTERN,
+        description="A `next_cursor` of an earlier page, as returned; anything else is 422.",
+    ),
+]
+AfterQuery = Annotated[
+    int | None,
+    Query(ge=0, le=MAX_EVENT_ID, description="Resume after this event id."),
+]
+LastEventIdHeader = Annotated[
+    int | None,
+    Header(
+        ge=0,
+        le=MAX_EVENT_ID,
+        description="Resume after this event id (what EventSource sends when it reconnects); "
+        "wins over `after`.",
+    ),
+]
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 200
@@ -165,7 +200,7 @@ def decode_cursor(text: str) -> RunCursor:
 
 
 async def trigger_run(
-    workflow: WorkflowPath, body: RunCreate, caller: CallerDep, request: Request
+    workflow: WorkflowPath, body: RunCreate, caller: TriggerCallerDep, request: Request
 ) -> Response:
     """Start a run: 202 when admitted, 200 for a repeated idempotency key.
 
@@ -347,7 +382,7 @@ async def list_runs(
     limit: Annotated[
         int, Query(ge=1, description=f"Runs per page; above {MAX_PAGE_SIZE} counts as that.")
     ] = DEFAULT_PAGE_SIZE,
-    cursor: Annotated[str | None, Query(max_length=500)] = None,
+    cursor: CursorQuery = None,
     parent_run_id: Annotated[
         str | None, Query(max_length=36, description="Only this run's child runs.")
     ] = None,
@@ -453,26 +488,15 @@ async def send_message(services: Services, run: Run, body: MessageIn) -> Message
     return MessageAccepted(run_id=run.run_id, seq=message.seq)
 
 
-MAX_EVENT_ID = 2**31 - 1
-"""The largest event id (``seq`` is a 32-bit integer on every backend): a larger one names no
-event, and PostgreSQL would refuse to compare with it after the stream's 200."""
-
-
-def resume_point(last_event_id: str | None, after: str | None) -> int:
+def resume_point(last_event_id: int | None, after: int | None) -> int:
     """The ``seq`` to stream after: ``Last-Event-ID`` wins over ``?after=``; 0 for all.
 
-    Raises:
-        InvalidRequest: Not a non-negative whole number.
+    Both were checked against :data:`AfterQuery` and :data:`LastEventIdHeader` (0 to
+    :data:`MAX_EVENT_ID`) by FastAPI: a 422 ``invalid_request`` otherwise, as documented.
     """
-    for name, value in (("Last-Event-ID", last_event_id), ("after", after)):
-        if value is None:
-            continue
-        if not value.isascii() or not value.isdigit() or int(value) > MAX_EVENT_ID:
-            raise InvalidRequest(
-                f"{name}: must be the id of an event (a whole number from 0 to {MAX_EVENT_ID})"
-            )
-        return int(value)
-    return 0
+    if last_event_id is not None:
+        return last_event_id
+    return 0 if after is None else after
 
 
 def sse_event(event: Event) -> ServerSentEvent:
@@ -488,12 +512,11 @@ async def stream_events(
     run_id: RunIdPath,
     caller: CallerDep,
     services: ServicesDep,
-    after: Annotated[
-        str | None, Query(max_length=20, description="Resume after this event id.")
-    ] = None,
-    last_event_id: Annotated[str | None, Header(max_length=20)] = None,
+    after: AfterQuery = None,
+    last_event_id: LastEventIdHeader = None,
 ) -> EventSourceResponse:
     """The run's events as Server-Sent Events: stored ones after the cursor, then live ones."""
+    await count_request(services, caller, RateKind.STREAMS)
     run = await owned_run(services, caller, run_id)
     return await event_stream(
         services, run, resume_point(last_event_id, after), slot=caller.tenant.tenant_id
@@ -605,14 +628,14 @@ def build_router(*, with_trigger: bool = False) -> APIRouter:
         "/runs",
         list_runs,
         methods=["GET"],
-        responses=responses(Unauthorized, InvalidRequest),
+        responses=responses(Unauthorized, InvalidRequest, RateLimited),
         summary="List runs, newest first",
     )
     router.add_api_route(
         "/runs/{run_id}",
         get_run,
         methods=["GET"],
-        responses=responses(Unauthorized, InvalidRequest, RunNotFound),
+        responses=responses(Unauthorized, InvalidRequest, RunNotFound, RateLimited),
         summary="A run with its steps and pending interrupt",
     )
     router.add_api_route(
@@ -626,6 +649,7 @@ def build_router(*, with_trigger: bool = False) -> APIRouter:
             InterruptNotFound,
             NoPendingInterrupt,
             InterruptResolved,
+            RateLimited,
         ),
         summary="Approve or deny a paused run",
     )
@@ -634,7 +658,7 @@ def build_router(*, with_trigger: bool = False) -> APIRouter:
         cancel,
         methods=["POST"],
         status_code=202,
-        responses=responses(Unauthorized, InvalidRequest, RunNotFound, RunFinished),
+        responses=responses(Unauthorized, InvalidRequest, RunNotFound, RunFinished, RateLimited),
         summary="Cancel a run",
     )
     router.add_api_route(
@@ -643,7 +667,13 @@ def build_router(*, with_trigger: bool = False) -> APIRouter:
         methods=["POST"],
         status_code=202,
         responses=responses(
-            Unauthorized, *BODY_ERRORS, InvalidInput, RunNotFound, RunNotInteractive, LimitExceeded
+            Unauthorized,
+            *BODY_ERRORS,
+            InvalidInput,
+            RunNotFound,
+            RunNotInteractive,
+            LimitExceeded,
+            RateLimited,
         ),
         summary="Send a message to a running run",
     )

@@ -5,7 +5,7 @@ from fastapi import APIRouter
 from moorline.api.deps import CallerDep, ServicesDep
 from moorline.api.errors import responses
 from moorline.api.schemas import UsageOut
-from moorline.errors import Unauthorized
+from moorline.errors import RateLimited, Unauthorized
 
 
 async def usage(caller: CallerDep, services: ServicesDep) -> UsageOut:
@@ -28,7 +28,7 @@ def build_router() -> APIRouter:
         "/usage",
         usage,
         methods=["GET"],
-        responses=responses(Unauthorized),
+        responses=responses(Unauthorized, RateLimited),
         summary="The tenant's daily quota and its use today",
     )
     return router

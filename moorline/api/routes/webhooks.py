@@ -22,9 +22,17 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Request, Response
 
 from moorline.admission.admit import Trigger
-from moorline.api.deps import RUN_ID_PATTERN, CallerDep, ServicesDep, authenticate_tenant
+from moorline.api.deps import (
+    RUN_ID_PATTERN,
+    CallerDep,
+    RateKind,
+    ServicesDep,
+    authenticate_tenant,
+    count_request,
+)
 from moorline.api.errors import BODY_ERRORS, responses
 from moorline.api.guards import authenticated_by, parse_json
+from moorline.api.openapi import CHECKED_BY_ROUTE
 from moorline.api.routes.runs import answer_trigger
 from moorline.api.schemas import RunAccepted, WebhookCreate, WebhookCreated
 from moorline.errors import (
@@ -81,6 +89,7 @@ async def create_webhook(
     body: WebhookCreate, caller: CallerDep, services: ServicesDep
 ) -> WebhookCreated:
     """Register a webhook that starts ``workflow``; deliver to ``url`` signed with ``secret``."""
+    await count_request(services, caller, RateKind.WEBHOOKS)
     services.workflows.get(body.workflow)  # WorkflowNotFound
     secret = body.secret or secrets.token_hex(SECRET_BYTES)
     webhook = await services.webhooks.create(caller.tenant.tenant_id, body.workflow, secret)
@@ -95,12 +104,23 @@ async def deliver_webhook(
     webhook_id: Annotated[str, Path(max_length=200)],
     request: Request,
     services: ServicesDep,
+    # Both required, and checked by the route after the webhook is found: the signature
+    # first (401), then the delivery id (422); the document says so (moorline.api.openapi).
     x_hub_signature_256: Annotated[
-        str | None, Header(description="`sha256=<hex HMAC-SHA256 of the raw body>`.")
+        str | None,
+        Header(
+            description="`sha256=<hex HMAC-SHA256 of the raw body>`.",
+            json_schema_extra={CHECKED_BY_ROUTE: {"type": "string", "pattern": _SIGNATURE.pattern}},
+        ),
     ] = None,
     x_github_event: Annotated[str | None, Header(max_length=100)] = None,
     x_github_delivery: Annotated[
-        str | None, Header(max_length=100, description="The delivery id (idempotency key).")
+        str | None,
+        Header(
+            max_length=100,
+            description="The delivery id (idempotency key).",
+            json_schema_extra={CHECKED_BY_ROUTE: {"type": "string", "pattern": _DELIVERY.pattern}},
+        ),
     ] = None,
 ) -> Response:
     """Verify a delivery's signature, then start the webhook's workflow with its payload."""
@@ -144,7 +164,7 @@ def build_router() -> APIRouter:
         create_webhook,
         methods=["POST"],
         status_code=201,
-        responses=responses(Unauthorized, *BODY_ERRORS, WorkflowNotFound),
+        responses=responses(Unauthorized, *BODY_ERRORS, WorkflowNotFound, RateLimited),
         summary="Register a webhook for a workflow",
     )
     router.add_api_route(

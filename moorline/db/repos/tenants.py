@@ -11,9 +11,17 @@ An API process authenticates every request, so it may keep what a lookup found f
 staleness bound is the TTL: a key revoked, or a plan changed, through *another* repository (the
 CLI, another API process) still authenticates here, under its old plan, for at most that long; a
 change made through this repository takes effect here at once (its entries are dropped, and a
-lookup that began before the change does not store what it read). Only keys that authenticated
-are kept: an unknown or revoked key is looked up every time, so a new key works at once and
-unknown and revoked keys still cost the same. The cache is hand-written rather than
+lookup that began before the change does not store what it read).
+
+Keys that name no tenant cost no lookup each time either, or anyone could make every request
+a database read: a credential not shaped as a key (:func:`is_api_key_shaped`) is refused
+without one, and a well-shaped key that named nothing is remembered as such for the same TTL
+(a bounded negative cache). The pre-check is free but an attacker can shape a key; the
+negative cache makes a repeated unknown or revoked key (a misconfigured client retrying, a
+leaked revoked key) cost one read per TTL. Forgetting is safe: a digest found unknown cannot
+become a key later (a new key is 256 fresh random bits), and a revoked key never comes back.
+Only a stream of fresh random well-shaped keys still costs a read each: bound that per client
+address at the reverse proxy (docs/api.md). The cache is hand-written rather than
 :class:`~moorline.concurrency.TTLCache` because that one serves a stale value when a reload
 fails or answers nothing, which for credentials would stretch the bound without limit.
 """
@@ -21,11 +29,14 @@ fails or answers nothing, which for credentials would stretch the bound without 
 import asyncio
 import builtins
 import hashlib
+import math
+import re
 import secrets
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sqlalchemy import RowMapping, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -39,6 +50,8 @@ from moorline.db.schema import NAME, api_keys, tenants
 from moorline.errors import Conflict, InvalidInput, NotFound
 from moorline.types import TenantId
 
+T = TypeVar("T")
+
 KEY_PREFIX = "ml_"
 """Every API key starts with this, so scanners can find leaked keys (docs/reliability.md I5)."""
 
@@ -51,7 +64,20 @@ AUTH_CACHE_TTL_S = 5.0
 """Seconds an API process trusts a key it authenticated: its bound on honouring a key revoked,
 or a plan changed, by another process (docs/reliability.md I5 asks for at most 60)."""
 AUTH_CACHE_ENTRIES = 10_000
-"""Authenticated keys kept at most; beyond that the least recently read is dropped."""
+"""Authenticated keys kept at most, and as many unknown ones; beyond that the oldest entry is
+dropped."""
+
+KEY_CHARS = 43
+"""URL-safe characters after the prefix: ``secrets.token_urlsafe(KEY_BYTES)``, unpadded base64."""
+_KEY_SHAPE = re.compile(rf"^{KEY_PREFIX}[A-Za-z0-9_-]{{{KEY_CHARS}}}$")
+
+
+def is_api_key_shaped(credential: str) -> bool:
+    """Whether ``credential`` could be an API key (``ml_`` and 43 URL-safe characters).
+
+    Only the shape: whether it names a tenant takes a lookup (:meth:`TenantsRepo.authenticate`).
+    """
+    return _KEY_SHAPE.match(credential) is not None
 
 
 class TenantExists(Conflict):
@@ -92,6 +118,7 @@ class TenantsRepo:
         *,
         auth_ttl_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        max_entries: int = AUTH_CACHE_ENTRIES,
     ) -> None:
         """Wire the repository to its database.
 
@@ -100,12 +127,16 @@ class TenantsRepo:
             auth_ttl_s: Seconds :meth:`authenticate` trusts a key it found (see the module
                 docstring); 0 looks every key up.
             clock: Monotonic clock in seconds, replaceable in tests.
+            max_entries: Keys kept at most, found and unknown each.
         """
         self._db = db
         self._backend: Backend = db.backend
         self._auth_ttl_s = auth_ttl_s
         self._clock = clock
         self._known: dict[str, _Known] = {}
+        self._unknown: dict[str, float] = {}
+        """Digests of well-shaped keys that named no tenant, each until when that is trusted."""
+        self._max_entries = max_entries
         self._lookups: dict[str, asyncio.Future[_Known | None]] = {}
         # Bumped by every change made here: a lookup that began before it stores nothing.
         self._generation = 0
@@ -222,16 +253,24 @@ class TenantsRepo:
         and revoked keys all do the same work and get the same answer. With ``auth_ttl_s``, a
         key found is trusted that long, and concurrent lookups of one key share one read.
         """
+        if not is_api_key_shaped(api_key):
+            return None
         return await self.authenticate_digest(hash_api_key(api_key))
 
     async def authenticate_digest(self, digest: str) -> Tenant | None:
-        """:meth:`authenticate` for a key already hashed (:func:`hash_api_key`)."""
+        """:meth:`authenticate` for a key already hashed (:func:`hash_api_key`).
+
+        The caller checks the key's shape first (:func:`is_api_key_shaped`).
+        """
         if self._auth_ttl_s <= 0:
             found = await self._look_up(digest)
             return None if found is None else found.tenant
+        now = self._clock()
         known = self._known.get(digest)
-        if known is not None and self._clock() < known.fresh_until:
+        if known is not None and now < known.fresh_until:
             return known.tenant
+        if now < self._unknown.get(digest, -math.inf):
+            return None
         lookup = self._lookups.get(digest)
         if lookup is None:
             lookup = asyncio.ensure_future(self._look_up_and_keep(digest, self._generation))
@@ -246,10 +285,11 @@ class TenantsRepo:
         if generation != self._generation:
             return found  # a change made here since the read began: answer, keep nothing
         self._known.pop(digest, None)
+        self._unknown.pop(digest, None)
         if found is not None:
-            self._known[digest] = found
-            if len(self._known) > AUTH_CACHE_ENTRIES:
-                del self._known[next(iter(self._known))]
+            _keep(self._known, digest, found, self._max_entries)
+        else:
+            _keep(self._unknown, digest, self._clock() + self._auth_ttl_s, self._max_entries)
         return found
 
     def _lookup_done(self, digest: str) -> Callable[[asyncio.Future[_Known | None]], None]:
@@ -347,6 +387,13 @@ class TenantsRepo:
             return await self._db.with_retry(change)
         finally:
             self._forget(lambda known: known.tenant.tenant_id == tenant_id)
+
+
+def _keep(entries: dict[str, T], digest: str, entry: T, max_entries: int) -> None:
+    """Add ``entry`` (last, in insertion order), dropping the oldest beyond ``max_entries``."""
+    entries[digest] = entry
+    if len(entries) > max_entries:
+        del entries[next(iter(entries))]
 
 
 async def _insert_key_txn(
