@@ -1,10 +1,13 @@
-"""``doc_check``: a document checked against rules by a model, one checkpointed step per section.
+"""``doc_check``: a document checked against rules by a model, each section a child run.
 
 Seed 001's scenario (LLM-based document testing), where a worker that died mid-document lost
-the whole task. Here the Markdown document is split at its headings, and each section is
-checked in a step of its own (``check:<n>``): the model's verdict streams as ``delta`` events
-tagged with the section, and the step stores it. A run reclaimed after a crash re-checks only
-the sections it had not finished; the others come back from their checkpoints, unbilled.
+the whole task. Here the Markdown document is split at its headings and each section is
+checked by a child run of ``doc_check_section`` (key ``section:<n>``), so the sections are
+checked in parallel, on any worker, each in a checkpointed step (``check``) whose model verdict
+streams as ``delta`` events tagged with the section. The parent joins them
+(``ctx.map``): while it waits it is parked and holds no worker slot. A section whose check
+fails is retried as a run of its own; a parent replayed after a crash gets the same children
+(one per key) and re-checks nothing that finished.
 
 The model is asked to begin with ``VERDICT: PASS`` or ``VERDICT: FAIL`` and then list the
 broken rules. A reply without such a line (the simulated model's, or a model that ignored the
@@ -126,28 +129,35 @@ def overall_verdict(verdicts: list[str]) -> str:
 def register(app: Moorline, llm: LLM) -> None:
     """Register ``doc_check`` on ``app``, asking ``llm``."""
 
-    @app.workflow("doc_check", timeout=1800)
-    async def doc_check(
-        ctx: Context, document: Document, rules: Rules = DEFAULT_RULES, title: str = "document"
+    @app.workflow("doc_check_section", timeout=600, max_attempts=3)
+    async def doc_check_section(
+        ctx: Context, index: int, heading: str, text: str, rules: list[str]
     ) -> JSONObject:
-        """Check every section of a Markdown document against the rules; return a report."""
+        """Check one section against the rules; the model's reply, stored by step ``check``."""
 
         async def check(index: int, heading: str, text: str, rules: list[str]) -> JSONObject:
             prompt = section_prompt(Section(heading=heading, text=text), rules)
             messages = [Message.system(SYSTEM_PROMPT), Message.user(prompt)]
             tag: JSONObject = {"section": index, "heading": heading}
             reply = await complete(llm, messages, emit=ctx.emit, extra=tag)
-            verdict = parse_verdict(reply.text)
-            await ctx.emit("section_checked", {**tag, "verdict": verdict})
+            await ctx.emit("section_checked", {**tag, "verdict": parse_verdict(reply.text)})
             return reply.to_json()
 
+        stored = await ctx.step("check", check, index, heading, text, rules)
+        return stored if isinstance(stored, dict) else {}
+
+    @app.workflow("doc_check", timeout=1800, max_children=MAX_SECTIONS)
+    async def doc_check(
+        ctx: Context, document: Document, rules: Rules = DEFAULT_RULES, title: str = "document"
+    ) -> JSONObject:
+        """Check every section of a Markdown document against the rules; return a report."""
         sections = split_sections(document)
-        replies: list[Reply] = []
-        for index, section in enumerate(sections):
-            stored = await ctx.step(
-                f"check:{index}", check, index, section.heading, section.text, list(rules)
-            )
-            replies.append(Reply.from_json(stored))
+        inputs: list[JSONObject] = [
+            {"index": i, "heading": s.heading, "text": s.text, "rules": list(rules)}
+            for i, s in enumerate(sections)
+        ]
+        stored = await ctx.map("doc_check_section", inputs, key="section")
+        replies = [Reply.from_json(reply) for reply in stored]
         verdicts = [parse_verdict(reply.text) for reply in replies]
         report: list[JSONValue] = [
             {"heading": section.heading, "verdict": verdict, "notes": reply.text}

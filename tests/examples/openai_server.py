@@ -61,6 +61,9 @@ class OpenAIServer:
     def __init__(self, default: Answer | None = None) -> None:
         self.default = default or Answer(chunks=["Looks ", "good ", "to me."])
         self.script: deque[Answer] = deque()
+        self.by_prompt: dict[str, deque[Answer]] = {}
+        """Answers for requests whose last message contains the key, in order: requests made
+        concurrently (child runs) get theirs whatever order they arrive in."""
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.stopping = asyncio.Event()
@@ -76,7 +79,7 @@ class OpenAIServer:
         body = await request.json()
         self.requests.append(body)
         self.headers.append(dict(request.headers))
-        answer = self.script.popleft() if self.script else self.default
+        answer = self._answer_for(body)
         if answer.status is not None:
             error = {"error": {"message": f"scripted {answer.status}", "type": "test"}}
             return JSONResponse(error, status_code=answer.status, headers={"retry-after-ms": "10"})
@@ -86,6 +89,14 @@ class OpenAIServer:
         return StreamingResponse(
             self._events(str(body.get("model")), answer), media_type="text/event-stream"
         )
+
+    def _answer_for(self, body: dict[str, Any]) -> Answer:
+        messages = body.get("messages") or [{}]
+        last = str(messages[-1].get("content", ""))
+        for key, answers in self.by_prompt.items():
+            if key in last and answers:
+                return answers.popleft()
+        return self.script.popleft() if self.script else self.default
 
     async def _events(self, model: str, answer: Answer) -> AsyncIterator[str]:
         for index, text in enumerate(answer.chunks):

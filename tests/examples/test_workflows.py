@@ -5,9 +5,12 @@ the local test server answers where the model's own words matter (verdicts, the 
 endpoint sees) and for a failure in the middle of a document.
 """
 
+from collections import deque
+
 import pytest
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.children import ChildrenRepo
 from moorline.errors import InvalidInput
 from moorline.examples.app import app as default_app
 from moorline.examples.doc_check import split_sections
@@ -187,7 +190,7 @@ moorline serve
 """
 
 
-async def test_doc_check_checks_each_section_in_a_step_of_its_own(deployment: Deployment) -> None:
+async def test_doc_check_checks_each_section_in_a_child_run(deployment: Deployment) -> None:
     rules: list[JSONValue] = ["Commands are in code blocks.", "No TODO is left."]
     run_id = await deployment.submit("doc_check", document=DOCUMENT, rules=rules, title="README")
     async with deployment.serving():
@@ -196,12 +199,14 @@ async def test_doc_check_checks_each_section_in_a_step_of_its_own(deployment: De
     output = output_of(run.output)
     sections = output["sections"]
     assert isinstance(sections, list)
-    assert [s["heading"] for s in sections if isinstance(s, dict)] == [
-        "(untitled)",
-        "Install",
-        "Configure",
-    ]
-    assert await deployment.step_keys(run_id) == ["check:0", "check:1", "check:2"]
+    headings = ["(untitled)", "Install", "Configure"]
+    assert [s["heading"] for s in sections if isinstance(s, dict)] == headings
+    # One child run per section, each with its one checkpointed step.
+    children = await ChildrenRepo(deployment.db).list(run_id)
+    assert [c.child_key for c in children] == ["section:0", "section:1", "section:2"]
+    assert all(c.status is RunStatus.SUCCEEDED for c in children)
+    for child in children:
+        assert await deployment.step_keys(child.run_id) == ["check"]
     # The simulated model gives no verdict line: every section is reported unclear.
     assert (output["verdict"], output["passed"], output["failed"], output["unclear"]) == (
         "unclear",
@@ -210,28 +215,26 @@ async def test_doc_check_checks_each_section_in_a_step_of_its_own(deployment: De
         3,
     )
     assert (output["title"], output["rules"], output["simulated"]) == ("README", rules, True)
-    for index, section in enumerate(sections):
+    for index, (section, child) in enumerate(zip(sections, children, strict=True)):
         assert isinstance(section, dict)
-        assert await deployment.delta_text(run_id, section=index) == section["notes"]
-    checked = await deployment.events(run_id, "section_checked")
-    assert [event.data for event in checked] == [
-        {"section": index, "heading": heading, "verdict": "unclear"}
-        for index, heading in enumerate(["(untitled)", "Install", "Configure"])
-    ]
+        assert await deployment.delta_text(child.run_id, section=index) == section["notes"]
+        [checked] = await deployment.events(child.run_id, "section_checked")
+        assert checked.data == {"section": index, "heading": headings[index], "verdict": "unclear"}
 
 
 async def test_doc_check_reads_verdicts_and_rechecks_only_the_section_that_failed(
     db: DatabaseManager, store: InMemoryRuntimeStore, settings: Settings, tenant: TenantId
 ) -> None:
     async with OpenAIServer() as server:
-        server.script.extend(
-            [
-                Answer(chunks=["VERDICT: PASS"]),
-                Answer(chunks=["VERDICT: ", "FAIL\n", "- rule 2: a TODO is left"]),
-                Answer(status=400),  # the first attempt fails on the third section
-                Answer(chunks=["verdict: pass"]),
-            ]
-        )
+        # By section: the children ask concurrently, in any order.
+        server.by_prompt = {
+            "Section '(untitled)'": deque([Answer(chunks=["VERDICT: PASS"])]),
+            "Section 'Install'": deque(
+                [Answer(chunks=["VERDICT: ", "FAIL\n", "- rule 2: a TODO is left"])]
+            ),
+            # The first attempt of this section's child fails; its retry passes.
+            "Section 'Configure'": deque([Answer(status=400), Answer(chunks=["verdict: pass"])]),
+        }
         llm = OpenAICompatibleLLM(base_url=server.base_url, model="doc-model")
         deployment = Deployment(db, store, settings, tenant, llm)
         try:
@@ -241,7 +244,6 @@ async def test_doc_check_reads_verdicts_and_rechecks_only_the_section_that_faile
         finally:
             await llm.close()
     assert run.status is RunStatus.SUCCEEDED, run.error
-    assert run.attempt == 2
     output = output_of(run.output)
     assert (output["verdict"], output["passed"], output["failed"], output["unclear"]) == (
         "fail",
@@ -252,12 +254,11 @@ async def test_doc_check_reads_verdicts_and_rechecks_only_the_section_that_faile
     sections = output["sections"]
     assert isinstance(sections, list) and isinstance(sections[1], dict)
     assert sections[1]["notes"] == "VERDICT: FAIL\n- rule 2: a TODO is left"
-    # The second attempt re-asked only the section that had not finished.
-    asked = [request["messages"][1]["content"] for request in server.requests]
-    headings = ["(untitled)", "Install", "Configure", "Configure"]
-    assert len(asked) == len(headings)
-    for text, heading in zip(asked, headings, strict=True):
-        assert f"Section '{heading}'" in text
+    # Only the section that failed was asked again, by its own child's second attempt.
+    children = await ChildrenRepo(db).list(run_id)
+    assert [c.attempt for c in children] == [1, 1, 2]
+    asked = sorted(request["messages"][1]["content"].split("'")[1] for request in server.requests)
+    assert asked == sorted(["(untitled)", "Install", "Configure", "Configure"])
 
 
 def test_sections_split_at_headings_outside_code_blocks() -> None:
@@ -384,5 +385,6 @@ def test_the_default_app_has_every_example() -> None:
         "sleep",
         "code_review",
         "doc_check",
+        "doc_check_section",
         "chat_agent",
     }
