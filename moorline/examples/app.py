@@ -2,9 +2,10 @@
 
 Besides ``echo`` and ``sleep`` (smoke tests and benchmarks) it holds the seeds' three
 scenarios, each in a module of its own: ``code_review`` (a webhook-triggered pull request
-review), ``doc_check`` (a document checked section by section, in child runs) and ``chat_agent`` (a chat that
-asks permission before a tool call and takes injected messages). They ask the model of
-:func:`~moorline.llm.make_llm`: the OpenAI-compatible endpoint of ``MOORLINE_LLM_BASE_URL``,
+review), ``doc_check`` (a document checked section by section, in child runs) and
+``chat_agent`` (a chat that asks permission before a tool call and takes injected
+messages). They ask the model of :func:`~moorline.llm.make_llm`: the OpenAI-compatible
+endpoint of ``MOORLINE_LLM_BASE_URL``,
 or without one the simulated model, built when a workflow first asks it.
 
 Use :func:`build_app` for an app with other settings or another model (tests pass a fast
