@@ -35,6 +35,7 @@ import functools
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from hypothesis import strategies as st
@@ -43,12 +44,15 @@ from sqlalchemy import delete, update
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptResolved, InterruptsRepo
+from moorline.db.repos.parking import ParkingRepo, Wait, WaitKind
 from moorline.db.repos.queue import QueueRepo
 from moorline.db.repos.records import DecisionReason, Fence, InterruptStatus
 from moorline.db.repos.runs import Failed, NewRun, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import CancelRequested, LeaseLost, StepsRepo
 from moorline.db.schema import interrupts, runs
 from moorline.dispatch.cancel import cancel_run
+from moorline.dispatch.leader import LeaderElector
+from moorline.dispatch.timers import LEADER_LEASE, TimerSweep
 from moorline.errors import RunFinished, RunNotFound
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.types import JSONObject, RunId, RunStatus, StepStatus, TenantId
@@ -60,6 +64,8 @@ from tests.model.run_model import (
     WORKFLOW,
     Kind,
     ModelInterrupt,
+    Park,
+    Passed,
     Progress,
     RunModel,
     StepStart,
@@ -140,6 +146,22 @@ class Backend:
     db: DatabaseManager
     store: InMemoryRuntimeStore
     tenant: TenantId
+    sweeps: dict[int, TimerSweep] = field(default_factory=dict)
+
+    def timer_sweep(self, batch_limit: int) -> TimerSweep:
+        """The timer sweep with ``batch_limit``; all share one leadership, held all along."""
+        if not self.sweeps:
+            elector = LeaderElector(
+                QueueRepo(self.db), name=LEADER_LEASE, holder="model", ttl_s=LONG_S
+            )
+        else:
+            elector = next(iter(self.sweeps.values())).elector
+        if batch_limit not in self.sweeps:
+            parking = ParkingRepo(self.db)
+            self.sweeps[batch_limit] = TimerSweep(
+                parking, elector, interval_s=1.0, batch_limit=batch_limit
+            )
+        return self.sweeps[batch_limit]
 
     def sync(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self.runner.run(self._within_deadline(coroutine))
@@ -169,6 +191,7 @@ class RunMachine(RuleBasedStateMachine):
         self.queue = QueueRepo(db)
         self.steps = StepsRepo(db)
         self.interrupts = InterruptsRepo(db)
+        self.parking = ParkingRepo(db)
         self.tenant = backend.tenant
         self.lane = unique("lane")
         self.model = RunModel()
@@ -190,13 +213,14 @@ class RunMachine(RuleBasedStateMachine):
         """Whether this example's rows may stay: no later example can see them.
 
         Examples keep to their own lanes, and read runs by lane, except for the reaper (which
-        takes running runs whose lease a tick moved into the past) and approval expiry (which
-        takes pending approvals past their deadline). With no run running and no approval
+        takes running runs whose lease a tick moved into the past), approval expiry (which
+        takes pending approvals past their deadline) and the timer sweep (which takes waiting
+        runs whose timer a tick made due). With no run running or waiting and no approval
         pending, the rows are inert, and the delete (one write transaction, a tenth of an
         example's cost) is left to the module's end.
         """
         return not any(
-            run.status is RunStatus.RUNNING
+            run.status in (RunStatus.RUNNING, RunStatus.WAITING)
             or (run.interrupt is not None and run.interrupt.status is InterruptStatus.PENDING)
             for run in self.model.runs.values()
         )
@@ -260,25 +284,52 @@ class RunMachine(RuleBasedStateMachine):
         return has_interrupt and self.resolutions < MAX_RESOLUTIONS
 
     def is_waiting_on_time(self) -> bool:
-        """Something a tick can change: a lease, a retry delay, an approval's deadline."""
-        delayed = any(run.due_tick is not None for run in self.model.runs.values())
-        return self.has(RunStatus.RUNNING) or delayed or self.has_pending_interrupt()
+        """Something a tick can change: a lease, a retry delay, an approval's deadline, a
+        waiting run's timer, a run's deadline."""
+        delayed = any(
+            run.due_tick is not None or (run.deadline_tick is not None and not run.is_deadline_past)
+            for run in self.model.runs.values()
+            if not run.status.is_terminal
+        )
+        running_or_waiting = self.has(RunStatus.RUNNING, RunStatus.WAITING)
+        return running_or_waiting or delayed or self.has_pending_interrupt()
 
     # --- submission and admission -------------------------------------------------------------
 
-    @initialize(max_attempts=st.integers(1, 3), progress=st.integers(0, 3))
-    def start_running(self, max_attempts: int, progress: int) -> None:
+    @initialize(
+        max_attempts=st.integers(1, 3),
+        progress=st.integers(0, 6),
+        timeout_ticks=st.integers(1, 3),
+        deadline_ticks=st.sampled_from([None, 1, 2]),
+    )
+    def start_running(
+        self,
+        max_attempts: int,
+        progress: int,
+        timeout_ticks: int = 3,
+        deadline_ticks: int | None = None,
+    ) -> None:
         """A run claimed by worker 0, then taken ``progress`` actions along its workflow:
-        ``s0`` done; the approval asked for; approved by a person and seen by the worker."""
+        ``s0`` done; the approval asked for (``timeout_ticks``); then either (3) approved by
+        a person and seen by the worker, or (4) the run parked for it, ``waiting`` (with a
+        deadline if ``deadline_ticks``), (5) approved by a person, which queues it to resume,
+        and (6) claimed again by worker 1: an attempt that does not count against the budget.
+        """
         self.submit(max_attempts=max_attempts, pending=False)
         self.claim(worker=0, limit=1)
         if progress >= 1:
             self.complete_step(pick=0)
         if progress >= 2:
-            self.request_approval(pick=0, timeout_ticks=3)
-        if progress >= 3:
+            self.request_approval(pick=0, timeout_ticks=timeout_ticks)
+        if progress == 3:
             self.resolve_approval(run=0, reason=DecisionReason.APPROVED, with_data=False)
             self.request_approval(pick=0, timeout_ticks=3)
+        if progress >= 4:
+            self.park(pick=0, deadline_ticks=deadline_ticks)
+        if progress >= 5:
+            self.resolve_approval(run=0, reason=DecisionReason.APPROVED, with_data=False)
+        if progress == 6:
+            self.claim(worker=1, limit=1)
 
     @rule(max_attempts=st.integers(1, 3), pending=st.sampled_from([False, False, True]))
     @when(lambda self: len(self.model.runs) < MAX_RUNS)
@@ -327,7 +378,10 @@ class RunMachine(RuleBasedStateMachine):
             attempt = self.model.claim(claim.fence.run_id, owner)
             assert claim.fence == Fence(run_id=claim.fence.run_id, attempt=attempt, owner=owner)
             assert (claim.run.status, claim.run.attempt) == (RunStatus.RUNNING, attempt)
-            claimer.held[claim.fence] = Progress()
+            # The worker's attempt budget is read from the claim: it must know the resumes.
+            resumes = self.model.run(claim.fence.run_id).resumes
+            assert claim.run.resumes == resumes
+            claimer.held[claim.fence] = Progress(resumes=resumes)
 
     @rule(worker=st.integers(0, WORKERS - 1))
     @when(lambda self: self._attempts())
@@ -464,6 +518,7 @@ class RunMachine(RuleBasedStateMachine):
         assert (opened.interrupt_id, opened.attempt) == (expected.interrupt_id, expected.attempt)
         assert (opened.status, opened.reason) == (expected.status, expected.reason)
         progress.position = next_position(progress.position, expected)
+        progress.has_asked = expected.status is InterruptStatus.PENDING
 
     @rule(run=PICK, reason=st.sampled_from(DecisionReason), with_data=st.booleans())
     @when(lambda self: self.can_resolve())
@@ -501,13 +556,62 @@ class RunMachine(RuleBasedStateMachine):
         assert {i.run_id for i in expired} <= set(self.model.runs), "another test's interrupt"
         assert {i.interrupt_id for i in expired} == self.model.expire_due()
 
+    # --- parking and the timer sweep -------------------------------------------------------
+
+    def _waiting_for_decision(self) -> list[tuple[Fence, Progress]]:
+        """Attempts that asked for ``i0``, found it pending and have not stopped."""
+        return [(f, p) for f, p in self._asking() if p.has_asked and not p.has_raised]
+
+    @rule(pick=PICK, deadline_ticks=st.sampled_from([None, None, 1, 2]))
+    @when(lambda self: self._waiting_for_decision())
+    def park(self, pick: int, deadline_ticks: int | None) -> None:
+        """The decision is slow (past ``park_after``): the attempt parks its run and ends.
+
+        The wait ends at the approval's deadline, which is past if a tick passed it (the
+        park then refuses: the worker's timeout is due); a run's own deadline, if given, is
+        recorded by its first park that has one.
+        """
+        candidates = self._waiting_for_decision()
+        fence, progress = candidates[pick % len(candidates)]
+        interrupt = self.model.run(fence.run_id).interrupt
+        assert interrupt is not None
+        until = datetime.now(UTC) + timedelta(seconds=PAST_S if interrupt.is_overdue else LONG_S)
+        wait = Wait(kind=WaitKind.PERMISSION, until=until, interrupt_id=interrupt.interrupt_id)
+        deadline_at = None
+        if deadline_ticks is not None:
+            deadline_at = datetime.now(UTC) + timedelta(seconds=LONG_S)
+        got: Park
+        try:
+            parked = self.sync(self.parking.park(fence, wait, deadline_at=deadline_at))
+        except LeaseLost:
+            got = "lease_lost"
+        except CancelRequested:
+            got = "cancel_requested"
+        else:
+            got = "parked" if parked else "arrived"
+        assert got == self.model.park(fence, deadline_ticks)
+        if got in ("lease_lost", "parked"):
+            self._drop(fence)  # parked: RunParked ends the attempt, the slot is free
+        elif got == "cancel_requested":
+            progress.has_raised = True  # the workflow raises Cancelled
+
+    @rule(batch_limit=st.sampled_from([1, 100]))
+    @when(lambda self: self.has(RunStatus.WAITING))
+    def sweep_timers(self, batch_limit: int) -> None:
+        """The leading timer sweep moves every waiting run whose timer is due, and no other."""
+        moved = self.sync(self.backend.timer_sweep(batch_limit).tick())
+        assert {r.run_id for r in moved} <= set(self.model.runs), "another test's run"
+        assert all(r.lane == self.lane for r in moved)
+        assert {r.run_id: r.status for r in moved} == self.model.sweep_due()
+
     # --- ending attempts ----------------------------------------------------------------------
 
-    def _outcome(self, fence: Fence, kind: Kind) -> tuple[Outcome, Kind]:
-        """What the worker writes, its retry policy applied: no retry past ``max_attempts``."""
+    def _outcome(self, fence: Fence, progress: Progress, kind: Kind) -> tuple[Outcome, Kind]:
+        """What the worker writes, its retry policy applied: no retry past ``max_attempts``,
+        counting the attempts as the worker does (``fence.attempt - claim.run.resumes``)."""
         error: JSONObject = {"type": "Boom", "message": "boom", "reason": "retry"}
         if kind in ("retry_now", "retry_later"):
-            if fence.attempt < self.model.run(fence.run_id).max_attempts:
+            if fence.attempt - progress.resumes < self.model.run(fence.run_id).max_attempts:
                 delay = 0.0 if kind == "retry_now" else LONG_S
                 return Failed(fence=fence, error=error, retry_delay_s=delay), kind
             kind = "failed"
@@ -526,9 +630,9 @@ class RunMachine(RuleBasedStateMachine):
     def finish(self, picks: list[tuple[int, Kind]]) -> None:
         """Attempts end, one or two in one ``finish_many``: usually one whose workflow
         returned or raised (those come first), but any attempt may stop or return early."""
-        done = [fence for fence, _ in self._done()]
-        candidates = done + [fence for fence, _ in self._attempts() if fence not in done]
-        chosen = [self._outcome(candidates[pick % len(candidates)], kind) for pick, kind in picks]
+        done = self._done()
+        candidates = done + [held for held in self._attempts() if held not in done]
+        chosen = [self._outcome(*candidates[pick % len(candidates)], kind) for pick, kind in picks]
         applied = self.sync(self.runs.finish_many([outcome for outcome, _ in chosen]))
         expected = self.model.finish([(outcome.fence, kind) for outcome, kind in chosen])
         assert applied == expected, f"finish_many applied {applied}, the model {expected}"
@@ -551,7 +655,7 @@ class RunMachine(RuleBasedStateMachine):
     @when(
         lambda self: (
             not self.has_cancelled
-            and self.has(RunStatus.PENDING, RunStatus.QUEUED, RunStatus.RUNNING)
+            and self.has(RunStatus.PENDING, RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.WAITING)
         )
     )
     def cancel(self, run: int, by: str) -> None:
@@ -577,26 +681,23 @@ class RunMachine(RuleBasedStateMachine):
     @rule(ticks=st.integers(1, 2))
     @when(lambda self: self.is_waiting_on_time())
     def advance_clock(self, ticks: int) -> None:
-        leases, delays, deadlines = self.model.advance(ticks)
-        self.sync(self._move_into_past(leases, delays, deadlines))
+        passed = self.model.advance(ticks)
+        self.sync(self._move_into_past(passed))
 
-    async def _move_into_past(
-        self, leases: set[RunId], delays: set[RunId], deadlines: set[str]
-    ) -> None:
+    async def _move_into_past(self, passed: Passed) -> None:
         past = self.backend.db.backend.now(plus_s=PAST_S)
+        moves = (
+            (runs, passed.leases, "lease_expires_at"),
+            (runs, passed.delays, "not_before"),
+            (runs, passed.wakes, "wake_at"),
+            (runs, passed.run_deadlines, "deadline_at"),
+            (interrupts, passed.deadlines, "expires_at"),
+        )
         async with self.backend.db.transaction() as conn:
-            if leases:
-                await conn.execute(
-                    update(runs).where(runs.c.id.in_(leases)).values(lease_expires_at=past)
-                )
-            if delays:
-                await conn.execute(
-                    update(runs).where(runs.c.id.in_(delays)).values(not_before=past)
-                )
-            if deadlines:
-                await conn.execute(
-                    update(interrupts).where(interrupts.c.id.in_(deadlines)).values(expires_at=past)
-                )
+            for table, ids, column in moves:
+                if ids:
+                    ids_in = table.c.id.in_(ids)
+                    await conn.execute(update(table).where(ids_in).values({column: past}))
 
     @rule(limit=st.sampled_from([1, 100]))
     @when(lambda self: self.has(RunStatus.RUNNING))
@@ -638,6 +739,18 @@ class RunMachine(RuleBasedStateMachine):
             assert row.is_lease_valid is None, "a lease outlived its attempt"
         if row.status is RunStatus.QUEUED:
             assert row.is_due == (model.due_tick is None)
+        assert row.resumes == model.resumes
+        if row.status is RunStatus.WAITING:
+            assert row.waiting_for is not None
+            waited = (row.waiting_for["kind"], row.waiting_for["interrupt_id"])
+            assert waited == (WaitKind.PERMISSION.value, model.waiting_for)
+            assert row.is_wake_due == model.is_wake_past
+        else:
+            assert (row.waiting_for, row.is_wake_due) == (None, None), "a wait outlived it"
+        if model.deadline_tick is None:
+            assert row.is_deadline_past is None
+        elif not row.status.is_terminal:
+            assert row.is_deadline_past == model.is_deadline_past
         # At most one valid lease: of all the fences live and paused workers hold, one matches.
         holding = [
             fence

@@ -51,11 +51,14 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
+from moorline.db.repos.records import DecisionReason
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
+from moorline.types import RunStatus
 from tests.conftest import BACKENDS
 from tests.contract.queue_helpers import create_tenant, purge_tenant
 from tests.model.machine import LONG_S, Backend, RunMachine, machine_on
+from tests.model.run_model import ModelRun
 
 IS_FULL = os.environ.get("MOORLINE_FULL") == "1"
 CI_EXAMPLES = 1_000  # per backend: the issue's 2,000 in all
@@ -109,14 +112,19 @@ def test_run_state_machine(machine_backend: Backend) -> None:
     run_state_machine_as_test(machine_on(machine_backend), settings=MACHINE_SETTINGS)
 
 
-def replay(backend: Backend, rules: list[tuple[str, dict[str, Any]]]) -> None:
-    """Run ``rules`` in order on a fresh machine, with every check after each one."""
+def replay(backend: Backend, rules: list[tuple[str, dict[str, Any]]]) -> ModelRun:
+    """Run ``rules`` in order on a fresh machine, with every check after each one.
+
+    Returns:
+        The model of the example's first run, as the rules left it (and the database agreed).
+    """
     machine = RunMachine(backend)
     try:
         machine.agrees_with_database()
         for name, arguments in rules:
             getattr(machine, name)(**arguments)
             machine.agrees_with_database()
+        return next(iter(machine.model.runs.values()))
     finally:
         machine.teardown()
 
@@ -165,3 +173,98 @@ def test_regression_one_batch_ends_a_stale_and_the_current_attempt_of_one_run(
             ("finish", {"picks": [stale, current] if stale_first else [current, stale]}),
         ],
     )
+
+
+# --- parking (issue 16): the new edges, each in its shortest sequence ----------------------
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2])
+def test_a_claim_after_a_resume_uses_no_attempt(
+    machine_backend: Backend, max_attempts: int
+) -> None:
+    # Attempt 1 parks, a decision re-queues the run, attempt 2 takes it and its lease expires:
+    # one try of max_attempts is spent, so with two the reaper re-queues it (a reaper counting
+    # attempts, not attempts - resumes, ended it failed: found by this machine), with one it
+    # fails it.
+    run = replay(
+        machine_backend,
+        [
+            ("start_running", {"max_attempts": max_attempts, "progress": 6, "timeout_ticks": 3}),
+            ("advance_clock", {"ticks": 2}),
+            ("reap", {"limit": 100}),
+        ],
+    )
+    assert (run.attempt, run.resumes) == (2, 1)
+    assert run.status is (RunStatus.QUEUED if max_attempts == 2 else RunStatus.FAILED)
+
+
+@pytest.mark.parametrize("reason", [DecisionReason.APPROVED, DecisionReason.TIMEOUT])
+def test_a_decision_recorded_before_the_park_refuses_it(
+    machine_backend: Backend, reason: DecisionReason
+) -> None:
+    # The decision lands between the worker's "not yet" and its park: the park writes nothing
+    # and the attempt goes on in memory; its replay of the request gets the decision.
+    run = replay(
+        machine_backend,
+        [
+            ("start_running", {"max_attempts": 1, "progress": 2}),
+            ("resolve_approval", {"run": 0, "reason": reason, "with_data": False}),
+            ("park", {"pick": 0, "deadline_ticks": None}),
+            ("request_approval", {"pick": 0, "timeout_ticks": 3}),
+        ],
+    )
+    assert (run.status, run.resumes) == (RunStatus.RUNNING, 0)
+    assert run.interrupt is not None and run.interrupt.reason is reason
+
+
+def test_a_person_too_late_leaves_the_run_to_the_timer_sweep(machine_backend: Backend) -> None:
+    # The approval's deadline passes while the run waits: a late approval is refused (the
+    # interrupt expires), and the sweep re-queues the run with the decision timeout.
+    run = replay(
+        machine_backend,
+        [
+            ("start_running", {"max_attempts": 1, "progress": 4, "timeout_ticks": 1}),
+            ("advance_clock", {"ticks": 1}),
+            ("resolve_approval", {"run": 0, "reason": DecisionReason.APPROVED, "with_data": False}),
+            ("sweep_timers", {"batch_limit": 1}),
+            ("claim", {"worker": 1, "limit": 1}),
+            ("complete_step", {"pick": 0}),  # s0 replayed
+            ("request_approval", {"pick": 0, "timeout_ticks": 3}),  # timeout: done
+            ("finish", {"picks": [(0, "succeeded")]}),
+        ],
+    )
+    assert (run.status, run.attempt, run.resumes) == (RunStatus.SUCCEEDED, 2, 1)
+    assert run.interrupt is not None and run.interrupt.reason is DecisionReason.TIMEOUT
+
+
+def test_a_waiting_run_past_its_deadline_ends_timed_out(machine_backend: Backend) -> None:
+    # The first sweep finds nothing due; once the deadline passed, the run ends without a
+    # worker, its approval denied timeout.
+    run = replay(
+        machine_backend,
+        [
+            (
+                "start_running",
+                {"max_attempts": 1, "progress": 4, "timeout_ticks": 3, "deadline_ticks": 1},
+            ),
+            ("sweep_timers", {"batch_limit": 100}),
+            ("advance_clock", {"ticks": 1}),
+            ("sweep_timers", {"batch_limit": 100}),
+        ],
+    )
+    assert (run.status, run.attempt, run.resumes) == (RunStatus.TIMED_OUT, 1, 0)
+    assert run.interrupt is not None and run.interrupt.reason is DecisionReason.TIMEOUT
+
+
+def test_a_cancel_ends_a_waiting_run_and_denies_its_approval(machine_backend: Backend) -> None:
+    # No worker is needed, and a decision that comes after it is refused.
+    run = replay(
+        machine_backend,
+        [
+            ("start_running", {"max_attempts": 1, "progress": 4}),
+            ("cancel", {"run": 0, "by": "owner"}),
+            ("resolve_approval", {"run": 0, "reason": DecisionReason.APPROVED, "with_data": False}),
+        ],
+    )
+    assert run.status is RunStatus.CANCELLED
+    assert run.interrupt is not None and run.interrupt.reason is DecisionReason.CANCELLED
