@@ -1,13 +1,14 @@
 """The Hypothesis state machine that drives the real repositories beside ``run_model.RunModel``.
 
 One rule is one thing a part of Moorline does to runs: the API submits, admits and cancels;
-workers claim, heartbeat, run steps, ask for approval, finish or release attempts, crash,
-pause and resume; a person decides an approval; time passes; the reaper reaps. Every rule
-calls the real repository (``RunsRepo``, ``QueueRepo``, ``StepsRepo``, ``InterruptsRepo``,
-``moorline.dispatch.cancel.cancel_run``), applies the same event to the model and asserts that
-the repository answered what the model predicts. After every rule ``agrees_with_database``
-reads the database (``observe.py``) and checks the invariants; ``test_run_state_machine.py``
-lists them.
+workers claim, heartbeat, run steps, ask for approval, park, finish or release attempts,
+crash, pause and resume; a person decides an approval; time passes; the reaper reaps; the
+timer sweep re-queues or times out waiting runs. Every rule calls the real repository
+(``RunsRepo``, ``QueueRepo``, ``StepsRepo``, ``InterruptsRepo``, ``ParkingRepo``,
+``moorline.dispatch.cancel.cancel_run``, ``moorline.dispatch.timers.TimerSweep``), applies
+the same event to the model and asserts that the repository answered what the model
+predicts. After every rule ``agrees_with_database`` reads the database (``observe.py``) and
+checks the invariants; ``test_run_state_machine.py`` lists them.
 
 **Workers** are three slots. A worker holds the fences of the attempts it believes it runs,
 each with its position in ``run_model.WORKFLOW``; it forgets one when a write tells it the
@@ -15,19 +16,20 @@ lease is lost, and when it finished or released the attempt. A paused worker kee
 and neither heartbeats nor writes until it resumes; a crashed one is replaced by a fresh
 process (new owner id), and its leases are simply never renewed again.
 
-**Time.** Leases, retry delays and approval deadlines are granted ``LONG_S`` of database
-time, which no example lasts; ``advance_clock`` moves the model's logical clock and rewrites,
-by SQL, the leases, delays and deadlines it passed to ``PAST_S`` before database time. The
-repositories' own predicates against the database clock (``lease_expires_at < now``,
-``not_before <= now``, ``expires_at > now``) still decide; only the passing of time is
-simulated, deterministically and without sleeping.
+**Time.** Leases, retry delays, approval deadlines, waiting runs' timers and runs' deadlines
+are granted ``LONG_S`` of database time, which no example lasts; ``advance_clock`` moves the
+model's logical clock and rewrites, by SQL, the ones it passed to ``PAST_S`` before database
+time. The repositories' own predicates against the database clock (``lease_expires_at <
+now``, ``not_before <= now``, ``expires_at > now``, ``wake_at <= now``) still decide; only
+the passing of time is simulated, deterministically and without sleeping.
 
 **Shape of the examples.** Hypothesis picks uniformly among the enabled rules, so each rule
 acts only in the states where it means something (``when``: a claim needs a claimable run, a
 heartbeat a held lease, ``finish`` an attempt that returned or raised) and does nothing
 otherwise; every example starts with a run already claimed (``start_running``, at a random
-point of its workflow); and one cancel per example at most: ending rules apply in almost
-every state and would otherwise end most runs before their attempts get anywhere.
+point of its workflow, parked and resumed included); and one cancel per example at most:
+ending rules apply in almost every state and would otherwise end most runs before their
+attempts get anywhere.
 """
 
 import asyncio

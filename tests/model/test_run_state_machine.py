@@ -1,16 +1,22 @@
 """Model-based test of the run state machine against the real repositories (docs/reliability.md K1).
 
 ``machine.RunMachine`` (a Hypothesis ``RuleBasedStateMachine``) drives ``RunsRepo``,
-``QueueRepo``, ``StepsRepo``, ``InterruptsRepo`` and ``moorline.dispatch.cancel.cancel_run`` on
-a real database beside the plain model of ``run_model.py``. Rules: submit (queued, or pending
-then admitted or rate-limited), claim, heartbeat, start / complete / fail a step, request and
-resolve an approval, expire approvals, finish attempts (one or two outcomes per
-``finish_many``), release, cancel, crash / pause / resume a worker, advance the clock, reap.
+``QueueRepo``, ``StepsRepo``, ``InterruptsRepo``, ``ParkingRepo``, the ``TimerSweep`` and
+``moorline.dispatch.cancel.cancel_run`` on a real database beside the plain model of
+``run_model.py``. Rules: submit (queued, or pending then admitted or rate-limited), claim,
+heartbeat, start / complete / fail a step, request and resolve an approval (which re-queues a
+run waiting for it), expire approvals, park for the approval (refused once it is decided or
+due), sweep the timers (a due wait re-queued with its approval denied ``timeout``, a passed
+deadline ``timed_out``), finish attempts (one or two outcomes per ``finish_many``), release,
+cancel (a waiting run ends at once), crash / pause / resume a worker, advance the clock, reap.
 Each rule checks what the repository answered against the model; after every rule the
 database is read and checked:
 
 - model and database agree: status, attempt, lease owner, whether the lease is valid by
-  database time, cancel flag, ``finished_at``, claimability, steps, approval and decision;
+  database time, cancel flag, ``finished_at``, claimability, steps, approval and decision,
+  ``resumes``, what a waiting run waits for and whether its timer is due, its deadline;
+- the attempt budget: a claim after a resume uses no attempt (``attempt - resumes`` against
+  ``max_attempts``), for the reaper and for the worker, whose claim must carry ``resumes``;
 - at most one valid lease per run: of all the fences live and paused workers hold, at most
   one matches the run's row;
 - transitions only along the lifecycle's edges (docs/design.md), read from the events table, each
@@ -19,8 +25,9 @@ database is read and checked:
   and the events table is append-only;
 - checkpoints prefix-closed: a step or approval is recorded only if the workflow reached it.
 
-**Inject** has no rule: on this branch injected messages live only in the RuntimeStore (the
-``messages`` table has no repository yet), so there is no database transition to model.
+**Inject** and the other waits have no rule: the model's workflow waits only for its approval,
+so a run parks only for ``i0``. Parking for a message or a sleep, and a message re-queuing a
+run that waits for one, are the same edges; ``tests/contract/test_parking_repo.py`` covers them.
 
 **Backends.** SQLite and PostgreSQL (the issue's pair) in CI; ``MOORLINE_FULL=1`` adds MariaDB.
 One database and tenant per backend for the whole module, one lane per example, whose runs
