@@ -7,8 +7,8 @@ timer sweep re-queues or times out waiting runs. Every rule calls the real repos
 (``RunsRepo``, ``QueueRepo``, ``StepsRepo``, ``InterruptsRepo``, ``ParkingRepo``,
 ``moorline.dispatch.cancel.cancel_run``, ``moorline.dispatch.timers.TimerSweep``), applies
 the same event to the model and asserts that the repository answered what the model
-predicts. After every rule ``agrees_with_database`` reads the database (``observe.py``) and
-checks the invariants; ``test_run_state_machine.py`` lists them.
+predicts. After every rule ``agrees_with_database`` (``checks.py``) reads the database
+(``observe.py``) and checks the invariants; ``test_run_state_machine.py`` lists them.
 
 **Workers** are three slots. A worker holds the fences of the attempts it believes it runs,
 each with its position in ``run_model.WORKFLOW``; it forgets one when a write tells it the
@@ -32,19 +32,16 @@ ending rules apply in almost every state and would otherwise end most runs befor
 attempts get anywhere.
 """
 
-import asyncio
 import functools
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from sqlalchemy import delete, update
 
-from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptResolved, InterruptsRepo
 from moorline.db.repos.parking import ParkingRepo, Wait, WaitKind
 from moorline.db.repos.queue import QueueRepo
@@ -53,13 +50,12 @@ from moorline.db.repos.runs import Failed, NewRun, Outcome, RunsRepo, Stopped, S
 from moorline.db.repos.steps import CancelRequested, LeaseLost, StepsRepo
 from moorline.db.schema import interrupts, runs
 from moorline.dispatch.cancel import cancel_run
-from moorline.dispatch.leader import LeaderElector
-from moorline.dispatch.timers import LEADER_LEASE, TimerSweep
 from moorline.errors import RunFinished, RunNotFound
-from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.types import JSONObject, RunId, RunStatus, StepStatus, TenantId
 from tests.contract.queue_helpers import NO_CAP, unique
-from tests.model.observe import Observation, observe
+from tests.model.backend import LONG_S, PAST_S, Backend
+from tests.model.checks import DatabaseChecks, Seen
+from tests.model.observe import Observation
 from tests.model.run_model import (
     END,
     I0,
@@ -72,22 +68,11 @@ from tests.model.run_model import (
     RunModel,
     StepStart,
     Worker,
-    check_history,
-    check_prefix_closed,
     next_position,
 )
 
 T = TypeVar("T")
 M = TypeVar("M", bound="RunMachine")
-
-LONG_S = 3600.0
-"""Database seconds of every lease, retry delay and deadline: never reached by itself."""
-
-PAST_S = -60.0
-"""Where ``advance_clock`` moves a lease, delay or deadline the model's clock passed."""
-
-CALL_TIMEOUT_S = 30.0
-"""Longest any one repository call may take before the example fails."""
 
 WORKERS = 3
 MAX_RUNS = 3
@@ -135,56 +120,7 @@ def step_output(key: str) -> JSONObject:
     return {"step": key}
 
 
-@dataclass
-class Backend:
-    """What every example on one backend shares: the loop, database, RuntimeStore, tenant.
-
-    Each example keeps to a lane of its own (claims read one lane) and deletes its runs, with
-    their steps, events and approvals, when it ends (the reaper and approval expiry read the
-    whole database).
-    """
-
-    runner: asyncio.Runner
-    db: DatabaseManager
-    store: InMemoryRuntimeStore
-    tenant: TenantId
-    sweeps: dict[int, TimerSweep] = field(default_factory=dict)
-
-    def timer_sweep(self, batch_limit: int) -> TimerSweep:
-        """The timer sweep with ``batch_limit``; all share one leadership, held all along."""
-        if not self.sweeps:
-            elector = LeaderElector(
-                QueueRepo(self.db), name=LEADER_LEASE, holder="model", ttl_s=LONG_S
-            )
-        else:
-            elector = next(iter(self.sweeps.values())).elector
-        if batch_limit not in self.sweeps:
-            parking = ParkingRepo(self.db)
-            self.sweeps[batch_limit] = TimerSweep(
-                parking, elector, interval_s=1.0, batch_limit=batch_limit
-            )
-        return self.sweeps[batch_limit]
-
-    def sync(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return self.runner.run(self._within_deadline(coroutine))
-
-    async def _within_deadline(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        # A call that hangs fails here, with its stack, rather than at pytest's timeout.
-        async with asyncio.timeout(CALL_TIMEOUT_S):
-            return await coroutine
-
-
-@dataclass
-class Seen:
-    """A run as the previous check read it."""
-
-    status: RunStatus
-    attempt: int
-    finished_at: str | None
-    events: list[tuple[str, int]] = field(default_factory=list)
-
-
-class RunMachine(RuleBasedStateMachine):
+class RunMachine(DatabaseChecks, RuleBasedStateMachine):
     def __init__(self, backend: Backend) -> None:
         super().__init__()
         self.backend = backend
@@ -712,92 +648,6 @@ class RunMachine(RuleBasedStateMachine):
             attempt = self.model.run(run.run_id).attempt
             assert run.status is self.model.reap(run.run_id)
             assert (run.attempt, run.lane) == (attempt, self.lane)
-
-    # --- invariants ---------------------------------------------------------------------------
-
-    @invariant()
-    def agrees_with_database(self) -> None:
-        if not self.model.runs:
-            return
-        if self.observed is None:
-            # Rules that touched no database (pause, resume, crash) leave the last read valid.
-            self.observed = self.backend.sync(observe(self.backend.db, self.lane))
-        seen = self.observed
-        assert set(seen.runs) == set(self.model.runs), "the tenant's runs differ from the model's"
-        for run_id in self.model.runs:
-            self._check_run(run_id, seen)
-            self._check_steps_and_approval(run_id, seen)
-            self._check_history(run_id, seen)
-
-    def _check_run(self, run_id: RunId, seen: Observation) -> None:
-        model = self.model.run(run_id)
-        row = seen.runs[run_id]
-        assert (row.status, row.attempt, row.owner) == (model.status, model.attempt, model.owner)
-        assert row.is_cancel_requested == model.is_cancel_requested
-        assert (row.finished_at is not None) == row.status.is_terminal
-        if row.status is RunStatus.RUNNING:
-            assert row.is_lease_valid == (not self.model.is_lease_expired(model))
-        else:
-            assert row.is_lease_valid is None, "a lease outlived its attempt"
-        if row.status is RunStatus.QUEUED:
-            assert row.is_due == (model.due_tick is None)
-        assert row.resumes == model.resumes
-        if row.status is RunStatus.WAITING:
-            assert row.waiting_for is not None
-            waited = (row.waiting_for["kind"], row.waiting_for["interrupt_id"])
-            assert waited == (WaitKind.PERMISSION.value, model.waiting_for)
-            assert row.is_wake_due == model.is_wake_past
-        else:
-            assert (row.waiting_for, row.is_wake_due) == (None, None), "a wait outlived it"
-        if model.deadline_tick is None:
-            assert row.is_deadline_past is None
-        elif not row.status.is_terminal:
-            assert row.is_deadline_past == model.is_deadline_past
-        # At most one valid lease: of all the fences live and paused workers hold, one matches.
-        holding = [
-            fence
-            for worker in self.workers
-            for fence in worker.held
-            if fence.run_id == run_id
-            and row.status is RunStatus.RUNNING
-            and (fence.attempt, fence.owner) == (row.attempt, row.owner)
-        ]
-        assert len(holding) <= 1, f"run {run_id} has {len(holding)} valid leases: {holding}"
-
-    def _check_steps_and_approval(self, run_id: RunId, seen: Observation) -> None:
-        model = self.model.run(run_id)
-        stored_steps = seen.steps.get(run_id, {})
-        assert stored_steps == model.steps
-        asked = seen.interrupts.get(run_id, [])
-        decided: InterruptStatus | None = None
-        if model.interrupt is None:
-            assert asked == []
-        else:
-            expected = model.interrupt
-            [interrupt] = asked
-            assert (interrupt.interrupt_id, interrupt.key, interrupt.attempt) == (
-                expected.interrupt_id,
-                I0,
-                expected.attempt,
-            )
-            decided = interrupt.status
-            assert (decided, interrupt.reason) == (expected.status, expected.reason)
-            assert interrupt.decision == expected.decision
-        check_prefix_closed(run_id, {k: s for k, (s, _) in stored_steps.items()}, decided)
-
-    def _check_history(self, run_id: RunId, seen: Observation) -> None:
-        row = seen.runs[run_id]
-        history = seen.events.get(run_id, [])
-        check_history(run_id, history, row.status, row.attempt)
-        before = self.seen.get(run_id)
-        if before is not None:
-            assert history[: len(before.events)] == before.events, "events were rewritten"
-            assert row.attempt >= before.attempt
-            if before.status.is_terminal:
-                now = (row.status, row.attempt, row.finished_at, history)
-                was = (before.status, before.attempt, before.finished_at, before.events)
-                assert now == was, f"terminal run {run_id} changed: {was} → {now}"
-        self.seen[run_id] = Seen(row.status, row.attempt, row.finished_at, history)
 
 
 def machine_on(backend: Backend) -> type[RunMachine]:

@@ -26,27 +26,12 @@ wake passed (the approval denied ``timeout``) or ends it ``timed_out`` once its 
 passed; a cancel ends it at once. A claim after a resume is no failure: the attempt budget
 counts ``attempt - resumes`` against ``max_attempts``, for the worker and the reaper alike.
 
-**History** is checked from the events table, independently of the model: the statuses the
-events spell out follow ``ALLOWED_EDGES``, every claim (``started``) takes the next attempt,
-and nothing follows a terminal event (:func:`check_history`).
+**History** is checked from the events table, independently of the model: see ``history.py``.
 """
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from moorline.db.repos.events import (
-    EVENT_CANCELLED,
-    EVENT_FAILED,
-    EVENT_QUEUED,
-    EVENT_RECLAIMED,
-    EVENT_RELEASED,
-    EVENT_RESUMED,
-    EVENT_RETRYING,
-    EVENT_STARTED,
-    EVENT_SUCCEEDED,
-    EVENT_TIMED_OUT,
-    EVENT_WAITING,
-)
 from moorline.db.repos.records import DecisionReason, Fence, InterruptStatus
 from moorline.types import Attempt, JSONObject, RunId, RunStatus, StepStatus
 
@@ -64,43 +49,6 @@ END = len(WORKFLOW)
 """An attempt's position once it has nothing left to do but return."""
 
 S = RunStatus
-ALLOWED_EDGES = frozenset(
-    {
-        (S.PENDING, S.QUEUED),
-        (S.PENDING, S.RATE_LIMITED),
-        (S.QUEUED, S.RUNNING),
-        (S.RUNNING, S.QUEUED),
-        (S.RUNNING, S.SUCCEEDED),
-        (S.RUNNING, S.FAILED),
-        (S.RUNNING, S.CANCELLED),
-        (S.RUNNING, S.TIMED_OUT),
-        # A cancel ends a run nobody executes at once (RunsRepo.request_cancel).
-        (S.PENDING, S.CANCELLED),
-        (S.QUEUED, S.CANCELLED),
-        # Parking (ParkingRepo): a waiting run holds no lease; a decision, a message or its
-        # timer re-queues it, a cancel or its deadline ends it without a worker.
-        (S.RUNNING, S.WAITING),
-        (S.WAITING, S.QUEUED),
-        (S.WAITING, S.CANCELLED),
-        (S.WAITING, S.TIMED_OUT),
-    }
-)
-"""The lifecycle's edges (docs/design.md); every other change of status is a bug."""
-
-EVENT_STATUS: dict[str, RunStatus] = {
-    EVENT_QUEUED: S.QUEUED,
-    EVENT_STARTED: S.RUNNING,
-    EVENT_RETRYING: S.QUEUED,
-    EVENT_RECLAIMED: S.QUEUED,
-    EVENT_RELEASED: S.QUEUED,
-    EVENT_SUCCEEDED: S.SUCCEEDED,
-    EVENT_FAILED: S.FAILED,
-    EVENT_CANCELLED: S.CANCELLED,
-    EVENT_TIMED_OUT: S.TIMED_OUT,
-    EVENT_WAITING: S.WAITING,
-    EVENT_RESUMED: S.QUEUED,
-}
-"""The status each lifecycle event records a move to."""
 
 Kind = Literal["succeeded", "retry_now", "retry_later", "failed", "timed_out", "cancelled"]
 """How an attempt ends, as the worker reports it to ``RunsRepo.finish_many``."""
@@ -207,57 +155,6 @@ class Passed:
     """Waiting runs' timers (``runs.wake_at``)."""
     run_deadlines: set[RunId] = field(default_factory=set)
     """Runs' wall-clock deadlines (``runs.deadline_at``)."""
-
-
-def next_position(position: int, interrupt: ModelInterrupt | None) -> int:
-    """Where an attempt at ``i0`` goes once ``interrupt`` is decided (or stays, if pending)."""
-    if interrupt is None or interrupt.status is InterruptStatus.PENDING:
-        return position
-    return position + 1 if interrupt.status is InterruptStatus.APPROVED else END
-
-
-def check_prefix_closed(
-    run_id: RunId,
-    steps: dict[str, StepStatus],
-    interrupt: InterruptStatus | None,
-) -> None:
-    """The run's checkpoints are a prefix of ``WORKFLOW``: only what the workflow reached."""
-    unknown = set(steps) - {S0, S1}
-    assert not unknown, f"run {run_id}: checkpoints of steps the workflow has not: {unknown}"
-    s0_done = steps.get(S0) is StepStatus.SUCCEEDED
-    if interrupt is not None:
-        assert s0_done, f"run {run_id}: approval {I0} opened before {S0} succeeded"
-    if S1 in steps:
-        assert s0_done and interrupt is InterruptStatus.APPROVED, (
-            f"run {run_id}: {S1} checkpointed while {S0} is {steps.get(S0)} and {I0} is {interrupt}"
-        )
-
-
-def check_history(
-    run_id: RunId, events: list[tuple[str, int]], status: RunStatus, attempt: int
-) -> None:
-    """The run's events spell a path along ``ALLOWED_EDGES`` that ends where the row is.
-
-    Every ``started`` event carries the attempt after the previous one's (each claim takes the
-    next fencing token), every other event the attempt current when it was written, and no
-    event follows a terminal one.
-    """
-    current = S.PENDING
-    last_started = 0
-    for seq, (event_type, event_attempt) in enumerate(events, 1):
-        where = f"run {run_id} event {seq} ({event_type}, attempt {event_attempt})"
-        assert event_type in EVENT_STATUS, f"{where}: not a lifecycle event"
-        moved_to = EVENT_STATUS[event_type]
-        assert (current, moved_to) in ALLOWED_EDGES, f"{where}: {current} → {moved_to}"
-        if event_type == EVENT_STARTED:
-            assert event_attempt == last_started + 1, f"{where}: after attempt {last_started}"
-            last_started = event_attempt
-        else:
-            assert event_attempt == last_started, f"{where}: during attempt {last_started}"
-        current = moved_to
-    ends = status if current is S.PENDING and status is S.RATE_LIMITED else current
-    assert ends is status, f"run {run_id}: events end {current}, the row says {status}"
-    assert last_started == attempt, f"run {run_id}: last claim {last_started}, row {attempt}"
 
 
 class RunModel:
@@ -596,3 +493,27 @@ class RunModel:
                 interrupt.is_overdue = True
                 passed.deadlines.add(interrupt.interrupt_id)
         return passed
+
+
+def next_position(position: int, interrupt: ModelInterrupt | None) -> int:
+    """Where an attempt at ``i0`` goes once ``interrupt`` is decided (or stays, if pending)."""
+    if interrupt is None or interrupt.status is InterruptStatus.PENDING:
+        return position
+    return position + 1 if interrupt.status is InterruptStatus.APPROVED else END
+
+
+def check_prefix_closed(
+    run_id: RunId,
+    steps: dict[str, StepStatus],
+    interrupt: InterruptStatus | None,
+) -> None:
+    """The run's checkpoints are a prefix of ``WORKFLOW``: only what the workflow reached."""
+    unknown = set(steps) - {S0, S1}
+    assert not unknown, f"run {run_id}: checkpoints of steps the workflow has not: {unknown}"
+    s0_done = steps.get(S0) is StepStatus.SUCCEEDED
+    if interrupt is not None:
+        assert s0_done, f"run {run_id}: approval {I0} opened before {S0} succeeded"
+    if S1 in steps:
+        assert s0_done and interrupt is InterruptStatus.APPROVED, (
+            f"run {run_id}: {S1} checkpointed while {S0} is {steps.get(S0)} and {I0} is {interrupt}"
+        )

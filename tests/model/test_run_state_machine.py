@@ -64,7 +64,8 @@ from moorline.settings import Settings
 from moorline.types import RunStatus
 from tests.conftest import BACKENDS
 from tests.contract.queue_helpers import create_tenant, purge_tenant
-from tests.model.machine import LONG_S, Backend, RunMachine, machine_on
+from tests.model.backend import LONG_S, Backend
+from tests.model.machine import RunMachine, machine_on
 from tests.model.run_model import ModelRun
 
 IS_FULL = os.environ.get("MOORLINE_FULL") == "1"
