@@ -4,7 +4,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moorline.client import Client
+    from moorline.client import Client, SyncClient
     from moorline.engine.context import Cancelled, Context, Decision
     from moorline.engine.registry import Moorline
     from moorline.errors import (
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 _MODULE_OF = {
     "BackendUnavailable": "moorline.errors",
     "Cancelled": "moorline.engine.context",
+    "ChildFailed": "moorline.errors",
     "Client": "moorline.client",
     "ConfigError": "moorline.errors",
     "Conflict": "moorline.errors",
@@ -33,9 +34,11 @@ _MODULE_OF = {
     "Moorline": "moorline.engine.registry",
     "MoorlineError": "moorline.errors",
     "NotFound": "moorline.errors",
+    "RunParked": "moorline.errors",
     "RunStatus": "moorline.types",
     "Settings": "moorline.settings",
     "SoftTimeLimitExceeded": "moorline.errors",
+    "SyncClient": "moorline.client",
 }
 """Where each public name lives. Imported on first use (PEP 562): every ``moorline`` process
 imports this package, and a client command needs neither the engine nor the database layer,
@@ -69,6 +72,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BackendUnavailable",
     "Cancelled",
+    "ChildFailed",
     "Client",
     "ConfigError",
     "Conflict",
@@ -78,8 +82,10 @@ __all__ = [
     "Moorline",
     "MoorlineError",
     "NotFound",
+    "RunParked",
     "RunStatus",
     "Settings",
     "SoftTimeLimitExceeded",
+    "SyncClient",
     "__version__",
 ]

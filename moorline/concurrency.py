@@ -7,11 +7,8 @@ few places where blocking code must run beside the loop. Each tool here covers o
 - :class:`KeyedLock`: one :class:`asyncio.Lock` per key, created on first use and dropped as
   soon as nobody holds or waits for it, so serialising per run or per conversation never
   degenerates into one global lock and the map never outgrows the keys in use.
-- :class:`RWLock`: many readers or one writer. Writers are preferred (a waiting writer holds
-  new readers back) yet neither side starves: when a writer leaves, the readers that queued
-  behind it go first, together, before the next writer.
-- :class:`BoundedQueue`: an :class:`asyncio.Queue` that must have a bound, with a ``drained``
-  event set whenever nothing is queued, to wait for a consumer to catch up without polling.
+- :class:`BoundedQueue`: an :class:`asyncio.Queue` that must have a bound, and can be emptied
+  at once (:meth:`BoundedQueue.drain_nowait`), which wakes every producer waiting for room.
 - :class:`ThreadBridge` and :func:`run_in_thread`: blocking code (a sync SDK's iterator, a sync
   step function, file I/O) runs in a producer thread of its own and hands its items to the loop
   through a bounded queue. The thread never touches the loop's state: it only puts into the
@@ -24,6 +21,9 @@ few places where blocking code must run beside the loop. Each tool here covers o
   at a time; see the class for what is served while a reload runs or after one failed.
 
 Nothing here is thread-safe except where a class says so: use each from its event loop.
+
+Seed 002 also has a reader-writer lock and a "drained" event; Moorline has no use for either
+(docs/design.md, "Concurrency model"), so they are not here.
 """
 
 import asyncio
@@ -31,9 +31,8 @@ import contextvars
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Iterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Generic, ParamSpec, Self, TypeVar
@@ -109,138 +108,15 @@ class KeyedLock(Generic[K]):
         return len(self._entries)
 
 
-# --- read/write lock -------------------------------------------------------------------------
-
-
-class RWLock:
-    """Many readers at once, or one writer alone; writers preferred, nobody starves.
-
-    - A reader enters at once unless a writer holds the lock or waits for it.
-    - A writer enters when nobody holds the lock; otherwise it queues behind earlier writers.
-    - A writer leaving lets in every reader that queued meanwhile, as one batch, before the
-      next writer; the last reader of a batch leaving lets in the next writer.
-
-    A steady stream of readers thus cannot keep a writer out (new readers queue behind it),
-    and a steady stream of writers cannot keep readers out (each write is followed by the
-    readers that waited for it). A waiter that is cancelled leaves the queue without holding
-    the lock, even when it was granted the lock just before its cancellation.
-
-    Usage::
-
-        async with rwlock.read():
-            ...  # alongside other readers
-        async with rwlock.write():
-            ...  # alone
-    """
-
-    def __init__(self) -> None:
-        self._readers = 0
-        self._writing = False
-        self._waiting_readers: deque[asyncio.Future[None]] = deque()
-        self._waiting_writers: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def readers(self) -> int:
-        """Readers holding the lock now."""
-        return self._readers
-
-    @property
-    def writing(self) -> bool:
-        """Whether a writer holds the lock now."""
-        return self._writing
-
-    @property
-    def waiting_readers(self) -> int:
-        """Readers queued for the lock now."""
-        return sum(not waiter.done() for waiter in self._waiting_readers)
-
-    @property
-    def waiting_writers(self) -> int:
-        """Writers queued for the lock now."""
-        return sum(not waiter.done() for waiter in self._waiting_writers)
-
-    @asynccontextmanager
-    async def read(self) -> AsyncIterator[None]:
-        """Hold the lock as a reader for the ``async with`` block."""
-        await self._acquire(self._waiting_readers, writer=False)
-        try:
-            yield
-        finally:
-            self._release_read()
-
-    @asynccontextmanager
-    async def write(self) -> AsyncIterator[None]:
-        """Hold the lock as the only writer (and no reader) for the ``async with`` block."""
-        await self._acquire(self._waiting_writers, writer=True)
-        try:
-            yield
-        finally:
-            self._writing = False
-            self._wake(readers_first=True)
-
-    async def _acquire(self, queue: deque[asyncio.Future[None]], *, writer: bool) -> None:
-        if not self._writing and not self._waiting_writers:
-            if not writer:
-                self._readers += 1
-                return
-            if self._readers == 0:
-                self._writing = True
-                return
-        granted = asyncio.get_running_loop().create_future()
-        queue.append(granted)
-        try:
-            await granted
-        except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():
-                # Granted, then cancelled before it could run: give the lock back.
-                if writer:
-                    self._writing = False
-                    self._wake(readers_first=True)
-                else:
-                    self._release_read()
-            else:
-                with suppress(ValueError):
-                    queue.remove(granted)
-                # Readers held back only by this writer may go now.
-                self._wake(readers_first=False)
-            raise
-
-    def _release_read(self) -> None:
-        self._readers -= 1
-        if self._readers == 0:
-            self._wake(readers_first=False)
-
-    def _wake(self, *, readers_first: bool) -> None:
-        """Hand the lock to whoever is next (the grant is done here, not by the waiter)."""
-        if self._writing:
-            return
-        # Futures of cancelled waiters stay queued until their task runs; skip them.
-        while self._waiting_writers and self._waiting_writers[0].done():
-            self._waiting_writers.popleft()
-        if self._waiting_readers and (readers_first or not self._waiting_writers):
-            while self._waiting_readers:
-                waiter = self._waiting_readers.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    self._readers += 1
-            return
-        if self._readers == 0 and self._waiting_writers:
-            self._waiting_writers.popleft().set_result(None)
-            self._writing = True
-
-
 # --- bounded queue ---------------------------------------------------------------------------
 
 
 class BoundedQueue(asyncio.Queue[T]):
-    """An :class:`asyncio.Queue` with a mandatory bound and a ``drained`` event.
+    """An :class:`asyncio.Queue` with a mandatory bound.
 
     When full, :meth:`put` waits for room (backpressure on the producer) and ``put_nowait``
     raises :class:`asyncio.QueueFull`; the owner decides which of the two a producer gets and
-    says so. ``drained`` is set whenever the queue holds nothing: cleared by a put, set again
-    by the get that takes the last item (or by :meth:`drain_nowait`). It says that everything
-    put so far was *taken*; whether it was also *processed* is what ``task_done`` and
-    ``join`` report, as on any :class:`asyncio.Queue`.
+    says so. :meth:`drain_nowait` empties it at once, for a consumer that leaves.
 
     Args:
         maxsize: Most items queued at once; at least 1 (``asyncio.Queue`` reads 0 as
@@ -253,14 +129,7 @@ class BoundedQueue(asyncio.Queue[T]):
     def __init__(self, maxsize: int) -> None:
         if maxsize < 1:
             raise ValueError(f"a bounded queue needs a maxsize of at least 1, got {maxsize}")
-        self._drained = asyncio.Event()
-        self._drained.set()
         super().__init__(maxsize)
-
-    @property
-    def drained(self) -> asyncio.Event:
-        """Set while nothing is queued; wait on it, never set or clear it from outside."""
-        return self._drained
 
     def drain_nowait(self) -> list[T]:
         """Take every queued item at once, oldest first, and wake producers waiting for room."""
@@ -268,16 +137,6 @@ class BoundedQueue(asyncio.Queue[T]):
         while not self.empty():
             items.append(self.get_nowait())
         return items
-
-    def _put(self, item: T) -> None:
-        super()._put(item)
-        self._drained.clear()
-
-    def _get(self) -> T:
-        item = super()._get()
-        if self.empty():
-            self._drained.set()
-        return item
 
 
 # --- thread bridge ---------------------------------------------------------------------------

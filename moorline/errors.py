@@ -18,7 +18,8 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     │   ├── WorkflowNotFound   workflow_not_found
     │   ├── TenantNotFound     tenant_not_found
     │   ├── WebhookNotFound    webhook_not_found
-    │   └── InterruptNotFound  interrupt_not_found
+    │   ├── InterruptNotFound  interrupt_not_found
+    │   └── ApiKeyNotFound     api_key_not_found
     ├── Conflict               409: the request contradicts the current state
     │   ├── TransitionRejected a fenced or conditional transition matched no row
     │   ├── IdempotencyConflict idempotency_conflict
@@ -170,6 +171,12 @@ class WebhookNotFound(NotFound):
     """No webhook with that id."""
 
     code = "webhook_not_found"
+
+
+class ApiKeyNotFound(NotFound):
+    """No unrevoked API key with that id for that tenant (admin)."""
+
+    code = "api_key_not_found"
 
 
 class InterruptNotFound(NotFound):
@@ -400,3 +407,21 @@ class RunParked(AttemptStopped):
     def __init__(self, fence: Holder, kind: str) -> None:
         super().__init__(fence, f"run {fence.run_id} parked, waiting for a {kind}")
         self.kind = kind
+
+
+class ChildFailed(MoorlineError):
+    """A child run the workflow joined did not succeed.
+
+    Attributes:
+        run_id: The child's run id.
+        child_status: How it ended (``failed``, ``cancelled``, ``timed_out``).
+        error: Its error, as stored (None for a cancel).
+    """
+
+    code = "child_failed"
+
+    def __init__(self, run_id: str, child_status: str, error: object) -> None:
+        super().__init__(f"child run {run_id} ended {child_status}: {error!r}")
+        self.run_id = run_id
+        self.child_status = child_status
+        self.error = error

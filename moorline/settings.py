@@ -4,6 +4,8 @@ Build one :class:`Settings` in the CLI (or ``create_app``) and pass it down; not
 environment anywhere else. Tests construct ``Settings(...)`` directly.
 """
 
+import difflib
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -30,6 +32,16 @@ class LogFormat(StrEnum):
 
     TEXT = "text"
     JSON = "json"
+
+
+class LogLevel(StrEnum):
+    """The least severe log level written (the ``logging`` names, any case in the variable)."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
 
 
 class AccessLog(StrEnum):
@@ -161,6 +173,9 @@ class Settings(BaseSettings):
     log_format: LogFormat = LogFormat.TEXT
     """``text`` (one readable line per record) or ``json`` (one JSON object per line)."""
 
+    log_level: LogLevel = LogLevel.INFO
+    """The least severe level logged: ``DEBUG``, ``INFO`` (the default), ``WARNING``, ..."""
+
     access_log: AccessLog = AccessLog.ERRORS
     """Requests ``moorline serve`` logs a line for: ``errors`` (answered 4xx/5xx), ``all``, or
     ``off`` (see :class:`AccessLog`)."""
@@ -176,6 +191,11 @@ class Settings(BaseSettings):
         if parsed.query or parsed.fragment:
             raise ValueError(f"{value!r} has a query or a fragment")
         return value.rstrip("/")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_log_level(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("database_urls", mode="before")
     @classmethod
@@ -210,3 +230,23 @@ def describe_validation_error(exc: ValidationError) -> str:
     location = first["loc"]
     name = f"{ENV_PREFIX}{str(location[0]).upper()}" if location else "settings"
     return f"{name}: {first['msg']}"
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One sentence per ``MOORLINE_*`` variable of ``environ`` that is no setting.
+
+    pydantic-settings ignores such a variable, so a misspelt ``MOORLINE_LEASE_TTLL=5`` would
+    silently leave the default; the CLI logs these sentences as warnings at start. Each names
+    the closest known variable (difflib) when one is close enough to be the likely intent.
+    """
+    known = [f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields]
+    warnings = []
+    for name in sorted(environ):
+        # pydantic-settings reads the variables case-insensitively; so does this check.
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known:
+            continue
+        close = difflib.get_close_matches(upper, known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.append(f"unknown setting {name} is ignored{hint}")
+    return warnings

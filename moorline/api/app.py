@@ -21,22 +21,27 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from moorline.admission.admit import Admission
 from moorline.admission.gate import make_gate
 from moorline.admission.quotas import make_quota_store
 from moorline.admission.ratelimit import RateLimiter
 from moorline.api.deps import Services, StreamSlots
+from moorline.api.docs import DOCS_ASSETS_URL, install_docs
 from moorline.api.errors import install_error_handlers
 from moorline.api.guards import RequestGuard
 from moorline.api.routes import (
     admin,
     admin_runs,
+    catalogue,
     dashboard,
     health,
+    keys,
     metrics,
     runs,
     usage,
+    webhook_admin,
     webhooks,
 )
 from moorline.db.manager import DatabaseManager
@@ -88,7 +93,12 @@ def create_app(
         async with closing:
             yield
 
-    app = FastAPI(
+    # fastapi-offline mounts Swagger UI's and ReDoc's files at DOCS_ASSETS_URL; the pages
+    # themselves are moorline.api.docs' (with a CSP). Other arguments go to FastAPI as they are.
+    app: FastAPI = FastAPIOffline(
+        docs_url=None,
+        redoc_url=None,
+        static_url=DOCS_ASSETS_URL,
         title="Moorline",
         summary="Durable, multi-tenant execution for LLM and agent workloads.",
         version=API_VERSION,
@@ -107,8 +117,10 @@ def create_app(
     # The runs routes first: a request is matched against the routes in order, and triggers are
     # the hot path. No two routers share a path, so the order changes nothing else.
     runs.install(app)
-    for module in (health, admin, admin_runs, webhooks, usage, metrics):
+    modules = (health, admin, admin_runs, keys, webhooks, webhook_admin, usage, metrics, catalogue)
+    for module in modules:
         app.include_router(module.build_router())
+    install_docs(app)
     dashboard.install(app)
     return app
 

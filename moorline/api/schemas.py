@@ -9,7 +9,7 @@ database stores.
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from moorline.types import RunStatus
 
@@ -120,6 +120,13 @@ class LaneOut(BaseModel):
     oldest_queued_age_s: float | None = Field(
         description="Seconds the longest-waiting claimable run has waited; null when none."
     )
+    unserved: int = Field(
+        description="Queued runs of the lane whose workflow no live worker serves there (a "
+        "rolling deploy, a worker started with another app): they wait for one that does."
+    )
+    unserved_workflows: list[str] = Field(
+        description="The workflows of the unserved runs, by name; empty when none."
+    )
 
 
 class Queues(BaseModel):
@@ -186,12 +193,39 @@ class PendingInterrupt(BaseModel):
 class WaitingFor(BaseModel):
     """What a ``waiting`` run waits for (it holds no worker slot meanwhile)."""
 
-    kind: Literal["permission", "sleep", "message"]
+    kind: Literal["permission", "sleep", "message", "children"]
     until: datetime | None
     """When the wait ends by itself: the permission's deadline, the sleep's end, the message
     wait's timeout; null for a message wait without one."""
     interrupt_id: str | None = None
     """The interrupt a ``permission`` wait waits for."""
+    children: int | None = None
+    """How many child runs a ``children`` wait awaits."""
+
+
+RUN_ERROR_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "object",
+            "description": "Why the run ended without an output.",
+            "properties": {
+                "type": {"type": "string", "description": "The exception's class name."},
+                "message": {"type": "string"},
+                "reason": {"type": "string"},
+                "traceback": {
+                    "type": "string",
+                    "description": "A failed attempt's traceback: its innermost frames, at "
+                    "most 4000 characters, secrets blanked.",
+                },
+            },
+            "additionalProperties": True,
+        },
+        {"type": "null"},
+    ],
+    "title": "Error",
+}
+"""The OpenAPI schema of a run's ``error``. The value is served as stored (a dict, and fields
+added later pass through), so only the document describes it (``WithJsonSchema``)."""
 
 
 class RunSummary(BaseModel):
@@ -203,7 +237,7 @@ class RunSummary(BaseModel):
     status: RunStatus
     queue: str
     attempt: int
-    error: Any
+    error: Annotated[Any, WithJsonSchema(RUN_ERROR_SCHEMA)]
     conversation_id: str | None
     created_at: datetime
     started_at: datetime | None
@@ -211,6 +245,17 @@ class RunSummary(BaseModel):
     elapsed_time: float | None
     waiting_for: WaitingFor | None = None
     """What a ``waiting`` run waits for; null for every other status."""
+    parent_run_id: str | None = None
+    """The run that started this one with ``ctx.start_child``; null for a top-level run."""
+
+
+class ChildOut(BaseModel):
+    """A child run, as its parent lists it."""
+
+    run_id: str
+    key: str
+    workflow: str
+    status: RunStatus
 
 
 class RunOut(RunSummary):
@@ -218,6 +263,8 @@ class RunOut(RunSummary):
 
     input: Any
     output: Any
+    children: list[ChildOut] = []
+    """The runs this one started with ``ctx.start_child``, in the order it started them."""
     steps: list[StepOut]
     pending_interrupt: PendingInterrupt | None
 

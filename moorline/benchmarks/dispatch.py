@@ -99,6 +99,8 @@ def make_worker(db: DatabaseManager, slots: int, wakeups: LocalWakeups | None = 
         tenant_caps=caps,
         waiter=wakeups,
         poll_interval_s=0.5,
+        # As ``moorline worker`` does: the claim filters on the app's workflows.
+        workflows=[workflow.name for workflow in app],
     )
 
 

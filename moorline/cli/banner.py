@@ -1,4 +1,6 @@
-"""What ``moorline serve`` prints at start: where the API is, and how to create a first tenant.
+"""What ``serve`` prints at start: the API's address, a first tenant's command, the workflows.
+
+``worker`` prints the workflows too (:func:`workflow_lines`).
 
 Admin routes need ``MOORLINE_ADMIN_TOKEN`` (unset means they are off). Without one, a server
 that listens only on a loopback interface gets a random token for this process, printed once:
@@ -8,6 +10,7 @@ admin routes off and says how to set a token: a token printed by a server reacha
 network would end up in its logs.
 """
 
+import inspect
 import ipaddress
 import secrets
 import shlex
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 from pydantic import SecretStr
 
+from moorline.engine.registry import Moorline, WorkflowDefinition
 from moorline.settings import Settings
 
 ADMIN_TOKEN_BYTES = 32
@@ -76,3 +80,32 @@ def start_banner(settings: Settings, *, host: str, port: int, database: str) -> 
     return Banner(
         settings=settings.model_copy(update={"admin_token": SecretStr(token)}), lines=lines
     )
+
+
+def workflow_lines(app: Moorline, spec: str) -> list[str]:
+    """The lines ``serve`` and ``worker`` print at start: each workflow with its signature.
+
+    As Celery prints its tasks: an operator sees at once whether ``--app`` named the app they
+    meant (``spec`` is how it was named).
+    """
+    lines = [f"Workflows of {spec}:"]
+    for definition in sorted(app, key=lambda item: item.name):
+        lines.append(f"  . {definition.name}({_signature(definition)}){_limits(definition)}")
+    if len(lines) == 1:
+        lines.append("  (none: nothing can be triggered)")
+    return lines
+
+
+def _signature(definition: WorkflowDefinition) -> str:
+    """The workflow's parameters as written in its ``def``, without the Context."""
+    params = list(inspect.signature(definition.fn).parameters.values())[1:]
+    return ", ".join(str(param) for param in params)
+
+
+def _limits(definition: WorkflowDefinition) -> str:
+    parts = [f"max_attempts={definition.max_attempts}"]
+    if definition.timeout_s is not None:
+        parts.append(f"timeout={definition.timeout_s:g}s")
+    if definition.soft_timeout_s is not None:
+        parts.append(f"soft_timeout={definition.soft_timeout_s:g}s")
+    return "  [" + " ".join(parts) + "]"

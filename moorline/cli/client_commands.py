@@ -12,6 +12,7 @@ Errors (the server's, or a bad ``--input``) are one line on stderr, ``error: <co
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from functools import wraps
 from pathlib import Path
@@ -66,11 +67,8 @@ RunIdArg = Annotated[str, typer.Argument(metavar="RUN_ID", help="The run's id.")
 
 def register(cli: typer.Typer) -> None:
     """Add the client commands to the ``moorline`` command tree."""
-    tenants = typer.Typer(
-        help="Manage tenants (admin).", no_args_is_help=True, rich_markup_mode="markdown"
-    )
-    tenants.command("create")(tenants_create)
-    cli.add_typer(tenants, name="tenants")
+    # ``tenants create`` lives here with the other client commands; its group, with the rest
+    # of tenant and key management, is moorline.cli.management's.
     for name, command in (
         ("submit", submit),
         ("status", status),
@@ -319,15 +317,33 @@ async def status(
         ("steps", describe_steps(run)),
     ):
         table.add_row(Text(field, style="bold"), Text(value))
+    if run.parent_run_id is not None:
+        table.add_row(Text("parent", style="bold"), Text(run.parent_run_id))
+    if run.children:
+        counts = Counter(str(child.status) for child in run.children)
+        shown = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        table.add_row(Text("children", style="bold"), Text(f"{len(run.children)}: {shown}"))
+    if run.waiting_for is not None:
+        waiting = run.waiting_for
+        until = "no time limit" if waiting.until is None else f"until {waiting.until.isoformat()}"
+        table.add_row(Text("parked", style="bold"), Text(f"{waiting.kind}, {until}"))
     if run.pending_interrupt is not None:
         pending = run.pending_interrupt
         asked = f"{pending.action} {json.dumps(pending.data)} (id {pending.interrupt_id})"
         table.add_row(Text("waits for", style="bold"), Text(asked))
     if run.output is not None:
         table.add_row(Text("output", style="bold"), Text(json.dumps(run.output)))
+    trace = None
     if run.error is not None:
-        table.add_row(Text("error", style="bold"), Text(json.dumps(run.error)))
-    stdout().print(table)
+        # The traceback (error.traceback) goes below the table as it was written, one frame
+        # a line: inside the JSON it would be one long line of escaped newlines.
+        error = dict(run.error) if isinstance(run.error, dict) else run.error
+        trace = error.pop("traceback", None) if isinstance(error, dict) else None
+        table.add_row(Text("error", style="bold"), Text(json.dumps(error)))
+    console = stdout()
+    console.print(table)
+    if isinstance(trace, str):
+        console.print(Text(trace.rstrip("\n")))
 
 
 def describe_steps(run: Run) -> str:

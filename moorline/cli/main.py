@@ -9,13 +9,16 @@ The command tree is built by :func:`build_cli` on each call rather than held in 
 """
 
 import importlib
+import logging
+import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
+from typer.exceptions import TyperException
 
 from moorline.errors import MoorlineError
 
@@ -25,12 +28,14 @@ if TYPE_CHECKING:
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 
+logger = logging.getLogger(__name__)
+
 LAZY_COMMANDS: dict[str, str] = {
     "serve": "moorline.cli.serve",
     "worker": "moorline.cli.worker",
     "db": "moorline.cli.schema",
     "bench": "moorline.cli.bench",
-    "tenants": "moorline.cli.client_commands",
+    "tenants": "moorline.cli.management",
     "submit": "moorline.cli.client_commands",
     "status": "moorline.cli.client_commands",
     "cancel": "moorline.cli.client_commands",
@@ -38,6 +43,8 @@ LAZY_COMMANDS: dict[str, str] = {
     "deny": "moorline.cli.client_commands",
     "inject": "moorline.cli.client_commands",
     "runs": "moorline.cli.client_commands",
+    "workflows": "moorline.cli.catalogue",
+    "webhooks": "moorline.cli.management",
 }
 """Each command's module, imported only when the command runs (or help lists it), by name.
 
@@ -62,6 +69,8 @@ HELP_ORDER = (
     "deny",
     "inject",
     "runs",
+    "workflows",
+    "webhooks",
 )
 """The order ``moorline --help`` lists the commands in (as before they were lazy)."""
 
@@ -95,35 +104,79 @@ def build_cli() -> typer.Typer:
         rich_markup_mode="markdown",
         cls=LazyCommands,
     )
-    # Typer builds a group only for a Typer with a command or a callback; every command is
-    # lazy, so the group gets a callback that does nothing.
-    cli.callback()(_no_options)
+    # Every command is lazy; the group's callback holds the options of ``moorline`` itself.
+    cli.callback()(_top_options)
     return cli
 
 
-def _no_options() -> None:
-    pass
+def _print_version(value: bool) -> None:
+    """``--version``: print it and stop before any command runs."""
+    if value:
+        import moorline
+
+        typer.echo(f"moorline {moorline.__version__}")
+        raise typer.Exit()
+
+
+def _top_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            help="Print the installed version and exit.",
+        ),
+    ] = False,
+) -> None:
+    del version  # handled by its callback, before any command runs
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``moorline`` script and ``python -m moorline``."""
+    args = list(argv) if argv is not None else None
     try:
-        build_cli()(args=list(argv) if argv is not None else None, prog_name="moorline")
+        # standalone_mode=False: click's usage errors reach us instead of Typer's boxed
+        # ``Error`` panel, so they are one ``error: ...`` line like every other failure.
+        code = build_cli()(args=args, prog_name="moorline", standalone_mode=False)
+    except TyperException as exc:
+        # Click's errors as Typer (which vendors click) raises them; a usage error carries its
+        # command's context. A group run without a command "fails" with its help, which Rich
+        # has already printed (an empty message): nothing more to say.
+        ctx = getattr(exc, "ctx", None)
+        message = exc.format_message()
+        if not message.strip():
+            raise SystemExit(exc.exit_code) from None
+        print_error(f"{message} (see '{ctx.command_path} --help')" if ctx else message)
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        print_error("aborted")
+        raise SystemExit(EXIT_ERROR) from None
     except MoorlineError as exc:
         print_error(exc.message)
         raise SystemExit(EXIT_ERROR) from None
     except KeyboardInterrupt:
         raise SystemExit(EXIT_INTERRUPTED) from None
+    if isinstance(code, int) and code:  # a command's ``typer.Exit(code)``
+        raise SystemExit(code)
 
 
-def configure_logging(settings: "Settings") -> None:
-    """Log INFO and above to stderr in ``MOORLINE_LOG_FORMAT``, secrets and API keys blanked."""
+def configure_logging(settings: "Settings", *, warn_unknown: bool = False) -> None:
+    """Log ``MOORLINE_LOG_LEVEL`` and up to stderr in ``MOORLINE_LOG_FORMAT``, secrets blanked.
+
+    With ``warn_unknown`` (the long-running commands), also a warning per unknown
+    ``MOORLINE_*`` variable of the environment.
+    """
     from moorline.api.redaction import redact
     from moorline.observability import logs as observability_logs
+    from moorline.settings import unknown_variables
 
     # redact knows the tenant key format and credential query parameters (an access-log line
     # of a refused ``?api_key=`` request).
     observability_logs.configure_logging(settings, scrub=redact)
+    if warn_unknown:
+        for warning in unknown_variables(os.environ):
+            logger.warning("%s", warning)
 
 
 def print_error(message: str) -> None:

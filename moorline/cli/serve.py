@@ -5,9 +5,10 @@ API, FastAPI and uvicorn cost a worker process over a second of start-up it has 
 """
 
 import asyncio
+import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated
 
@@ -20,10 +21,10 @@ from starlette.types import ASGIApp
 from moorline.api.access import ErrorAccessLog
 from moorline.api.app import create_app
 from moorline.api.deps import Services
-from moorline.cli.banner import start_banner
+from moorline.cli.banner import start_banner, workflow_lines
 from moorline.cli.main import configure_logging
 from moorline.db.manager import DatabaseManager
-from moorline.engine.loader import load_app
+from moorline.engine.loader import DEFAULT_APP, load_app
 from moorline.engine.registry import Moorline
 from moorline.errors import ConfigError
 from moorline.plans import default_lane_slots, resolve_plans
@@ -67,13 +68,21 @@ def serve(
     `moorline.cli.banner` for the admin token it may generate).
     """
     settings = load_settings()
-    configure_logging(settings)
-    application = load_app(app or settings.app)
+    configure_logging(settings, warn_unknown=True)
+    spec = app or settings.app or DEFAULT_APP
+    application = load_app(spec, app_dir=os.getcwd())
     # The port first: a port in use must be one line before anything is printed, generated or
     # connected to (no banner, no admin token, no worker against the database).
     listening = bind_socket(host, port)
     with listening, asyncio.Runner(loop_factory=_fast_event_loop()) as runner:
-        serving = _serve(settings, application, listening=listening, host=host, loops=workers)
+        serving = _serve(
+            settings,
+            application,
+            listening=listening,
+            host=host,
+            loops=workers,
+            listed=workflow_lines(application, spec),
+        )
         started = runner.run(serving)
     if not started:
         raise typer.Exit(EXIT_STARTUP_FAILED)
@@ -118,9 +127,17 @@ def _fast_event_loop() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def _serve(
-    settings: Settings, app: Moorline, *, listening: socket.socket, host: str, loops: int = 1
+    settings: Settings,
+    app: Moorline,
+    *,
+    listening: socket.socket,
+    host: str,
+    loops: int = 1,
+    listed: Sequence[str] = (),
 ) -> bool:
     """Run the API server, the reaper and ``loops`` worker loops; whether the server started.
+
+    ``listed`` (the app's workflows) is printed after the banner.
 
     (uvicorn has logged why when it did not.)
     """
@@ -152,7 +169,8 @@ async def _serve(
             access_log=settings.access_log is AccessLog.ALL,
         )
     )
-    Console(soft_wrap=True, highlight=False).print("\n".join(banner.lines), markup=False)
+    shown = [*banner.lines, *listed]
+    Console(soft_wrap=True, highlight=False).print("\n".join(shown), markup=False)
     with _shutdown_signals_end_cleanly():
         await server.serve(sockets=[listening])
     return server.started

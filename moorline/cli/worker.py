@@ -1,15 +1,17 @@
 """``moorline worker``: claim and execute runs (and run the reaper loop) until stopped."""
 
 import asyncio
+import os
 from typing import Annotated
 
 import typer
 
+from moorline.cli.banner import workflow_lines
 from moorline.cli.main import configure_logging
 from moorline.db.manager import DatabaseManager
 from moorline.dispatch.lanes import resolve_lanes
 from moorline.dispatch.wakeups import make_wakeups
-from moorline.engine.loader import load_app
+from moorline.engine.loader import DEFAULT_APP, load_app
 from moorline.engine.registry import Moorline
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import Settings, load_settings
@@ -56,8 +58,10 @@ def worker(
     Every worker also runs the reaper loop; only the elected leader acts.
     """
     settings = load_settings()
-    configure_logging(settings)
-    application = load_app(app or settings.app)
+    configure_logging(settings, warn_unknown=True)
+    spec = app or settings.app or DEFAULT_APP
+    application = load_app(spec, app_dir=os.getcwd())
+    print("\n".join(workflow_lines(application, spec)), flush=True)
     served = resolve_lanes(lanes, default_lane_slots(resolve_plans(settings)))
     pin_mmap_threshold()  # RSS stays flat on asyncio's read buffers: see the function
     asyncio.run(_work(settings, application, served, grace))

@@ -7,32 +7,45 @@ shows what a client in another language would have to do.
 - :mod:`moorline.client.results`: the typed results (pydantic models of the response bodies);
 - :mod:`moorline.client.errors`: error answers raised as the
   :class:`~moorline.errors.MoorlineError` class of their ``code``;
-- :mod:`moorline.client.sse`: the event stream's parser.
+- :mod:`moorline.client.sse`: the event stream's parser;
+- :mod:`moorline.client.calls`: each operation as a request description, shared with
+  :class:`~moorline.client.sync.SyncClient`, the synchronous twin (``moorline.SyncClient``).
+
+Without ``url`` or ``api_key``, a client reads ``MOORLINE_URL`` and ``MOORLINE_API_KEY``, as
+the CLI's client commands do.
 
 Example::
 
-    async with Client("http://127.0.0.1:8000", api_key=key) as client:
+    async with Client() as client:  # MOORLINE_URL, MOORLINE_API_KEY
         run = await client.trigger("echo", {"message": "hi"})
         async for event in client.events(run.run_id):
             print(event.type, event.data)
+        done = await client.wait(run.run_id, timeout=60)
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, TypeVar
-from urllib.parse import quote
+from collections.abc import AsyncIterator
+from typing import Literal, overload
 
 import httpx
-from pydantic import BaseModel
 
+from moorline.client import calls
+from moorline.client.calls import (
+    DEFAULT_TIMEOUT_S,
+    MAX_RECONNECTS,
+    STREAM_READ_TIMEOUT_S,
+    Call,
+    M,
+)
 from moorline.client.errors import ApiError, ServerUnreachable, error_from_response
 from moorline.client.results import (
+    ApiKey,
+    ApiKeyIssued,
     CancelAccepted,
     Event,
     Lane,
     MessageAccepted,
     PendingInterrupt,
-    Queues,
     Readiness,
     Resumed,
     Run,
@@ -42,29 +55,26 @@ from moorline.client.results import (
     Step,
     Tenant,
     TenantCreated,
+    TenantPage,
     Usage,
+    WaitingFor,
     Webhook,
+    WebhookListed,
+    WorkflowInfo,
+    WorkflowLimits,
 )
 from moorline.client.sse import parse_sse
-from moorline.errors import Unauthorized
+from moorline.client.sync import SyncClient
 from moorline.types import JSONObject, RunStatus
-
-DEFAULT_TIMEOUT_S = 10.0
-STREAM_READ_TIMEOUT_S = 60.0
-"""Longest silence on an event stream before it counts as dropped (the server pings every
-``SSE_PING_INTERVAL``, 15 s by default)."""
-
-MAX_RECONNECTS = 8
-"""Reconnects of an event stream in a row, without an event in between, before giving up."""
-M = TypeVar("M", bound=BaseModel)
 
 
 class Client:
     """An async client of one Moorline server.
 
     Args:
-        url: The server's base URL, e.g. ``http://127.0.0.1:8000``.
-        api_key: A tenant's API key, for the tenant routes.
+        url: The server's base URL, e.g. ``http://127.0.0.1:8000``; default
+            ``MOORLINE_URL``, else ``http://127.0.0.1:8000``.
+        api_key: A tenant's API key, for the tenant routes; default ``MOORLINE_API_KEY``.
         admin_token: ``MOORLINE_ADMIN_TOKEN`` of the server, for the admin routes.
         timeout_s: Timeout of each request (connect, read, write), in seconds.
         transport: An httpx transport (tests pass ``httpx.ASGITransport``).
@@ -74,15 +84,15 @@ class Client:
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         api_key: str | None = None,
         *,
         admin_token: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
-        self._api_key = api_key
+        self.url = calls.resolve_url(url)
+        self._api_key = calls.resolve_api_key(api_key)
         self._admin_token = admin_token
         self._http = httpx.AsyncClient(
             base_url=self.url,
@@ -105,19 +115,65 @@ class Client:
 
     async def create_tenant(self, name: str, plan: str) -> TenantCreated:
         """Create a tenant (admin); its API key is in the result, shown this once."""
-        body = {"name": name, "plan": plan}
-        return await self._call(TenantCreated, "POST", "/v1/admin/tenants", json=body, admin=True)
+        return await self._call(calls.create_tenant(name, plan))
 
     async def change_plan(self, tenant_id: str, plan: str) -> Tenant:
         """Move a tenant to another plan (admin)."""
-        path = f"/v1/admin/tenants/{_segment(tenant_id)}"
-        return await self._call(Tenant, "PATCH", path, json={"plan": plan}, admin=True)
+        return await self._call(calls.change_plan(tenant_id, plan))
+
+    async def list_tenants(
+        self, *, limit: int | None = None, cursor: str | None = None
+    ) -> TenantPage:
+        """One page of tenants with their plan's limits and use, oldest first (admin)."""
+        return await self._call(calls.list_tenants(limit=limit, cursor=cursor))
+
+    async def list_keys(self, tenant_id: str) -> list[ApiKey]:
+        """A tenant's API keys, revoked ones too, never the keys themselves (admin)."""
+        return (await self._call(calls.list_keys(tenant_id))).keys
+
+    async def issue_key(self, tenant_id: str) -> ApiKeyIssued:
+        """Issue another API key for a tenant, shown this once (admin)."""
+        return await self._call(calls.issue_key(tenant_id))
+
+    async def revoke_key(self, tenant_id: str, key_id: str) -> None:
+        """Revoke one of a tenant's API keys; every API process refuses it within 5 s (admin)."""
+        await self._call(calls.revoke_key(tenant_id, key_id))
 
     async def queues(self) -> list[Lane]:
         """Every lane's load (admin)."""
-        return (await self._call(Queues, "GET", "/v1/admin/queues", admin=True)).lanes
+        return (await self._call(calls.queues())).lanes
 
     # --- runs ---------------------------------------------------------------------------------
+
+    async def workflows(self) -> list[WorkflowInfo]:
+        """The workflows the server runs, by name, with their inputs as JSON Schema."""
+        return (await self._call(calls.workflows())).workflows
+
+    @overload
+    async def trigger(
+        self,
+        workflow: str,
+        input: JSONObject | None = None,
+        *,
+        idempotency_key: str | None = None,
+        conversation_id: str | None = None,
+        delay_seconds: float | None = None,
+        wait: Literal[False] = False,
+        timeout: float | None = None,  # noqa: ASYNC109 - the wait's bound, as in wait()
+    ) -> RunAccepted: ...
+
+    @overload
+    async def trigger(
+        self,
+        workflow: str,
+        input: JSONObject | None = None,
+        *,
+        idempotency_key: str | None = None,
+        conversation_id: str | None = None,
+        delay_seconds: float | None = None,
+        wait: Literal[True],
+        timeout: float | None = None,  # noqa: ASYNC109 - the wait's bound, as in wait()
+    ) -> Run: ...
 
     async def trigger(
         self,
@@ -127,21 +183,52 @@ class Client:
         idempotency_key: str | None = None,
         conversation_id: str | None = None,
         delay_seconds: float | None = None,
-    ) -> RunAccepted:
-        """Start a run of ``workflow`` (or get the earlier run of a repeated idempotency key)."""
-        body: dict[str, Any] = {"input": input or {}}
-        optional = {
-            "idempotency_key": idempotency_key,
-            "conversation_id": conversation_id,
-            "delay_seconds": delay_seconds,
-        }
-        body.update({key: value for key, value in optional.items() if value is not None})
-        path = f"/v1/workflows/{_segment(workflow)}/runs"
-        return await self._call(RunAccepted, "POST", path, json=body)
+        wait: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109 - the wait's bound, as in wait()
+    ) -> RunAccepted | Run:
+        """Start a run of ``workflow`` (or get the earlier run of a repeated idempotency key).
+
+        With ``wait=True``, return the run once it has ended instead (see :meth:`wait`;
+        ``timeout`` bounds that wait, in seconds).
+        """
+        call = calls.trigger(
+            workflow,
+            input,
+            idempotency_key=idempotency_key,
+            conversation_id=conversation_id,
+            delay_seconds=delay_seconds,
+        )
+        accepted = await self._call(call)
+        if not wait:
+            return accepted
+        return await self.wait(accepted.run_id, timeout=timeout)
+
+    async def wait(
+        self,
+        run_id: str,
+        *,
+        # A parameter, not the caller's asyncio.timeout: the same call as SyncClient.wait.
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> Run:
+        """The run once it has ended (a terminal status), following its event stream.
+
+        Raises:
+            TimeoutError: it had not ended after ``timeout`` seconds (None: no limit).
+        """
+        async with asyncio.timeout(timeout):
+            last_seq = 0
+            while True:
+                run = await self.get_run(run_id)
+                if run.status.is_terminal:
+                    return run
+                # The stream ends after the terminal event (or when the run is over without
+                # one); the run is read again either way, for its final fields.
+                async for event in self.events(run_id, after=last_seq):
+                    last_seq = event.seq
 
     async def get_run(self, run_id: str) -> Run:
         """A run with its steps and the decision it waits for, if any."""
-        return await self._call(Run, "GET", f"/v1/runs/{_segment(run_id)}")
+        return await self._call(calls.get_run(run_id))
 
     async def list_runs(
         self,
@@ -153,15 +240,14 @@ class Client:
         cursor: str | None = None,
     ) -> RunPage:
         """One page of the tenant's runs, newest first."""
-        params = {
-            "status": None if status is None else str(status),
-            "workflow": workflow,
-            "conversation_id": conversation_id,
-            "limit": limit,
-            "cursor": cursor,
-        }
-        query = {key: value for key, value in params.items() if value is not None}
-        return await self._call(RunPage, "GET", "/v1/runs", params=query)
+        call = calls.list_runs(
+            status=status,
+            workflow=workflow,
+            conversation_id=conversation_id,
+            limit=limit,
+            cursor=cursor,
+        )
+        return await self._call(call)
 
     async def iter_runs(
         self,
@@ -189,7 +275,7 @@ class Client:
 
     async def cancel(self, run_id: str) -> CancelAccepted:
         """Cancel a run: a queued one ends at once, a running one at its next check."""
-        return await self._call(CancelAccepted, "POST", f"/v1/runs/{_segment(run_id)}/cancel")
+        return await self._call(calls.cancel(run_id))
 
     async def resume(
         self,
@@ -200,25 +286,24 @@ class Client:
         data: JSONObject | None = None,
     ) -> Resumed:
         """Decide the run's pending interrupt (default: its oldest one)."""
-        body: dict[str, Any] = {"approved": approved}
-        if interrupt_id is not None:
-            body["interrupt_id"] = interrupt_id
-        if data is not None:
-            body["data"] = data
-        return await self._call(Resumed, "POST", f"/v1/runs/{_segment(run_id)}/resume", json=body)
+        call = calls.resume(run_id, approved=approved, interrupt_id=interrupt_id, data=data)
+        return await self._call(call)
 
-    async def approve(self, run_id: str, *, interrupt_id: str | None = None) -> Resumed:
-        """Approve the run's pending interrupt."""
-        return await self.resume(run_id, approved=True, interrupt_id=interrupt_id)
+    async def approve(
+        self, run_id: str, *, interrupt_id: str | None = None, data: JSONObject | None = None
+    ) -> Resumed:
+        """Approve the run's pending interrupt; ``data`` reaches the workflow's decision."""
+        return await self.resume(run_id, approved=True, interrupt_id=interrupt_id, data=data)
 
-    async def deny(self, run_id: str, *, interrupt_id: str | None = None) -> Resumed:
+    async def deny(
+        self, run_id: str, *, interrupt_id: str | None = None, data: JSONObject | None = None
+    ) -> Resumed:
         """Deny the run's pending interrupt."""
-        return await self.resume(run_id, approved=False, interrupt_id=interrupt_id)
+        return await self.resume(run_id, approved=False, interrupt_id=interrupt_id, data=data)
 
     async def post_message(self, run_id: str, content: str) -> MessageAccepted:
         """Hand a message to a running run's workflow."""
-        path = f"/v1/runs/{_segment(run_id)}/messages"
-        return await self._call(MessageAccepted, "POST", path, json={"content": content})
+        return await self._call(calls.post_message(run_id, content))
 
     async def events(
         self, run_id: str, *, after: int = 0, read_timeout_s: float = STREAM_READ_TIMEOUT_S
@@ -244,8 +329,8 @@ class Client:
             except (httpx.TransportError, ServerUnreachable) as exc:
                 failures += 1
                 if failures > MAX_RECONNECTS:
-                    raise _unreachable(self.url, exc) from exc
-                await asyncio.sleep(_backoff_s(failures))
+                    raise calls.unreachable(self.url, exc) from exc
+                await asyncio.sleep(calls.backoff_s(failures))
                 continue
             # A clean close without a terminal event: the lifetime cap, or a run that is over.
             if (await self.get_run(run_id)).status.is_terminal:
@@ -255,18 +340,17 @@ class Client:
                     yield event
                 return
             failures += 1  # a stream that keeps closing empty must not spin
-            await asyncio.sleep(_backoff_s(failures) if failures > 1 else 0.0)
+            await asyncio.sleep(calls.backoff_s(failures) if failures > 1 else 0.0)
 
     async def _stream_once(
         self, run_id: str, after: int, read_timeout_s: float
     ) -> AsyncIterator[Event]:
         """One connection's worth of the run's events after ``after``."""
-        headers = {"Accept": "text/event-stream", "Last-Event-ID": str(after)}
         timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout_s)
         request = self._http.build_request(
             "GET",
-            f"/v1/runs/{_segment(run_id)}/events",
-            headers={**self._auth(admin=False), **headers},
+            calls.events_path(run_id),
+            headers={**self._auth(admin=False), **calls.events_headers(after)},
             timeout=timeout,
         )
         response = await self._send(request, stream=True)
@@ -283,14 +367,19 @@ class Client:
 
     async def create_webhook(self, workflow: str, *, secret: str | None = None) -> Webhook:
         """A webhook that triggers ``workflow`` for GitHub-signed deliveries."""
-        body = (
-            {"workflow": workflow} if secret is None else {"workflow": workflow, "secret": secret}
-        )
-        return await self._call(Webhook, "POST", "/v1/webhooks", json=body)
+        return await self._call(calls.create_webhook(workflow, secret))
+
+    async def list_webhooks(self) -> list[WebhookListed]:
+        """The tenant's webhooks, oldest first (without their secrets)."""
+        return (await self._call(calls.list_webhooks())).webhooks
+
+    async def delete_webhook(self, webhook_id: str) -> None:
+        """Delete one of the tenant's webhooks; deliveries to it are refused from then on."""
+        await self._call(calls.delete_webhook(webhook_id))
 
     async def usage(self) -> Usage:
         """The tenant's daily quota and what is used of it."""
-        return await self._call(Usage, "GET", "/v1/usage")
+        return await self._call(calls.usage())
 
     async def healthz(self) -> bool:
         """Whether the server process answers ``/healthz``."""
@@ -299,64 +388,28 @@ class Client:
 
     async def readyz(self) -> Readiness:
         """Whether every backend of the server accepts work (503 is an answer, not an error)."""
-        response = await self._send(self._http.build_request("GET", "/readyz"))
-        body = response.json()
-        if response.status_code == 200:
-            return Readiness(ready=True, checks=body.get("checks", {}))
-        if response.status_code == 503 and isinstance(body.get("error"), dict):
-            error = body["error"]
-            return Readiness(
-                ready=False, checks=error.get("checks", {}), message=error.get("message")
-            )
-        raise error_from_response(response)
+        return calls.readiness(await self._send(self._http.build_request("GET", "/readyz")))
 
     # --- plumbing -------------------------------------------------------------------------------
 
     def _auth(self, *, admin: bool) -> dict[str, str]:
-        secret = self._admin_token if admin else self._api_key
-        if secret is None:
-            needed = "an admin token" if admin else "an API key"
-            raise Unauthorized(f"this request needs {needed}, and the client has none")
-        return {"Authorization": f"Bearer {secret}"}
+        return calls.authorization(self._admin_token if admin else self._api_key, admin=admin)
 
-    async def _call(
-        self,
-        model: type[M],
-        method: str,
-        path: str,
-        *,
-        json: Mapping[str, Any] | None = None,
-        params: Mapping[str, Any] | None = None,
-        admin: bool = False,
-    ) -> M:
+    async def _call(self, call: Call[M]) -> M:
         request = self._http.build_request(
-            method, path, json=json, params=params, headers=self._auth(admin=admin)
+            call.method,
+            call.path,
+            json=call.json,
+            params=call.params,
+            headers=self._auth(admin=call.admin),
         )
-        response = await self._send(request)
-        if response.status_code >= 400:
-            raise error_from_response(response)
-        return model.model_validate(response.json())
+        return calls.result(call, await self._send(request))
 
     async def _send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         try:
             return await self._http.send(request, stream=stream)
         except httpx.TransportError as exc:
-            raise _unreachable(self.url, exc) from exc
-
-
-def _backoff_s(failures: int) -> float:
-    """Seconds to wait before reconnect number ``failures`` (0.2, 0.4, … up to 2)."""
-    return float(min(2.0, 0.1 * 2**failures))
-
-
-def _unreachable(url: str, exc: BaseException) -> ServerUnreachable:
-    reason = str(exc) or type(exc).__name__
-    return ServerUnreachable(f"could not reach the Moorline server at {url}: {reason}")
-
-
-def _segment(value: str) -> str:
-    """``value`` as one path segment: a ``/`` or ``?`` in an id must not change the route."""
-    return quote(value, safe="")
+            raise calls.unreachable(self.url, exc) from exc
 
 
 __all__ = [
@@ -375,10 +428,14 @@ __all__ = [
     "RunSummary",
     "ServerUnreachable",
     "Step",
+    "SyncClient",
     "Tenant",
     "TenantCreated",
     "Usage",
+    "WaitingFor",
     "Webhook",
+    "WorkflowInfo",
+    "WorkflowLimits",
     "error_from_response",
     "parse_sse",
 ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import httpx
 
 from moorline.errors import (
+    ApiKeyNotFound,
     BackendUnavailable,
     BadRequest,
     BodyTooLarge,
@@ -87,6 +88,7 @@ _SIMPLE: tuple[type[MoorlineError], ...] = (
     TenantNotFound,
     WebhookNotFound,
     InterruptNotFound,
+    ApiKeyNotFound,
     Conflict,
     IdempotencyConflict,
     RunFinished,

@@ -39,6 +39,45 @@ class Tenant(Result):
     plan: str
 
 
+class TenantLoad(Tenant):
+    """A tenant as the admin listing shows it: its plan's limits and what it uses of them."""
+
+    lane: str
+    daily_quota: int
+    used_today: int
+    tenant_concurrency: int
+    running: int
+    created_at: datetime
+
+
+class TenantPage(Result):
+    """A page of tenants, oldest first; ``next_cursor`` is None on the last page."""
+
+    tenants: list[TenantLoad]
+    next_cursor: str | None
+
+
+class ApiKey(Result):
+    """One API key as listed: its id and first characters, never the key."""
+
+    key_id: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class ApiKeyIssued(ApiKey):
+    """A new API key, shown this once."""
+
+    api_key: str
+
+
+class ApiKeys(Result):
+    """A tenant's API keys, revoked ones too, oldest first."""
+
+    keys: list[ApiKey]
+
+
 class Lane(Result):
     """One lane's load."""
 
@@ -83,6 +122,16 @@ class PendingInterrupt(Result):
     expires_at: datetime
 
 
+class WaitingFor(Result):
+    """What a ``waiting`` run waits for (it holds no worker slot meanwhile)."""
+
+    kind: str
+    """``permission``, ``sleep`` or ``message``."""
+    until: datetime | None
+    interrupt_id: str | None = None
+    children: int | None = None
+
+
 class RunSummary(Result):
     """A run as listed."""
 
@@ -98,6 +147,17 @@ class RunSummary(Result):
     started_at: datetime | None
     finished_at: datetime | None
     elapsed_time: float | None
+    waiting_for: WaitingFor | None = None
+    parent_run_id: str | None = None
+
+
+class Child(Result):
+    """A child run, as its parent lists it."""
+
+    run_id: str
+    key: str
+    workflow: str
+    status: RunStatus
 
 
 class Run(RunSummary):
@@ -107,6 +167,7 @@ class Run(RunSummary):
     output: Any
     steps: list[Step]
     pending_interrupt: PendingInterrupt | None
+    children: list[Child] = []
 
 
 class RunPage(Result):
@@ -146,6 +207,20 @@ class Webhook(Result):
     secret: str
 
 
+class WebhookListed(Result):
+    """A webhook as listed (its secret was shown when it was created)."""
+
+    webhook_id: str
+    workflow: str
+    url: str
+
+
+class Webhooks(Result):
+    """The tenant's webhooks, oldest first."""
+
+    webhooks: list[WebhookListed]
+
+
 class Usage(Result):
     """The tenant's daily quota."""
 
@@ -155,6 +230,30 @@ class Usage(Result):
     used_today: int
     remaining: int
     resets_at: datetime
+
+
+class WorkflowLimits(Result):
+    """What bounds one run of a workflow."""
+
+    max_attempts: int
+    timeout_s: float | None
+    soft_timeout_s: float | None
+
+
+class WorkflowInfo(Result):
+    """One workflow of the catalogue: its input as JSON Schema, limits and lanes."""
+
+    name: str
+    parameters: dict[str, Any]
+    limits: WorkflowLimits
+    lanes: list[str]
+    lane: str
+
+
+class Workflows(Result):
+    """The catalogue (``GET /v1/workflows``)."""
+
+    workflows: list[WorkflowInfo]
 
 
 class Readiness(Result):

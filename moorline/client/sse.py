@@ -1,36 +1,65 @@
-"""Server-Sent Events, parsed from the lines of a response."""
+"""Server-Sent Events, parsed from the lines of a response (async or not)."""
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 from moorline.client.results import Event
 from moorline.types import JSONValue
 
 
-async def parse_sse(lines: AsyncIterator[str]) -> AsyncIterator[Event]:
-    """The events of an SSE stream, from its lines.
+class SseParser:
+    """The SSE grammar, fed a line at a time, so both clients' streams share it.
 
     Written here rather than taken from ``httpx-sse``, which is not a dependency: the server
     sends only ``id``/``event``/``data`` fields and comment pings, so the part of the SSE
     grammar needed is a few lines. Comments (``:``) and ``retry`` are skipped; an event
     without an id (none is sent) is skipped too, since it could not be resumed after.
     """
-    fields: dict[str, list[str]] = {}
-    async for raw in lines:
+
+    def __init__(self) -> None:
+        self._fields: dict[str, list[str]] = {}
+
+    def feed(self, raw: str) -> Event | None:
+        """Take one line; the event it completes, if any."""
         line = raw.rstrip("\r\n")
         if not line:
-            event = _event_of(fields)
-            fields = {}
-            if event is not None:
-                yield event
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        fields.setdefault(name, []).append(value.removeprefix(" "))
-    event = _event_of(fields)
-    if event is not None:
-        yield event
+            event = _event_of(self._fields)
+            self._fields = {}
+            return event
+        if not line.startswith(":"):
+            name, _, value = line.partition(":")
+            self._fields.setdefault(name, []).append(value.removeprefix(" "))
+        return None
+
+    def finish(self) -> Event | None:
+        """The event the stream's last lines made, when it closed without a blank line."""
+        event = _event_of(self._fields)
+        self._fields = {}
+        return event
+
+
+async def parse_sse(lines: AsyncIterator[str]) -> AsyncIterator[Event]:
+    """The events of an SSE stream, from its lines."""
+    parser = SseParser()
+    async for raw in lines:
+        event = parser.feed(raw)
+        if event is not None:
+            yield event
+    last = parser.finish()
+    if last is not None:
+        yield last
+
+
+def parse_sse_sync(lines: Iterable[str]) -> Iterator[Event]:
+    """:func:`parse_sse` for a synchronous stream's lines."""
+    parser = SseParser()
+    for raw in lines:
+        event = parser.feed(raw)
+        if event is not None:
+            yield event
+    last = parser.finish()
+    if last is not None:
+        yield last
 
 
 def _event_of(fields: dict[str, list[str]]) -> Event | None:

@@ -124,16 +124,23 @@ ADDED_SQLITE_COLUMNS = (
     ("runs", "wake_at", "DATETIME"),
     ("runs", "resumes", "INTEGER NOT NULL DEFAULT 0"),
     ("runs", "deadline_at", "DATETIME"),
+    ("runs", "parent_run_id", "VARCHAR(36)"),
+    ("runs", "child_key", "VARCHAR(255)"),
+    ("runs", "depth", "INTEGER NOT NULL DEFAULT 0"),
+    ("runs", "detached", "INTEGER NOT NULL DEFAULT 0"),
+    ("runs", "awaited", "INTEGER NOT NULL DEFAULT 0"),
 )
 """Columns added since the first version (table, column, SQLite type), as the server
-migrations add them (0004, 0005): ``create_all`` never alters a table that exists."""
+migrations add them (0004, 0005, 0008): ``create_all`` never alters a table that exists."""
 
 
 def _create_all_sqlite(conn: Connection) -> None:
     """Create missing tables, the columns and indexes added since; drop the retired indexes.
 
     ``create_all`` creates a table's indexes only with the table, so a database file made by an
-    older version would never get a newer index: SQLite has no migrations to add it.
+    older version would never get a newer index: SQLite has no migrations to add it. An index
+    whose columns changed since (``ix_runs_lane_tenant`` gained ``workflow`` in 0006) is
+    rebuilt, as the server migrations drop and create it.
     """
     metadata.create_all(conn)
     # Columns first: an index added since may be on one of them.
@@ -143,6 +150,9 @@ def _create_all_sqlite(conn: Connection) -> None:
             conn.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {column} {sql_type}")
     for table in metadata.sorted_tables:
         for index in table.indexes:
+            stored = [row[2] for row in conn.exec_driver_sql(f"PRAGMA index_info({index.name})")]
+            if stored and stored != [column.name for column in index.columns]:
+                conn.exec_driver_sql(f"DROP INDEX {index.name}")
             index.create(conn, checkfirst=True)
     for retired in RETIRED_SQLITE_INDEXES:
         conn.exec_driver_sql(f"DROP INDEX IF EXISTS {retired}")

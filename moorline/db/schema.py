@@ -104,7 +104,20 @@ runs = Table(
     Column("resumes", Integer, nullable=False, default=0, server_default="0"),
     # Wall-clock limit of the whole run, waits included (``deadline=``, ``deadline_seconds``).
     Column("deadline_at", UTCDateTime(), nullable=True),
+    # A child run: its parent, its key among the parent's children (unique per parent, so a
+    # replayed start_child finds the child it started), its depth (top-level runs: 0),
+    # whether it outlives its parent (detached), and whether the parent awaits it now.
+    Column("parent_run_id", String(ID), nullable=True),
+    Column("child_key", String(KEY), nullable=True),
+    Column("depth", Integer, nullable=False, default=0, server_default="0"),
+    # 0 or 1: integers, whose server defaults every backend reflects alike (booleans' differ).
+    Column("detached", Integer, nullable=False, default=0, server_default="0"),
+    Column("awaited", Integer, nullable=False, default=0, server_default="0"),
     UniqueConstraint("tenant_id", "idempotency_key"),
+    # A unique index, not a constraint: SQLite files made before it can get an index.
+    Index("ix_runs_parent_key", "parent_run_id", "child_key", unique=True),
+    # A parent's children by status: its joins, the cancel cascade, GET /v1/runs?parent_run_id.
+    Index("ix_runs_parent", "parent_run_id", "status"),
     # Reaper: running runs whose lease expired.
     Index("ix_runs_lease", "status", "lease_expires_at"),
     # Tenant concurrency cap, and a tenant's listing filtered on a status (newest first).
@@ -123,7 +136,9 @@ runs = Table(
 # Claim: the tenants with queued runs in a lane (an index skip-scan), then each one's next runs
 # in claim order (priority first, oldest eligible first), without reading a backlog past them.
 # It is the only index leading with (status, lane), so a planner without statistics yet (a
-# young table) cannot pick a worse one for the claim's reads.
+# young table) cannot pick a worse one for the claim's reads. ``workflow`` comes last: a
+# worker claims only the workflows it serves, a filter checked on the index entries the claim
+# walks anyway, and the unserved queued runs are counted from the index alone.
 Index(
     "ix_runs_lane_tenant",
     runs.c.status,
@@ -132,6 +147,7 @@ Index(
     runs.c.priority.desc(),
     runs.c.not_before,
     runs.c.id,
+    runs.c.workflow,
 )
 
 steps = Table(
@@ -224,6 +240,22 @@ leader_leases = Table(
     Column("name", String(64), primary_key=True),
     Column("holder", String(KEY), nullable=False),
     Column("term", Integer, nullable=False),
+    Column("expires_at", UTCDateTime(), nullable=False),
+)
+
+# The worker processes alive now and what they serve: each renews its row with its heartbeat,
+# so a row whose ``expires_at`` passed is a worker gone (killed, partitioned, stopped). A queued
+# run whose (lane, workflow) no live row serves is reported as unserved.
+workers = Table(
+    "workers",
+    metadata,
+    Column("id", String(KEY), primary_key=True),  # the worker's lease owner id
+    Column("host", String(KEY), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("lanes", JSONDocument(), nullable=False),  # {lane: slots}
+    Column("workflows", JSONDocument(), nullable=True),  # [name, ...]; null: every workflow
+    Column("started_at", UTCDateTime(), nullable=False),
+    Column("last_seen_at", UTCDateTime(), nullable=False),
     Column("expires_at", UTCDateTime(), nullable=False),
 )
 

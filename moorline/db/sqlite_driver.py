@@ -269,6 +269,12 @@ class Connection(aiosqlite.Connection):
         self._busy_timeout_ms: int | None = None
         # The open transaction ran a big statement: its commit crosses too.
         self._big_transaction = False
+        # Calls sent to the thread, and calls the thread finished: each counted by one thread
+        # only. While they differ the thread may be inside sqlite3 (a caller cancelled while
+        # its call waits for the lock does not stop the call), and a call made inline beside
+        # it, such as SQLAlchemy closing the connection it gave up on, would crash sqlite3.
+        self._sent_to_thread = 0
+        self._done_on_thread = 0
 
     def run_inline(self, *, busy_timeout_ms: int) -> None:
         """Run calls on the event loop's thread from now on; see the module docstring.
@@ -301,7 +307,7 @@ class Connection(aiosqlite.Connection):
         # executemany with no transaction open would commit row by row, so a busy refusal at
         # row n could not be resumed without repeating rows 1..n-1: it always crosses.
         autocommitting = many and begin is None and not self._is_in_transaction()
-        if self._busy_timeout_ms is None or big or autocommitting:
+        if self._busy_timeout_ms is None or big or autocommitting or self._is_thread_busy():
             # A big statement (a batch claim, a batch of runs) costs milliseconds, the
             # crossing little beside it, and the loop goes on with other work meanwhile; its
             # transaction's commit writes as many pages, and crosses too.
@@ -318,9 +324,13 @@ class Connection(aiosqlite.Connection):
         Inline when the connection allows; such a call is one step, so one refused as busy
         has done nothing and is sent again, whole, from the thread.
         """
-        if self._busy_timeout_ms is None or self._big_transaction:
+        if self._busy_timeout_ms is None or self._big_transaction or self._is_thread_busy():
             return await self._on_thread(fn, *args, **kwargs)
         return await self._inline(fn, *args, **kwargs)
+
+    def _is_thread_busy(self) -> bool:
+        """Whether a call sent to the thread may still run there (then the next one queues)."""
+        return self._sent_to_thread != self._done_on_thread
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the connection's thread, with the busy timeout an inline one lacks."""
@@ -350,11 +360,23 @@ class Connection(aiosqlite.Connection):
         try:
             return rest()
         finally:
-            connection.execute("PRAGMA busy_timeout=0")
+            if not _is_closed(connection):  # ``rest`` may be the close itself
+                connection.execute("PRAGMA busy_timeout=0")
 
     async def _execute_on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        result: T = await super()._execute(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
+        if not self._running or self._connection is None:
+            raise ValueError("Connection closed")  # as aiosqlite says it, before any count
+        self._sent_to_thread += 1
+        call = partial(fn, *args, **kwargs)
+        result: T = await super()._execute(self._counted, call)  # type: ignore[no-untyped-call]
         return result
+
+    def _counted(self, call: Callable[[], T]) -> T:
+        # On the connection's thread.
+        try:
+            return call()
+        finally:
+            self._done_on_thread += 1
 
     def hold_begin(self, sql: str) -> None:
         """Keep ``BEGIN …`` until the transaction's first statement."""
@@ -391,6 +413,24 @@ class Connection(aiosqlite.Connection):
         finally:
             self._big_transaction = False
 
+    async def close(self) -> None:
+        """Roll back whatever is open, then close (aiosqlite's close, with the rollback first).
+
+        sqlite3 cannot free a connection while a statement of it lives on, in a cursor that an
+        exception's traceback still holds (an attempt's failed event write keeps its error):
+        the closed connection stays behind as a zombie that keeps its transaction, and so
+        the write lock, until that cursor is collected. Rolled back first, it holds nothing.
+        """
+        if self._connection is None:
+            return
+        try:
+            await self._execute(_roll_back_and_close, self._connection)
+        finally:
+            self._connection = None
+            stopped = self.stop()
+            if stopped is not None:
+                await stopped
+
     async def rollback(self) -> None:
         """Roll back the open transaction; no crossing when none is open."""
         self._held_begin, self._commit_next = None, False
@@ -402,9 +442,12 @@ class Connection(aiosqlite.Connection):
 
     def _is_in_transaction(self) -> bool:
         # Read from the event loop's thread: sqlite3 checks only that the connection is open
-        # (not the thread), and nothing runs on this connection between two of its awaits.
+        # (not the thread), and nothing runs on this connection between two of its awaits,
+        # except a call given up by its caller that still runs on the thread. That one may yet
+        # open a transaction (its BEGIN goes with its statement): count one as open then, so
+        # that the commit or rollback crosses and queues behind it.
         connection = self._connection
-        return connection is not None and connection.in_transaction
+        return connection is not None and (self._is_thread_busy() or connection.in_transaction)
 
 
 def connector(
@@ -486,3 +529,19 @@ def _commit_then(connection: sqlite3.Connection, rows: list[Any]) -> list[Any]:
 
 
 __all__: Sequence[str] = ("Connection", "connector")
+
+
+def _is_closed(connection: sqlite3.Connection) -> bool:
+    try:
+        connection.total_changes  # noqa: B018 - any attribute read checks the connection
+    except sqlite3.ProgrammingError:
+        return True
+    return False
+
+
+def _roll_back_and_close(connection: sqlite3.Connection) -> None:
+    try:
+        if connection.in_transaction:
+            connection.rollback()
+    finally:
+        connection.close()

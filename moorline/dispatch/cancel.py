@@ -15,9 +15,10 @@ the store (a Redis restart, a failed signal) can delay a cancel but never drop i
 
 import logging
 
+from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import RunsRepo
-from moorline.errors import BackendUnavailable
+from moorline.errors import BackendUnavailable, RunFinished
 from moorline.runtime.base import RuntimeStore
 from moorline.types import RunId, RunStatus, TenantId
 
@@ -25,7 +26,11 @@ logger = logging.getLogger(__name__)
 
 
 async def cancel_run(
-    runs: RunsRepo, store: RuntimeStore, tenant_id: TenantId, run_id: RunId
+    runs: RunsRepo,
+    store: RuntimeStore,
+    tenant_id: TenantId,
+    run_id: RunId,
+    children: ChildrenRepo | None = None,
 ) -> Run:
     """Cancel the tenant's run: record the request, then signal a running run's worker.
 
@@ -34,6 +39,8 @@ async def cancel_run(
         store: The RuntimeStore the workers listen on.
         tenant_id: The tenant asking; another tenant's run is not found.
         run_id: The run to cancel.
+        children: Where its child runs are found: every unfinished descendant is cancelled
+            too (detached ones included: a cancel is the user's), each exactly once.
 
     Returns:
         The run after the request: ``cancelled`` when it was not running yet, else
@@ -45,6 +52,19 @@ async def cancel_run(
         RunFinished: The run already ended; nothing changed.
     """
     run = await runs.request_cancel(tenant_id, run_id)
+    await _signal(store, run)
+    if children is not None:
+        for child in await children.unfinished_descendants(run_id):
+            try:
+                await _signal(store, await runs.request_cancel(tenant_id, child.run_id))
+            except RunFinished:
+                pass  # it ended meanwhile
+    return run
+
+
+async def _signal(store: RuntimeStore, run: Run) -> None:
+    """Tell a running run's worker through the store; the heartbeat delivers it otherwise."""
+    run_id, tenant_id = run.run_id, run.tenant_id
     if run.status is RunStatus.RUNNING:
         try:
             await store.request_cancel(run_id)
@@ -56,4 +76,3 @@ async def cancel_run(
                 exc,
                 extra={"run_id": run_id, "tenant_id": tenant_id},
             )
-    return run

@@ -13,12 +13,15 @@ import logging
 from collections import Counter
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.parking import DEFAULT_SWEEP_LIMIT, ParkingRepo, Resumed
 from moorline.db.repos.queue import QueueRepo
+from moorline.db.repos.runs import RunsRepo
 from moorline.dispatch.chores import LeaderChore
 from moorline.dispatch.leader import LeaderElector, new_holder_id
 from moorline.dispatch.reaper import leader_ttl_s
 from moorline.dispatch.wakeups import Notifier
+from moorline.errors import RunFinished
 from moorline.observability.metrics import Metrics
 from moorline.settings import Settings
 from moorline.types import RunStatus
@@ -43,9 +46,13 @@ class TimerSweep(LeaderChore):
         batch_limit: int = DEFAULT_SWEEP_LIMIT,
         notifier: Notifier | None = None,
         metrics: Metrics | None = None,
+        children: ChildrenRepo | None = None,
+        runs: RunsRepo | None = None,
     ) -> None:
         super().__init__(elector, interval_s=interval_s)
         self._parking = parking
+        self._children = children
+        self._runs = runs
         self._batch_limit = batch_limit
         self._notifier = notifier
         self._resumes = (metrics or Metrics()).resumes
@@ -58,14 +65,16 @@ class TimerSweep(LeaderChore):
         if not await self.elector.tick():
             return []
         moved: list[Resumed] = []
+        lanes: set[str] = set()
         try:
             while stop is None or not stop.is_set():
                 batch = await self._parking.resume_due(limit=self._batch_limit)
                 moved.extend(batch)
                 if len(batch) < self._batch_limit:
                     break
+            lanes = await self._settle_children()
         finally:
-            lanes = {r.lane for r in moved if r.status is RunStatus.QUEUED}
+            lanes = {r.lane for r in moved if r.status is RunStatus.QUEUED} | lanes
             if lanes and self._notifier is not None:
                 await self._notifier.notify(lanes)
         for run in moved:
@@ -78,6 +87,24 @@ class TimerSweep(LeaderChore):
                 ", ".join(f"{n} {status}" for status, n in sorted(outcomes.items())),
             )
         return moved
+
+    async def _settle_children(self) -> set[str]:
+        """The backstop of child runs: wake parents whose children all ended, cancel orphans.
+
+        A child's worker wakes its parent when it writes the child's end; children ended by
+        the reaper, a cancel or a deadline, or a waker that died, are caught here. Attached
+        children of a parent that ended (failed, timed out) are cancelled.
+        """
+        if self._children is None:
+            return set()
+        lanes = await self._children.wake_ready_parents()
+        if self._runs is not None:
+            for orphan in await self._children.orphans():
+                try:
+                    await self._runs.request_cancel(orphan.tenant_id, orphan.run_id)
+                except RunFinished:
+                    pass
+        return lanes
 
 
 def make_timer_sweep(
@@ -97,5 +124,11 @@ def make_timer_sweep(
         ttl_s=leader_ttl_s(interval_s, settings.lease_ttl),
     )
     return TimerSweep(
-        ParkingRepo(db), elector, interval_s=interval_s, notifier=notifier, metrics=metrics
+        ParkingRepo(db),
+        elector,
+        interval_s=interval_s,
+        notifier=notifier,
+        metrics=metrics,
+        children=ChildrenRepo(db),
+        runs=RunsRepo(db),
     )

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar, overload
 
+from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.events import (
     EVENT_CANCELLED,
     EVENT_FAILED,
@@ -52,6 +53,7 @@ from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt
 from moorline.db.repos.steps import StepsRepo
 from moorline.engine.checkpoints import Checkpoints
+from moorline.engine.children import DEFAULT_MAX_CHILDREN, Children
 from moorline.engine.events import (
     BUFFERED_EVENT_TYPES,
     EVENT_PERMISSION_REQUEST,
@@ -61,6 +63,7 @@ from moorline.engine.events import (
     EventWriter,
 )
 from moorline.engine.progress import StepProgress, permission_request, permission_resolved
+from moorline.engine.registry import Moorline
 from moorline.engine.steps import (
     backoff_delay_s,
     call_hash,
@@ -68,6 +71,7 @@ from moorline.engine.steps import (
     function_name,
     to_json,
 )
+from moorline.engine.streaming import StepStream
 from moorline.engine.waits import Waits
 from moorline.errors import (
     AttemptStopped,
@@ -167,7 +171,7 @@ def _decision_of(interrupt: Interrupt) -> Decision:
     return Decision(approved=interrupt.approved, reason=reason.value, data=interrupt.decision)
 
 
-class Context(Waits):
+class Context(Waits, Children):
     """The first argument of every workflow: the run being executed, attempt by attempt.
 
     Built by the runner for one claim; workflows never construct it.
@@ -183,6 +187,9 @@ class Context(Waits):
         messages: MessagesRepo,
         parking: ParkingRepo,
         store: RuntimeStore,
+        children: ChildrenRepo | None = None,
+        workflows: Moorline | None = None,
+        max_children: int = DEFAULT_MAX_CHILDREN,
         permission_timeout_s: float,
         park_after_s: float = DEFAULT_PARK_AFTER_S,
         deadline_s: float | None = None,
@@ -198,6 +205,9 @@ class Context(Waits):
         self._permission_timeout_s = permission_timeout_s
         self._interrupt_poll_s = interrupt_poll_s
         self._parking = parking
+        self._children = children
+        self._workflows = workflows
+        self._max_children = max_children
         self._park_after_s = park_after_s
         self._deadline_s = deadline_s
         self._permissions = 0
@@ -259,7 +269,9 @@ class Context(Waits):
         """Run ``fn(*args, **kwargs)`` once per run, checkpointed under ``key``.
 
         When step ``key`` already succeeded in this run its stored result is returned and
-        ``fn`` is not called. A sync ``fn`` runs in a thread; an async one is awaited.
+        ``fn`` is not called. A sync ``fn`` runs in a thread; an async one is awaited. A
+        generator function (sync or async) streams each item it yields as a ``delta`` event
+        and its items, joined, are the result (:mod:`moorline.engine.streaming`).
 
         Args:
             key: The step's key, unique within the run (``f"llm:{i}"`` in loops).
@@ -293,7 +305,7 @@ class Context(Waits):
             progress = StepProgress(self._events, key, failures + 1)
             await progress.started()
             try:
-                result = await call_step_function(fn, args, kwargs)
+                result = await call_step_function(fn, args, kwargs, lambda: self._step_stream(key))
                 output = to_json(result, f"the result of step {key!r}")
             except (Exception, AttemptStopped) as exc:
                 # AttemptStopped too, as when it was an Exception: the fail write then meets
@@ -557,6 +569,16 @@ class Context(Waits):
         """The cancel, as it is raised into the workflow code (which is thereby told)."""
         self._is_cancelled = self._cancel_delivered = True
         return Cancelled(self.run_id)
+
+    def _step_stream(self, key: str) -> StepStream:
+        """How a generator step of ``key`` streams: deltas through the writer, stop checks."""
+        return StepStream(key, send=self._events.add, check=self._check_stop, to_json=to_json)
+
+    def _check_stop(self) -> None:
+        """Before each streamed item: raise the lost lease or the cancel seen so far."""
+        self._check_lease()
+        if self._is_cancelled:
+            raise self._deliver_cancel()
 
     async def _fenced(self, write: Coroutine[Any, Any, T]) -> T:
         """Await a fenced write, after the buffered events (which keep their place before it)."""

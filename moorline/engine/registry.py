@@ -47,6 +47,7 @@ class WorkflowDefinition:
     parameters: tuple[str, ...] = field(default=())
     soft_timeout_s: float | None = None
     deadline_s: float | None = None
+    max_children: int = 1_000
 
     def validate_input(self, data: Mapping[str, Any]) -> JSONObject:
         """Check ``data`` against the function's parameters; return it as JSON-ready values.
@@ -64,6 +65,16 @@ class WorkflowDefinition:
             ) from None
         dumped: JSONObject = model.model_dump(mode="json")
         return dumped
+
+    def parameters_schema(self) -> JSONObject:
+        """The JSON Schema of the workflow's input, as the function's signature declares it.
+
+        The same model :meth:`validate_input` checks with, so the catalogue (``GET
+        /v1/workflows``) can never describe an input the trigger would refuse.
+        """
+        schema: JSONObject = self.input_model.model_json_schema()
+        schema["title"] = self.name  # not the generated model's ``<name>_input``
+        return schema
 
     def bind(self, data: Mapping[str, Any]) -> dict[str, Any]:
         """Validated keyword arguments (pydantic-converted values) for calling ``fn``."""
@@ -120,6 +131,7 @@ class Moorline:
         timeout: float | None = None,
         soft_timeout: float | None = None,
         deadline: float | None = None,
+        max_children: int = 1_000,
     ) -> Callable[[F], F]:
         """Register an ``async def`` workflow under a persisted ``name``.
 
@@ -137,6 +149,8 @@ class Moorline:
             deadline: Wall-clock seconds from the run's creation, waits included, past which
                 a run that is ``waiting`` ends ``timed_out`` (``timeout`` counts execution
                 only). None for no deadline.
+            max_children: Child runs one run may start (``ctx.start_child``); past it the
+                workflow gets ``ChildLimitExceeded``.
 
         Raises:
             ConfigError: A bad name or limit, or a second workflow with this name.
@@ -145,6 +159,8 @@ class Moorline:
             raise ConfigError(f"workflow name {name!r}: use letters, digits, '_', '.', '-'")
         if max_attempts < 1:
             raise ConfigError(f"workflow {name!r}: max_attempts must be at least 1")
+        if max_children < 0:
+            raise ConfigError(f"workflow {name!r}: max_children must not be negative")
         for label, limit in (
             ("timeout", timeout),
             ("soft_timeout", soft_timeout),
@@ -171,6 +187,7 @@ class Moorline:
                 parameters=parameters,
                 soft_timeout_s=soft_timeout,
                 deadline_s=deadline,
+                max_children=max_children,
             )
             return registered
 

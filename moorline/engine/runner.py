@@ -36,6 +36,7 @@ from typing import Protocol
 
 from moorline.concurrency import cancel_and_wait
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.messages import MessagesRepo
@@ -44,6 +45,7 @@ from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.repos.steps import StepsRepo
+from moorline.engine.children import DEFAULT_MAX_CHILDREN
 from moorline.engine.context import Cancelled, Context
 from moorline.engine.conversations import Conversations
 from moorline.engine.events import DEFAULT_BATCH_SIZE, DEFAULT_FLUSH_INTERVAL_S, EventWriter
@@ -132,12 +134,15 @@ class WorkflowRunner:
         self._interrupts = InterruptsRepo(db)
         self._messages = MessagesRepo(db)
         self._parking = ParkingRepo(db)
+        self._children = ChildrenRepo(db)
         self._conversations = Conversations(store, RunsRepo(db), lease_ttl_s=settings.lease_ttl)
         self._event_batch_size = event_batch_size
         self._event_flush_interval_s = event_flush_interval_s
 
     def context(self, claim: Claim, events: EventWriter | None = None) -> Context:
         """A fresh :class:`Context` for one attempt of the claimed run."""
+        workflow = claim.run.workflow
+        definition = self._app.get(workflow) if workflow in self._app else None
         return Context(
             claim,
             steps=self._steps,
@@ -148,11 +153,11 @@ class WorkflowRunner:
             store=self._store,
             permission_timeout_s=self._settings.permission_timeout,
             park_after_s=self._settings.park_after,
-            deadline_s=self._deadline_s(claim.run.workflow),
+            deadline_s=None if definition is None else definition.deadline_s,
+            children=self._children,
+            workflows=self._app,
+            max_children=DEFAULT_MAX_CHILDREN if definition is None else definition.max_children,
         )
-
-    def _deadline_s(self, workflow: str) -> float | None:
-        return self._app.get(workflow).deadline_s if workflow in self._app else None
 
     def hard_limit_s(self, definition: WorkflowDefinition, run: Run) -> float:
         """An attempt's hard time limit: the run's own, else its workflow's, else the default."""

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from moorline.concurrency import run_in_thread
+from moorline.engine.streaming import StepStream, is_generator_function, is_stream
 from moorline.types import JSONValue
 
 STEP_BACKOFF_CAP_S = 60.0
@@ -65,7 +66,10 @@ def backoff_delay_s(base_s: float, failures: int) -> float:
 
 
 async def call_step_function(
-    fn: Callable[..., Any], args: Sequence[object], kwargs: Mapping[str, object]
+    fn: Callable[..., Any],
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
+    stream: Callable[[], StepStream] | None = None,
 ) -> object:
     """Await an async ``fn``; run a sync one in a thread so it never blocks the event loop.
 
@@ -73,12 +77,22 @@ async def call_step_function(
     of the loop's few default-executor threads, so every slot of a worker can be in a blocking
     SDK call at once. The thread sees the caller's context variables, so
     ``ctx.idempotency_key()`` works inside a sync step too.
+
+    With ``stream`` (which makes the step's :class:`StepStream` when one is needed), a
+    generator function (sync or async), or a function returning a generator, has its items
+    streamed and joined (:mod:`moorline.engine.streaming`). Calling a generator function only
+    makes the generator: its body runs as the stream is consumed (a sync one in the bridge's
+    thread).
     """
     if inspect.iscoroutinefunction(fn):
         result: object = await fn(*args, **kwargs)
         return result
+    if stream is not None and is_generator_function(fn):
+        return await stream().consume(fn(*args, **kwargs))
     result = await run_in_thread(fn, *args, **kwargs)
     if inspect.isawaitable(result):
         # A sync callable returning an awaitable (a partial of an async def, a lambda).
         result = await result
+    if stream is not None and is_stream(result):
+        return await stream().consume(result)
     return result

@@ -173,7 +173,7 @@ def make_handler(
 
 
 def configure_logging(settings: Settings, *, scrub: Callable[[str], str] | None = None) -> None:
-    """Send INFO and above, of every logger, through one handler of :func:`make_handler`.
+    """Send ``settings.log_level`` and above, of every logger, through one :func:`make_handler`.
 
     Replaces the root logger's handlers, so calling it twice does not double the lines.
     """
@@ -181,7 +181,7 @@ def configure_logging(settings: Settings, *, scrub: Callable[[str], str] | None 
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.addHandler(make_handler(settings, scrub=scrub))
-    root.setLevel(logging.INFO)
+    root.setLevel(settings.log_level.value)
     # Alembic announces its migration context at INFO whenever the schema version is checked
     # at start; a refused start must stay one line on stderr.
     logging.getLogger("alembic").setLevel(logging.WARNING)

@@ -3,7 +3,8 @@
 Two kinds of figure, kept apart on purpose:
 
 - **State, read at scrape time** (:class:`Snapshot`): runs by status and lane, queue depth and
-  the oldest queued run's age per lane, pending interrupts, event-stream subscribers, the
+  the oldest queued run's age per lane, the queued runs no live worker serves (by lane and
+  workflow: ``moorline_runs_unserved``), pending interrupts, event-stream subscribers, the
   database pool and the SQLite WAL file. The database is the one place every process writes
   to, so a figure read from it at scrape time is right however many ``moorline serve`` and
   ``moorline worker`` processes, on however many hosts, share the database, and stays right
@@ -11,7 +12,7 @@ Two kinds of figure, kept apart on purpose:
   count per (status, lane) is an index-only scan, and the oldest eligible queued run of a lane
   is the first entry of its range. Terminal statuses only ever grow (runs are not deleted), so
   they are served as the counter ``moorline_runs_total``; the statuses a run leaves
-  (``pending``, ``queued``, ``running``) as the gauge ``moorline_runs_active``.
+  (``pending``, ``queued``, ``running``, ``waiting``) as the gauge ``moorline_runs_active``.
 - **Events, counted where they happen** (:class:`Metrics`): attempt durations and dispatch
   latency (histograms), retries, reclaims, lease losses, quota and rate-limit rejections.
   Reading these back from the database would mean scanning history at every scrape. They live
@@ -35,7 +36,7 @@ gets its own, passed down like the settings.
 """
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -142,6 +143,8 @@ class Snapshot:
     lanes: Mapping[str, LaneFigures]
     interrupts_pending: int
     sse_subscribers: int
+    unserved: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """(lane, workflow) → queued runs no live worker serves; only pairs that have some."""
     pool_checked_out: int
     pool_size: int
     sqlite_wal_bytes: int | None = None
@@ -189,6 +192,15 @@ class _SnapshotCollector(Collector):
             oldest.add_metric([lane], figures.oldest_queued_age_s or 0.0)
         yield depth
         yield oldest
+        unserved = GaugeMetricFamily(
+            "moorline_runs_unserved",
+            "Queued runs whose workflow no live worker serves in their lane, by lane and "
+            "workflow (from the database; a pair with none is absent).",
+            labels=["lane", "workflow"],
+        )
+        for (lane, workflow), count in sorted(s.unserved.items()):
+            unserved.add_metric([lane, workflow], count)
+        yield unserved
         yield _gauge(
             "moorline_interrupts_pending",
             "Interrupts waiting for a decision (from the database).",

@@ -75,6 +75,11 @@ async def run_worker_process(
     reaper = make_reaper(settings, db, holder=owners[0], notifier=notifier, metrics=counted)
     timers = make_timer_sweep(settings, db, holder=owners[0], notifier=notifier, metrics=counted)
     own_store = store is None
+    secrets = [
+        secret.get_secret_value()
+        for secret in (settings.admin_token, settings.llm_api_key, settings.api_key)
+        if secret is not None
+    ]
     runtime = make_runtime_store(settings) if store is None else store
     try:
         workers = [
@@ -88,6 +93,9 @@ async def run_worker_process(
                 owner=owner,
                 grace_s=grace_s,
                 metrics=counted,
+                secrets=secrets,
+                workflows=[workflow.name for workflow in app],
+                notifier=notifier,
             )
             for owner in owners[:loops]
         ]

@@ -2,6 +2,10 @@
 
 One :class:`Worker` per process (or per in-process loop of ``moorline serve``):
 
+- **Served workflows.** A worker claims only runs of the workflows its app registers
+  (``workflows``), and announces them with its lanes in a ``workers`` row renewed every
+  ``LEASE_TTL/3`` (:mod:`moorline.worker.presence`): in a rolling deploy a run of a workflow
+  the new app lacks stays ``queued`` and shows as unserved instead of failing.
 - **Lanes and slots.** Each lane has its own slots and its own claim loop, so a flooded
   sandbox lane never takes a professional slot. A loop claims as many runs as it has free
   slots, in one transaction (:meth:`~moorline.db.repos.queue.QueueRepo.claim`, which also
@@ -39,25 +43,30 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import LeaseLost
+from moorline.db.repos.workers import WorkerEntry, WorkersRepo
 from moorline.dispatch.retry import RetryPolicy
+from moorline.dispatch.wakeups import Notifier
 from moorline.engine.context import Cancelled
+from moorline.engine.failures import FailureDescriber
 from moorline.engine.runner import Runner
 from moorline.errors import BackendUnavailable, MoorlineError, RunParked, TimeLimitExceeded
 from moorline.observability.logs import bind_run
 from moorline.observability.metrics import Metrics
 from moorline.types import JSONObject, RunStatus
 from moorline.worker.completions import Completer
+from moorline.worker.presence import Presence
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +140,8 @@ class _Execution:
     started: float = field(default_factory=time.monotonic)
     finished: bool = False
     """Its outcome is written (or given up): no heartbeat or fence concerns it any more."""
+    parked: bool = False
+    """Its attempt parked the run and is winding down: it holds no lease to renew or lose."""
 
 
 class Worker:
@@ -151,6 +162,9 @@ class Worker:
         grace_s: float = DEFAULT_GRACE_S,
         rng: random.Random | None = None,
         metrics: Metrics | None = None,
+        secrets: Iterable[str] = (),
+        workflows: Collection[str] | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         """Create a worker; nothing runs before :meth:`run`.
 
@@ -169,6 +183,11 @@ class Worker:
             rng: Jitter source for retry backoff.
             metrics: Where attempts, retries and lease losses are counted; default a private
                 set nobody scrapes.
+            secrets: Values blanked in a failed run's stored error (its message and
+                traceback): the settings' tokens and keys.
+            workflows: The workflow names ``runner`` can run; only their runs are claimed.
+                None claims every workflow (a runner that runs anything, in tests).
+            notifier: Wakes other processes' workers when a child's end re-queues its parent.
         """
         if not lanes:
             raise ValueError("a worker needs at least one lane")
@@ -182,11 +201,26 @@ class Worker:
         self._waiter = waiter
         self._policy = retry_policy or RetryPolicy()
         self.owner = owner or make_owner_id()
+        self._workflows = None if workflows is None else sorted(set(workflows))
+        self._presence = Presence(
+            WorkersRepo(db),
+            WorkerEntry(
+                worker_id=self.owner,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                lanes=self._lanes,
+                workflows=self._workflows,
+            ),
+            ttl_s=lease_ttl_s,
+        )
         self._poll_interval_s = poll_interval_s
         self._grace_s = grace_s
         self._rng = rng or random.Random()
         self._metrics = metrics or Metrics()
         self._completer = Completer(self._runs)
+        self._failures = FailureDescriber(secrets)
+        self._children = ChildrenRepo(db)
+        self._notifier = notifier
         self._executions: set[_Execution] = set()
         self._in_lane = dict.fromkeys(self._lanes, 0)
         self._recheck = {lane: asyncio.Event() for lane in self._lanes}
@@ -230,10 +264,13 @@ class Worker:
             self.owner,
             ", ".join(f"{lane}={slots}" for lane, slots in self._lanes.items()),
         )
+        # Announced before the first claim, so a run it claims never shows as unserved.
+        await self._presence.beat()
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._completer.run(), name="completer")
                 group.create_task(self._heartbeat_loop(), name="heartbeat")
+                group.create_task(self._presence.run(stop), name="presence")
                 claimers = [
                     group.create_task(self._claim_loop(lane, stop), name=f"claim:{lane}")
                     for lane in self._lanes
@@ -306,6 +343,7 @@ class Worker:
                     limit=free,
                     lease_ttl_s=self._lease_ttl_s,
                     tenant_caps=await self._tenant_caps(),
+                    workflows=self._workflows,
                 )
             except (DBAPIError, BackendUnavailable) as exc:
                 # A dropped connection, a failover, a terminated backend: the worker outlives
@@ -416,6 +454,8 @@ class Worker:
                 applied = await self._completer.complete(outcome)
                 if applied:
                     self._count_outcome(execution, outcome)
+                    if claim.run.parent_run_id is not None:
+                        await self._tell_parent(claim, outcome)
                     if isinstance(outcome, Failed) and outcome.retry_delay_s is not None:
                         # Claimable again once its delay has passed: look for it then
                         # rather than at the next poll.
@@ -438,6 +478,29 @@ class Worker:
             self._finish(execution)
             # After the outcome: the attempt's conversation lease and window go last.
             await self._release_runtime(claim)
+
+    async def _tell_parent(self, claim: Claim, outcome: Outcome) -> None:
+        """A child ended: wake its parent if it waits for it (the timer sweep is the backstop)."""
+        if isinstance(outcome, Succeeded):
+            status = RunStatus.SUCCEEDED
+        elif isinstance(outcome, Failed):
+            if outcome.retry_delay_s is not None:
+                return  # queued again: not ended
+            status = RunStatus.FAILED
+        else:
+            status = outcome.status
+        try:
+            lanes = await self._children.wake_parents([replace(claim.run, status=status)])
+        except Exception as exc:
+            logger.warning(
+                "run %s: parent %s not woken: %r", claim.fence.run_id, claim.run.parent_run_id, exc
+            )
+            return
+        for lane in lanes:
+            if lane in self._recheck:
+                self._recheck[lane].set()
+        if lanes and self._notifier is not None:
+            await self._notifier.notify(lanes)
 
     def _count_outcome(self, execution: _Execution, outcome: Outcome) -> None:
         name: str
@@ -507,16 +570,19 @@ class Worker:
             # Claims after a resume are no failures: they do not use up the budget.
             tries = claim.fence.attempt - claim.run.resumes
             decision = self._policy.decide(exc, tries, claim.run.max_attempts, self._rng)
-            logger.info(
+            # WARNING with the stack: a failing workflow is the developer's to fix, and the
+            # log has the whole traceback where the run's error keeps a bounded one.
+            logger.warning(
                 "run %s attempt %d failed (%s): %r",
                 claim.fence.run_id,
                 claim.fence.attempt,
                 decision.reason,
                 exc,
+                exc_info=exc,
             )
             return Failed(
                 fence=claim.fence,
-                error={"type": type(exc).__name__, "message": str(exc), "reason": decision.reason},
+                error=self._failures.describe(exc, reason=decision.reason),
                 retry_delay_s=decision.delay_s if decision.retry else None,
             )
         return Succeeded(fence=claim.fence, output=output)
@@ -603,7 +669,9 @@ class Worker:
         held = [
             execution
             for execution in self._executions
-            if not execution.lost and execution.task is not None and not execution.task.done()
+            if not (execution.lost or execution.parked)
+            and execution.task is not None
+            and not execution.task.done()
         ]
         if not held:
             return
@@ -629,12 +697,17 @@ class Worker:
                     renewed.append(execution)
                 if fence.run_id in renewal.cancel_requested:
                     execution.cancel_requested.set()
+            elif (fence.run_id, fence.attempt) in renewal.parked:
+                # The park took the lease, not another worker: let the workflow's clean-up
+                # finish. Its fenced writes fail by themselves now; no self-fence is needed.
+                execution.parked = True
+                self._leave_self_fence(execution)
             else:
                 self._lose(execution, "renewal matched no row (reclaimed, cancelled or finished)")
         self._arm_self_fence(renewed, sent)
         # In its own task: a slow RuntimeStore must never delay the next database heartbeat.
         if self._runtime_renewal is None or self._runtime_renewal.done():
-            kept = [e.claim for e in held if not (e.lost or e.finished)]
+            kept = [e.claim for e in held if not (e.lost or e.finished or e.parked)]
             self._runtime_renewal = asyncio.create_task(
                 self._renew_runtime(kept), name="runtime-renewal"
             )

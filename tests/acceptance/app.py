@@ -28,3 +28,9 @@ async def publish_notes(ctx: Context, topic: str = "v1.0") -> JSONObject:
         return {"published": False, "reason": decision.reason}
     receipt = await ctx.step("publish", publish, topic)
     return {"published": True, "receipt": receipt}
+
+
+@app.workflow("fail_loudly", max_attempts=1)
+async def fail_loudly(ctx: Context) -> JSONObject:
+    """Fail at once, for the dashboard's traceback."""
+    raise RuntimeError("the model answered nonsense")

@@ -23,6 +23,10 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.settings import Settings
+from moorline.types import TenantId
 from tests.integration.test_cli import cli_env, free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -192,3 +196,45 @@ async def test_sign_in_watch_approve_and_isolate(
     await expect(page.locator("#approve")).to_have_count(0)
     await page.screenshot(path=shots / "6-other-tenant-run.png", full_page=True)
     assert not failures, failures
+
+
+async def test_the_lanes_page_flags_runs_no_live_worker_serves(
+    server: Server, browser: Browser, tmp_path: Path
+) -> None:
+    """A run of a workflow the serving app lacks (a rolling deploy) waits and is named."""
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        created = await client.post(
+            "/v1/admin/tenants",
+            json={"name": f"deploy-{uuid.uuid4().hex[:6]}", "plan": "team"},
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        )
+        assert created.status_code == 201, created.text
+    # Stored as an older app's API would have: this server's app has no such workflow.
+    db = DatabaseManager(Settings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'moorline.db'}"))
+    try:
+        [stored] = await RunsRepo(db).submit_many(
+            [
+                NewRun(
+                    tenant_id=TenantId(created.json()["tenant_id"]),
+                    workflow="retired_workflow",
+                    input={},
+                    lane="workflow_team",
+                )
+            ]
+        )
+    finally:
+        await db.dispose()
+    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    await page.goto(server.url + "/")
+    await sign_in(page, ADMIN_TOKEN)
+    card = page.locator("[data-lane=workflow_team] .unserved")
+    await expect(card).to_contain_text("1 unserved")
+    await expect(card).to_contain_text("no live worker serves retired_workflow")
+    await page.screenshot(path=tmp_path / "lanes-unserved.png", full_page=True)
+    # The live worker passed over it: still queued, never claimed.
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        run = await client.get(
+            f"/v1/admin/runs/{stored.run_id}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
+    assert (run.json()["status"], run.json()["attempt"]) == ("queued", 0)

@@ -118,6 +118,29 @@ async def probe_change_plan(api: Api, world: World) -> None:
     assert tenant is not None and tenant.plan == world.a.plan
 
 
+def probe_key_route(method: str, suffix: str) -> Probe:
+    """A tenant's key on the admin key routes: 403, and A's keys are unchanged."""
+
+    async def probe(api: Api, world: World) -> None:
+        keys = await TenantsRepo(api.db).list_keys(TenantId(world.a.tenant_id))
+        path = f"/v1/admin/tenants/{world.a.tenant_id}/keys" + suffix.format(key_id=keys[0].key_id)
+        response = await api.client.request(method, path, headers=world.b.headers)
+        assert response.status_code == 403
+        assert response.json()["error"]["code"] == "forbidden"
+        assert await TenantsRepo(api.db).list_keys(TenantId(world.a.tenant_id)) == keys
+        assert (await api.client.get("/v1/usage", headers=world.a.headers)).status_code == 200
+
+    return probe
+
+
+async def probe_delete_webhook(api: Api, world: World) -> None:
+    foreign = await api.client.delete(f"/v1/webhooks/{world.webhook_id}", headers=world.b.headers)
+    missing = await api.client.delete(f"/v1/webhooks/{uuid.uuid4()}", headers=world.b.headers)
+    same_not_found(foreign, missing, world.webhook_id)
+    listed = await api.client.get("/v1/webhooks", headers=world.a.headers)
+    assert world.webhook_id in {hook["webhook_id"] for hook in listed.json()["webhooks"]}
+
+
 async def probe_deliver_webhook(api: Api, world: World) -> None:
     body = json.dumps({"action": "opened"}).encode()
     before = await api.count_runs(world.a)
@@ -194,6 +217,12 @@ PROBES: dict[tuple[str, str], Probe] = {
     ("GET", "/v1/runs/{run_id}/events"): probe_stream_events,
     ("PATCH", "/v1/admin/tenants/{tenant_id}"): probe_change_plan,
     ("POST", "/v1/hooks/{webhook_id}"): probe_deliver_webhook,
+    ("DELETE", "/v1/webhooks/{webhook_id}"): probe_delete_webhook,
+    ("GET", "/v1/admin/tenants/{tenant_id}/keys"): probe_key_route("GET", ""),
+    ("POST", "/v1/admin/tenants/{tenant_id}/keys"): probe_key_route("POST", ""),
+    ("DELETE", "/v1/admin/tenants/{tenant_id}/keys/{key_id}"): probe_key_route(
+        "DELETE", "/{key_id}"
+    ),
     ("POST", "/v1/workflows/{workflow}/runs"): probe_trigger,
 }
 

@@ -5,6 +5,7 @@ import moorline
 EXPECTED = {
     "BackendUnavailable",
     "Cancelled",
+    "ChildFailed",
     "Client",
     "ConfigError",
     "Conflict",
@@ -14,9 +15,11 @@ EXPECTED = {
     "Moorline",
     "MoorlineError",
     "NotFound",
+    "RunParked",
     "RunStatus",
     "Settings",
     "SoftTimeLimitExceeded",
+    "SyncClient",
     "__version__",
 }
 

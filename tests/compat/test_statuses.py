@@ -8,6 +8,7 @@ def test_run_statuses_match_api_md() -> None:
         "pending",
         "queued",
         "running",
+        "waiting",
         "succeeded",
         "failed",
         "cancelled",
@@ -26,3 +27,4 @@ def test_terminal_statuses() -> None:
     }
     assert all(s.is_terminal for s in TERMINAL_STATUSES)
     assert not RunStatus.RUNNING.is_terminal
+    assert not RunStatus.WAITING.is_terminal

@@ -56,6 +56,7 @@ async def add_runs(
     not_before: datetime | None = None,
     max_attempts: int = 3,
     spacing: timedelta = timedelta(microseconds=10),
+    workflow: str = "noop",
 ) -> list[RunId]:
     """Insert ``count`` queued runs, their ``not_before`` increasing in insertion order.
 
@@ -69,7 +70,7 @@ async def add_runs(
         {
             "id": run_id,
             "tenant_id": tenant_id,
-            "workflow": "noop",
+            "workflow": workflow,
             "status": RunStatus.QUEUED.value,
             "lane": lane,
             "priority": priority,

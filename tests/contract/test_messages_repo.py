@@ -54,9 +54,9 @@ async def test_messages_get_a_seq_per_run_and_each_drain_takes_the_waiting_ones(
     _, first = await running_run(db, tenant)
     _, second = await running_run(db, tenant)
     run_id = first.fence.run_id
-    posted = [await repo.post(tenant, run_id, text) for text in ("one", "two", "three")]
+    posted = [(await repo.post(tenant, run_id, text)).message for text in ("one", "two", "three")]
     assert [m.seq for m in posted] == [1, 2, 3]
-    assert (await repo.post(tenant, second.fence.run_id, "elsewhere")).seq == 1
+    assert (await repo.post(tenant, second.fence.run_id, "elsewhere")).message.seq == 1
 
     drained = await repo.drain(first.fence, 1)
     assert [(m.seq, m.content) for m in drained.messages] == [(1, "one"), (2, "two"), (3, "three")]
@@ -149,7 +149,7 @@ async def test_concurrent_posts_and_drains_deliver_each_message_once_in_order(
     posting = True
 
     async def post(index: int) -> int:
-        return (await repo.post(tenant, run_id, f"m{index}")).seq
+        return (await repo.post(tenant, run_id, f"m{index}")).message.seq
 
     async def drain_while_posting() -> None:
         position = 0

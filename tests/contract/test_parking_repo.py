@@ -167,3 +167,21 @@ async def test_a_decision_racing_the_park_is_never_lost(
             assert status == RunStatus.RUNNING.value
             outcomes["refused"] += 1
     assert sum(outcomes.values()) == TRIALS
+
+
+async def test_a_resumed_run_is_claimed_ahead_of_runs_queued_after_it(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant = await tenants.new()
+    queue, parking = QueueRepo(db), ParkingRepo(db)
+    lane = unique("lane")
+    [parked_id] = await add_runs(db, tenant, lane, 1)
+    [claim] = await queue.claim_batch(lane, "w", limit=1, lease_ttl_s=TTL_S, tenant_caps=NO_CAP)
+    assert claim.fence.run_id == parked_id
+    assert await parking.park(claim.fence, Wait(kind=WaitKind.MESSAGE, until=None))
+    await add_runs(db, tenant, lane, 3)  # queued while the first one waits
+    posted = await MessagesRepo(db).post(tenant, claim.fence.run_id, "back")
+    assert posted.resumed_lane == lane
+    [first] = await queue.claim_batch(lane, "w", limit=1, lease_ttl_s=TTL_S, tenant_caps=NO_CAP)
+    assert first.fence.run_id == parked_id
+    assert first.fence.attempt == 2 and first.run.resumes == 1

@@ -64,3 +64,10 @@ async def chat(ctx: Context) -> JSONObject:
 async def explode(ctx: Context) -> JSONObject:
     """Fail at once, and for good."""
     raise RuntimeError("boom")
+
+
+@app.workflow("publish")
+async def publish(ctx: Context, draft: str) -> JSONObject:
+    """Ask to publish ``draft``; return what the approver sent back (an edited draft, say)."""
+    decision = await ctx.request_permission("publish", {"draft": draft}, timeout=60)
+    return {"approved": decision.approved, "data": decision.data}

@@ -16,7 +16,7 @@ from moorline import Context
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.parking import ParkingRepo
-from moorline.db.repos.records import InterruptStatus
+from moorline.db.repos.records import Interrupt, InterruptStatus
 from moorline.db.schema import runs
 from moorline.dispatch.leader import LeaderElector
 from moorline.dispatch.timers import TimerSweep
@@ -249,7 +249,7 @@ async def waiting_for_or_none(engine: EngineHarness, run_id: RunId) -> object:
         return found.scalar_one()
 
 
-async def interrupts_of(engine: EngineHarness, run_id: RunId) -> list[object]:
+async def interrupts_of(engine: EngineHarness, run_id: RunId) -> list[Interrupt]:
     from moorline.db.schema import interrupts
 
     repo = InterruptsRepo(engine.db)

@@ -20,6 +20,7 @@ from moorline.db.backends import sqlite as sqlite_backend
 from moorline.db.backends import sqlite_checkpoint
 from moorline.db.manager import DatabaseManager
 from moorline.settings import Settings
+from tests.helpers import wait_for
 
 EXPECTED_PRAGMAS = {
     "journal_mode": "wal",
@@ -205,6 +206,33 @@ async def test_a_file_from_an_older_version_gets_the_current_indexes(db_path: Pa
     assert "ix_runs_claim" not in names
 
 
+async def test_an_index_whose_columns_changed_is_rebuilt(db_path: Path) -> None:
+    """Revision 0006 added ``workflow`` to the claim index; an older file gets it too."""
+    url = f"sqlite+aiosqlite:///{db_path}"
+    old = DatabaseManager(Settings(database_url=url))
+    try:
+        await old.initialize()
+        async with old.transaction() as conn:
+            await conn.execute(text("DROP INDEX ix_runs_lane_tenant"))
+            await conn.execute(
+                text(
+                    "CREATE INDEX ix_runs_lane_tenant ON runs "
+                    "(status, lane, tenant_id, priority DESC, not_before, id)"
+                )
+            )
+    finally:
+        await old.dispose()
+    current = DatabaseManager(Settings(database_url=url))
+    try:
+        await current.initialize()
+        async with current.connect() as conn:
+            rows = await conn.execute(text("PRAGMA index_info(ix_runs_lane_tenant)"))
+            columns = [row[2] for row in rows]
+    finally:
+        await current.dispose()
+    assert columns == ["status", "lane", "tenant_id", "priority", "not_before", "id", "workflow"]
+
+
 async def test_a_file_from_an_older_version_gets_the_columns_added_since(db_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{db_path}"
     old = DatabaseManager(Settings(database_url=url))
@@ -366,6 +394,113 @@ async def test_a_write_that_meets_the_lock_waits_for_it_off_the_event_loop(
         assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 1
         assert (await conn.execute(text("PRAGMA busy_timeout"))).scalar_one() == 0
     assert crossings == []
+
+
+async def test_a_call_given_up_while_it_waits_for_the_lock_keeps_the_next_off_the_loop(
+    sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
+) -> None:
+    # A cancelled attempt gives up a write waiting for the lock on the connection's thread; the
+    # write goes on there. What SQLAlchemy then does with the connection (it closes it) must
+    # queue behind that write on the thread: run inline beside it, it crashed sqlite3.
+    other = raw_connection(db_path)
+    ticker = Ticker()
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        write = asyncio.create_task(
+            sqlite_db.write_statement(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+        )
+        await ticker.until(50)
+        assert not write.done()
+        write.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await write
+
+        async def followed_up() -> bool:
+            await asyncio.sleep(0)
+            return len(crossings) > 1
+
+        await wait_for(followed_up, message="SQLAlchemy's close of the given-up connection")
+        other.execute("COMMIT")
+    finally:
+        ticker.stop()
+        other.close()
+    assert crossings[:2] == ["_run", "_roll_back_and_close"]
+
+
+async def test_closing_a_connection_whose_cursor_lives_on_releases_the_write_lock(
+    sqlite_db: DatabaseManager, db_path: Path
+) -> None:
+    # A cursor whose statement still runs, kept alive elsewhere (a traceback an attempt keeps
+    # with its error holds the frames that hold it): sqlite3 cannot free the closed
+    # connection, which kept its transaction, and the write lock, open.
+    driver = sqlite_driver.Connection(
+        lambda: sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    )
+    await driver
+
+    def open_write(connection: sqlite3.Connection) -> sqlite3.Cursor:
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("UPDATE counter SET n = n + 1 WHERE id = 1")
+        cursor = connection.execute("SELECT n FROM counter UNION ALL SELECT 2")
+        cursor.fetchone()  # a statement still running when the connection is closed
+        return cursor
+
+    kept = await driver._execute(open_write, driver._conn)
+    await driver.close()
+    probe = raw_connection(db_path)
+    try:
+        probe.execute("BEGIN IMMEDIATE")  # the write lock is free
+        assert probe.execute("SELECT n FROM counter").fetchone() == (0,)
+        probe.execute("ROLLBACK")
+    finally:
+        probe.close()
+    del kept
+
+
+async def test_a_rollback_after_a_given_up_statement_queues_behind_it(db_path: Path) -> None:
+    # The given-up statement brings its transaction's BEGIN along: until it has run on the
+    # thread, the loop cannot see that transaction, and a rollback that looked from there
+    # found none, skipped itself, and left the lock held for good.
+    setup = raw_connection(db_path)
+    setup.execute("CREATE TABLE counter (id INTEGER PRIMARY KEY, n INTEGER)")
+    setup.execute("INSERT INTO counter (id, n) VALUES (1, 0)")
+    setup.close()
+    driver = sqlite_driver.Connection(
+        lambda: sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    )
+    await driver
+    driver.run_inline(busy_timeout_ms=5000)
+    other = raw_connection(db_path)
+    ticker = Ticker()
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        cursor = await driver.cursor()
+        await cursor.execute("BEGIN IMMEDIATE")  # held back, sent with the statement
+        update = asyncio.create_task(cursor.execute("UPDATE counter SET n = 1 WHERE id = 1"))
+        await ticker.until(50)
+        assert not update.done()
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        rollback = asyncio.create_task(driver.rollback())
+        other.execute("COMMIT")
+        await asyncio.wait_for(rollback, 10)
+
+        async def thread_idle() -> bool:
+            return driver._sent_to_thread == driver._done_on_thread
+
+        await wait_for(thread_idle, message="the given-up statement to have run")
+        probe = raw_connection(db_path)
+        try:
+            probe.execute("BEGIN IMMEDIATE")  # the write lock is free
+            assert probe.execute("SELECT n FROM counter").fetchone() == (0,)
+            probe.execute("ROLLBACK")
+        finally:
+            probe.close()
+    finally:
+        ticker.stop()
+        other.close()
+        await driver.close()
 
 
 async def test_a_statement_refused_inside_a_transaction_resumes_in_it(

@@ -9,7 +9,6 @@ state the utility reports.
 import asyncio
 import contextvars
 import logging
-import random
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +18,6 @@ import pytest
 from moorline.concurrency import (
     BoundedQueue,
     KeyedLock,
-    RWLock,
     ThreadBridge,
     TTLCache,
     cancel_and_wait,
@@ -110,166 +108,6 @@ async def test_keyed_lock_removes_a_key_once_nobody_holds_or_waits() -> None:
     assert len(locks) == 0
 
 
-# --- RWLock ----------------------------------------------------------------------------------
-
-
-async def test_rwlock_readers_share_it() -> None:
-    rw = RWLock()
-    barrier = asyncio.Barrier(4)
-
-    async def read() -> None:
-        async with rw.read():
-            await barrier.wait()  # all four readers inside at once
-
-    await asyncio.wait_for(asyncio.gather(*(read() for _ in range(4))), TIMEOUT_S)
-    assert rw.readers == 0
-
-
-async def test_rwlock_a_waiting_writer_holds_new_readers_back() -> None:
-    rw = RWLock()
-    log: list[str] = []
-    first_in, first_out = asyncio.Event(), asyncio.Event()
-
-    async def first_reader() -> None:
-        async with rw.read():
-            log.append("r1 in")
-            first_in.set()
-            await first_out.wait()
-            log.append("r1 out")
-
-    async def writer() -> None:
-        async with rw.write():
-            log.append("w in")
-            assert rw.readers == 0
-            log.append("w out")
-
-    async def late_reader() -> None:
-        async with rw.read():
-            log.append("r2 in")
-
-    tasks = [asyncio.create_task(first_reader())]
-    await first_in.wait()
-    tasks.append(asyncio.create_task(writer()))
-    await until(lambda: rw.waiting_writers == 1, "the writer to queue")
-    tasks.append(asyncio.create_task(late_reader()))
-    await until(lambda: rw.waiting_readers == 1, "the late reader to queue")
-    assert rw.readers == 1  # the late reader did not join the first one
-    first_out.set()
-    await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
-    assert log == ["r1 in", "r1 out", "w in", "w out", "r2 in"]
-
-
-async def test_rwlock_readers_that_waited_go_before_the_next_writer() -> None:
-    rw = RWLock()
-    log: list[str] = []
-    first_in, first_out = asyncio.Event(), asyncio.Event()
-
-    async def first_writer() -> None:
-        async with rw.write():
-            first_in.set()
-            await first_out.wait()
-            log.append("w1 out")
-
-    async def reader(name: str) -> None:
-        async with rw.read():
-            log.append(f"{name} in")
-            await asyncio.sleep(0)
-            log.append(f"{name} out")
-
-    async def second_writer() -> None:
-        async with rw.write():
-            log.append("w2 in")
-
-    tasks = [asyncio.create_task(first_writer())]
-    await first_in.wait()
-    tasks += [asyncio.create_task(reader("ra")), asyncio.create_task(reader("rb"))]
-    await until(lambda: rw.waiting_readers == 2, "the readers to queue")
-    tasks.append(asyncio.create_task(second_writer()))
-    await until(lambda: rw.waiting_writers == 1, "the second writer to queue")
-    first_out.set()
-    await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
-    # Both readers were let in together, and the second writer only after both left.
-    assert log[0] == "w1 out"
-    assert set(log[1:3]) == {"ra in", "rb in"}
-    assert log[-1] == "w2 in"
-
-
-async def test_rwlock_a_cancelled_waiting_writer_lets_queued_readers_in() -> None:
-    rw = RWLock()
-    reading = rw.read()
-    await reading.__aenter__()
-    writer = asyncio.create_task(_write_once(rw))
-    await until(lambda: rw.waiting_writers == 1, "the writer to queue")
-    late = asyncio.create_task(_read_once(rw))
-    await until(lambda: rw.waiting_readers == 1, "the reader to queue")
-    writer.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await writer
-    await asyncio.wait_for(late, TIMEOUT_S)  # entered beside the first reader
-    await reading.__aexit__(None, None, None)
-    assert (rw.readers, rw.writing, rw.waiting_writers, rw.waiting_readers) == (0, False, 0, 0)
-
-
-async def test_rwlock_a_writer_cancelled_after_its_grant_gives_the_lock_back() -> None:
-    rw = RWLock()
-    reading = rw.read()
-    await reading.__aenter__()
-    writer = asyncio.create_task(_write_once(rw))
-    await until(lambda: rw.waiting_writers == 1, "the writer to queue")
-    # Leaving grants the lock to the writer; cancel it before it gets to run.
-    await reading.__aexit__(None, None, None)
-    assert rw.writing
-    writer.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await writer
-    assert not rw.writing
-    await asyncio.wait_for(_write_once(rw), TIMEOUT_S)
-
-
-async def _write_once(rw: RWLock) -> None:
-    async with rw.write():
-        pass
-
-
-async def _read_once(rw: RWLock) -> None:
-    async with rw.read():
-        pass
-
-
-async def test_rwlock_random_mix_keeps_writers_alone() -> None:
-    rw = RWLock()
-    rng = random.Random(7)
-    readers = writers = 0
-    violations: list[str] = []
-
-    async def read() -> None:
-        nonlocal readers
-        async with rw.read():
-            readers += 1
-            if writers:
-                violations.append("reader beside a writer")
-            for _ in range(rng.randint(0, 3)):
-                await asyncio.sleep(0)
-            readers -= 1
-
-    async def write() -> None:
-        nonlocal writers
-        async with rw.write():
-            writers += 1
-            if writers > 1 or readers:
-                violations.append("writer not alone")
-            for _ in range(rng.randint(0, 3)):
-                await asyncio.sleep(0)
-            writers -= 1
-
-    tasks = [asyncio.create_task(write() if rng.random() < 0.3 else read()) for _ in range(300)]
-    for task in rng.sample(tasks, 30):
-        task.cancel()
-    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), TIMEOUT_S)
-    assert violations == []
-    assert (rw.readers, rw.writing, rw.waiting_writers, rw.waiting_readers) == (0, False, 0, 0)
-
-
 # --- BoundedQueue ----------------------------------------------------------------------------
 
 
@@ -278,20 +116,16 @@ def test_bounded_queue_needs_a_bound() -> None:
         BoundedQueue[int](0)
 
 
-async def test_bounded_queue_drained_follows_what_is_queued() -> None:
+async def test_bounded_queue_makes_a_producer_wait_for_room() -> None:
     queue: BoundedQueue[int] = BoundedQueue(2)
-    assert queue.drained.is_set()
     await queue.put(1)
     await queue.put(2)
-    assert not queue.drained.is_set()
     with pytest.raises(asyncio.QueueFull):
         queue.put_nowait(3)
     blocked = asyncio.create_task(queue.put(3))  # waits for room
-    waiting = asyncio.create_task(queue.drained.wait())
     assert await queue.get() == 1
     await asyncio.wait_for(blocked, TIMEOUT_S)
     assert [await queue.get(), await queue.get()] == [2, 3]
-    await asyncio.wait_for(waiting, TIMEOUT_S)
 
 
 async def test_bounded_queue_drain_takes_everything_and_frees_producers() -> None:
@@ -301,7 +135,6 @@ async def test_bounded_queue_drain_takes_everything_and_frees_producers() -> Non
     blocked = asyncio.create_task(queue.put("c"))
     await until(lambda: not blocked.done() and queue.full(), "the producer to wait for room")
     assert queue.drain_nowait() == ["a", "b"]
-    assert queue.drained.is_set()
     await asyncio.wait_for(blocked, TIMEOUT_S)
     assert queue.drain_nowait() == ["c"]
 

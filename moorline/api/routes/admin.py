@@ -4,6 +4,7 @@ Every route here requires ``MOORLINE_ADMIN_TOKEN`` (:func:`moorline.api.deps.req
 a tenant's API key gets 403 ``forbidden``.
 """
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
@@ -20,6 +21,7 @@ from moorline.api.schemas import (
     TenantPlanChange,
 )
 from moorline.db.repos.tenants import TenantExists
+from moorline.db.repos.workers import WorkersRepo
 from moorline.errors import Forbidden, InvalidRequest, TenantNotFound, Unauthorized
 from moorline.plans import PlansProvider
 from moorline.types import TenantId
@@ -60,8 +62,11 @@ async def change_plan(
 
 
 async def queues(services: ServicesDep) -> Queues:
-    """Queued and running runs per lane, with the age of the oldest claimable one."""
-    loads = await services.listing.lane_loads(await services.plans.lane_slots())
+    """Queued and running runs per lane, the oldest claimable one's age, the unserved runs."""
+    loads, unserved = await asyncio.gather(
+        services.listing.lane_loads(await services.plans.lane_slots()),
+        WorkersRepo(services.db).unserved(),
+    )
     return Queues(
         lanes=[
             LaneOut(
@@ -69,6 +74,8 @@ async def queues(services: ServicesDep) -> Queues:
                 queued=load.queued,
                 running=load.running,
                 oldest_queued_age_s=load.oldest_queued_age_s,
+                unserved=sum(n for (lane, _), n in unserved.items() if lane == load.lane),
+                unserved_workflows=sorted(w for lane, w in unserved if lane == load.lane),
             )
             for load in loads
         ]

@@ -1,7 +1,7 @@
 """``GET /metrics``: the Prometheus text exposition (see :mod:`moorline.observability.metrics`).
 
-Unauthenticated, like the health probes: a Prometheus server scrapes it, and it names lanes and
-statuses only, never a tenant, a run or an input.
+Unauthenticated, like the health probes: a Prometheus server scrapes it, and it names lanes,
+statuses and workflows only, never a tenant, a run or an input.
 """
 
 import asyncio
@@ -11,16 +11,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moorline.api.deps import ServicesDep
 from moorline.db.repos.gauges import Gauges
+from moorline.db.repos.workers import WorkersRepo
 from moorline.observability.metrics import LaneFigures, Snapshot, render
 
 
 async def metrics(services: ServicesDep) -> Response:
     """Every metric of this deployment, read now."""
     gauges = Gauges(services.db)
-    runs, interrupts_pending, loads = await asyncio.gather(
+    runs, interrupts_pending, loads, unserved = await asyncio.gather(
         gauges.runs_by_lane_and_status(),
         gauges.pending_interrupts(),
         services.listing.lane_loads(await services.plans.lane_slots()),
+        WorkersRepo(services.db).unserved(),
     )
     checked_out, pool_size = services.db.pool_usage()
     snapshot = Snapshot(
@@ -30,6 +32,7 @@ async def metrics(services: ServicesDep) -> Response:
             for load in loads
         },
         interrupts_pending=interrupts_pending,
+        unserved=unserved,
         sse_subscribers=services.stream_slots.total(),
         pool_checked_out=checked_out,
         pool_size=pool_size,

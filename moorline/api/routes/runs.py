@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from enum import Enum
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +52,7 @@ from moorline.api.schemas import (
     CONVERSATION,
     WORKFLOW,
     Cancelled,
+    ChildOut,
     MessageAccepted,
     MessageIn,
     PendingInterrupt,
@@ -64,6 +66,7 @@ from moorline.api.schemas import (
     StepOut,
     WaitingFor,
 )
+from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.interrupts import InterruptResolved
 from moorline.db.repos.listing import RunCursor, RunFilter, RunPage
 from moorline.db.repos.records import DecisionReason, Event, Run
@@ -127,6 +130,7 @@ def summary(run: Run) -> RunSummary:
         finished_at=run.finished_at,
         elapsed_time=run.elapsed_time,
         waiting_for=None if run.waiting_for is None else WaitingFor.model_validate(run.waiting_for),
+        parent_run_id=run.parent_run_id,
     )
 
 
@@ -243,10 +247,14 @@ def answer_trigger(admitted: Admitted, *, fast: bool = True) -> Response:
     body = accepted(admitted.run).model_dump_json().encode()
     status_code = 202 if admitted.created else 200
     rate = admitted.rate
+    # A new run's address (RFC 9110's Location of a 202): where to follow it.
+    location = f"/v1/runs/{quote(admitted.run.run_id, safe='')}" if admitted.created else None
     if not fast:
         headers = (
-            None if rate is None else rate_limit_headers(rate.limit, rate.remaining, rate.reset_s)
+            {} if rate is None else rate_limit_headers(rate.limit, rate.remaining, rate.reset_s)
         )
+        if location is not None:
+            headers["location"] = location
         return Response(body, status_code=status_code, headers=headers, media_type=_JSON)
     header_lines = (
         []
@@ -257,6 +265,8 @@ def answer_trigger(admitted: Admitted, *, fast: bool = True) -> Response:
             (b"ratelimit-reset", str(rate.reset_s).encode()),
         ]
     )
+    if location is not None:
+        header_lines.append((b"location", location.encode()))
     header_lines += [(b"content-length", str(len(body)).encode()), _JSON_CONTENT_TYPE]
     return TriggerAnswer(body, status_code=status_code, raw=header_lines)
 
@@ -289,12 +299,22 @@ async def get_run(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) -
 async def describe_run(services: Services, run: Run) -> RunOut:
     """``run`` with its steps and the decision it waits for, if any."""
     steps = await services.steps.list(run.run_id)
+    children = await ChildrenRepo(services.db).list(run.run_id)
     pending = await services.interrupts.pending_for_run(run.run_id)
     waiting = pending[0] if pending and not run.status.is_terminal else None
     return RunOut(
         **summary(run).model_dump(),
         input=run.input,
         output=run.output,
+        children=[
+            ChildOut(
+                run_id=child.run_id,
+                key=child.child_key or "",
+                workflow=child.workflow,
+                status=child.status,
+            )
+            for child in children
+        ],
         steps=[
             StepOut(
                 key=step.key,
@@ -328,11 +348,19 @@ async def list_runs(
         int, Query(ge=1, description=f"Runs per page; above {MAX_PAGE_SIZE} counts as that.")
     ] = DEFAULT_PAGE_SIZE,
     cursor: Annotated[str | None, Query(max_length=500)] = None,
+    parent_run_id: Annotated[
+        str | None, Query(max_length=36, description="Only this run's child runs.")
+    ] = None,
 ) -> RunList:
     """The tenant's runs, newest first, a page at a time."""
     page = await services.listing.page(
         caller.tenant.tenant_id,
-        where=RunFilter(status=status, workflow=workflow, conversation_id=conversation_id),
+        where=RunFilter(
+            status=status,
+            workflow=workflow,
+            conversation_id=conversation_id,
+            parent_run_id=parent_run_id,
+        ),
         limit=min(limit, MAX_PAGE_SIZE),
         after=None if cursor is None else decode_cursor(cursor),
     )
@@ -406,7 +434,9 @@ async def cancel(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) ->
 
 async def cancel_owned(services: Services, run: Run) -> Cancelled:
     """Cancel ``run``: a queued one ends at once, a running one at its next check."""
-    cancelled = await cancel_run(services.runs, services.store, run.tenant_id, run.run_id)
+    cancelled = await cancel_run(
+        services.runs, services.store, run.tenant_id, run.run_id, ChildrenRepo(services.db)
+    )
     return Cancelled(run_id=cancelled.run_id, status=cancelled.status)
 
 

@@ -33,6 +33,10 @@ from moorline.types import RunStatus
 UNION_CHUNK = 400
 """Tenants per claim read: SQLite allows at most 500 members in one compound SELECT."""
 
+MAX_BOUND_PARAMETERS = 30_000
+"""Bound parameters per claim statement, under SQLite's default limit (32,766) and asyncpg's
+(32,767): each member of a claim read binds its tenant, its count and the served workflows."""
+
 _QUEUED = RunStatus.QUEUED.value
 _RUNNING = RunStatus.RUNNING.value
 
@@ -67,13 +71,29 @@ def _id_list() -> BindParameter[Any]:
     return bindparam("ids", expanding=True)
 
 
+def _served_by(column: ColumnElement[Any]) -> ColumnElement[bool]:
+    """``column IN (:workflows)``: the run's workflow is one the claiming worker serves.
+
+    ``workflow`` is the last column of ``ix_runs_lane_tenant``, so the filter is applied to the
+    index entries the claim walks anyway: no table read per candidate, and a run of another
+    workflow is stepped over inside the tenant's range.
+    """
+    return column.in_(bindparam("workflows", expanding=True))
+
+
+def union_chunk(workflow_count: int) -> int:
+    """Tenants per claim read when each member also binds ``workflow_count`` workflows."""
+    return max(1, min(UNION_CHUNK, MAX_BOUND_PARAMETERS // (workflow_count + 2)))
+
+
 @per_backend_kind
-def waiting_statement(backend: Backend) -> Select[Any]:
+def waiting_statement(backend: Backend, served: bool = False) -> Select[Any]:
     """The tenants with queued runs in ``lane``: plan, running count, next eligible run.
 
     A recursive query skips through ``ix_runs_lane_tenant`` one tenant id at a time, so the
     cost follows the number of tenants waiting, never the length of a backlog. A tenant whose
-    runs are all delayed has a NULL next run.
+    runs are all delayed has a NULL next run. ``served``: the next run is one of the
+    ``workflows`` bound at execution; a tenant with none of them queued has a NULL next run.
     """
     lane = bindparam("lane", type_=String())
     # ORDER BY … LIMIT 1 rather than min(): the planner always reads it as one index seek.
@@ -99,11 +119,15 @@ def waiting_statement(backend: Backend) -> Select[Any]:
     ahead = runs.alias("ahead")
 
     def next_run(column: ColumnElement[Any]) -> ColumnElement[Any]:
-        return (
+        nxt = (
             select(column)
             .where(ahead.c.status == _QUEUED, ahead.c.lane == lane)
             .where(ahead.c.tenant_id == waiting.c.tenant_id, ahead.c.not_before <= backend.now())
-            .order_by(ahead.c.priority.desc(), ahead.c.not_before, ahead.c.id)
+        )
+        if served:
+            nxt = nxt.where(_served_by(ahead.c.workflow))
+        return (
+            nxt.order_by(ahead.c.priority.desc(), ahead.c.not_before, ahead.c.id)
             .limit(1)
             .scalar_subquery()
         )
@@ -135,7 +159,7 @@ def lock_tenants_statement(backend: Backend) -> Select[Any]:
 
 @per_backend_kind
 def next_runs_statement(
-    backend: Backend, tenants_count: int, locked: bool
+    backend: Backend, tenants_count: int, locked: bool, served: bool = False
 ) -> Select[Any] | CompoundSelect[Any]:
     """Each of ``tenants_count`` tenants' next ``count_<i>`` eligible runs of ``lane``.
 
@@ -144,6 +168,7 @@ def next_runs_statement(
     the tenant's ``running`` count (``busy``) and the database time (``db_now``) beside them.
     The eligibility predicate is on the rows being locked, so a row another transaction
     changed is checked again as locked. Otherwise the columns the claim order needs.
+    ``served``: only runs of the ``workflows`` bound at execution.
     """
     # Not "lane": an UPDATE (SQLite's claim) reserves column names for its SET clause.
     lane = bindparam("in_lane", type_=String())
@@ -161,8 +186,11 @@ def next_runs_statement(
             # Never set on a queued run (a cancel ends one at once); kept so that no path
             # to ``queued`` can ever hand a cancelled run to a worker.
             .where(runs.c.cancel_requested_at.is_(None))
-            .order_by(runs.c.priority.desc(), runs.c.not_before, runs.c.id)
-            .limit(bindparam(f"count_{index}", type_=Integer()))
+        )
+        if served:
+            nxt = nxt.where(_served_by(runs.c.workflow))
+        nxt = nxt.order_by(runs.c.priority.desc(), runs.c.not_before, runs.c.id).limit(
+            bindparam(f"count_{index}", type_=Integer())
         )
         if not locked:
             return select(nxt.subquery())
@@ -181,23 +209,29 @@ def next_runs_statement(
 
 
 @per_backend_kind
-def claim_next_statement(backend: Backend, tenants_count: int, lease_ttl_s: float) -> Update:
+def claim_next_statement(
+    backend: Backend, tenants_count: int, lease_ttl_s: float, served: bool = False
+) -> Update:
     """The serialised claim: the allotted tenants' next runs, read and claimed by one statement.
 
-    The eligibility predicate is repeated on the rows being updated, checked under the write
-    lock; every column of the claimed rows is returned.
+    The eligibility predicate (with the served workflows, when ``served``) is repeated on the
+    rows being updated, checked under the write lock; every column of the claimed rows is
+    returned.
     """
-    chosen = next_runs_statement(backend, tenants_count, False).subquery()
+    chosen = next_runs_statement(backend, tenants_count, False, served).subquery()
     now = backend.now()
+    eligible = [
+        runs.c.id.in_(select(chosen.c.id)),
+        runs.c.status == _QUEUED,
+        runs.c.lane == bindparam("in_lane", type_=String()),
+        runs.c.not_before <= now,
+        runs.c.cancel_requested_at.is_(None),
+    ]
+    if served:
+        eligible.append(_served_by(runs.c.workflow))
     return (
         update(runs)
-        .where(
-            runs.c.id.in_(select(chosen.c.id)),
-            runs.c.status == _QUEUED,
-            runs.c.lane == bindparam("in_lane", type_=String()),
-            runs.c.not_before <= now,
-            runs.c.cancel_requested_at.is_(None),
-        )
+        .where(*eligible)
         .values(
             status=_RUNNING,
             attempt=runs.c.attempt + 1,

@@ -40,13 +40,18 @@ re-evaluated after a lock wait, and two claimers then take the same run.
    ``started`` event per run in the same transaction, with one ``INSERT … SELECT`` that reads
    each run's next ``seq`` itself.
 
+A worker claims only the workflows it serves (``workflows``): every read above filters on
+them, on the last column of ``ix_runs_lane_tenant``, so a run that no worker of the lane
+serves (a rolling deploy, a worker started with another app) stays ``queued`` for one that
+does, instead of failing as ``workflow_not_found`` in the wrong worker.
+
 Claims are not wrapped in ``with_retry``: a commit whose acknowledgement was lost would be
 repeated as a second batch, orphaning the first until its leases expire.
 """
 
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -64,11 +69,11 @@ from moorline.db.fairness import (
 )
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.claim_statements import (
-    UNION_CHUNK,
     claim_locked_statement,
     claim_next_statement,
     lock_tenants_statement,
     next_runs_statement,
+    union_chunk,
     waiting_statement,
 )
 from moorline.db.repos.events import EVENT_STARTED, events_from_runs_statement
@@ -120,6 +125,7 @@ class _ClaimStrategy(Protocol):
         busy: Mapping[str, int],
         limit: int,
         lease_ttl_s: float,
+        workflows: Sequence[str] | None,
     ) -> tuple[list[Claim], Mapping[str, int]]:
         """The claims in claim order, and the tenants' ``running`` counts read afresh."""
         ...
@@ -144,6 +150,7 @@ class ClaimsRepo:
         lease_ttl_s: float,
         tenant_caps: Mapping[str, int],
         default_cap: int = 1,
+        workflows: Collection[str] | None = None,
     ) -> list[Claim]:
         """Claim up to ``limit`` runs of ``lane`` for ``owner``, in one transaction.
 
@@ -156,6 +163,7 @@ class ClaimsRepo:
             lease_ttl_s=lease_ttl_s,
             tenant_caps=tenant_caps,
             default_cap=default_cap,
+            workflows=workflows,
         )
         return batch.claims
 
@@ -168,6 +176,7 @@ class ClaimsRepo:
         lease_ttl_s: float,
         tenant_caps: Mapping[str, int],
         default_cap: int = 1,
+        workflows: Collection[str] | None = None,
     ) -> ClaimBatch:
         """Claim up to ``limit`` runs of ``lane`` for ``owner``, in one transaction.
 
@@ -179,18 +188,21 @@ class ClaimsRepo:
             tenant_caps: Plan name → most ``running`` runs a tenant on that plan may have.
             default_cap: The cap of a tenant whose plan is not in ``tenant_caps``; small on
                 purpose, so a misconfigured plan under-runs instead of flooding.
+            workflows: The workflows ``owner`` can run: runs of others are left queued. None
+                claims every workflow (tests, benchmarks).
 
         Returns:
             The claimed runs, highest priority first: fewer than ``limit`` (or none) when no
             more are eligible, when tenants are at their caps, or when another claimer took
             them first; and whether a cap kept eligible runs back.
         """
-        if limit < 1:
+        served = None if workflows is None else sorted(set(workflows))
+        if limit < 1 or served == []:
             return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=time.monotonic())
         strategy = self._claim_strategy
         async with self._db.write_transaction() as conn:
             began = time.monotonic()
-            waiting = await self._waiting_tenants_txn(conn, lane)
+            waiting = await self._waiting_tenants_txn(conn, lane, served)
             # Under row locks the tenants' counts may change before their rows are locked;
             # allotting more than the batch leaves spare candidates for slots a concurrent
             # claimer of the same tenant took while this one waited for the lock.
@@ -201,7 +213,7 @@ class ClaimsRepo:
             caps = {t: tenant_cap(tenant_caps, default_cap, plans[t]) for t in allotted}
             busy = {tenant.tenant_id: tenant.busy for tenant in waiting}
             claims, fresh = await strategy.claim_txn(
-                conn, lane, owner, allotted, caps, busy, limit, lease_ttl_s
+                conn, lane, owner, allotted, caps, busy, limit, lease_ttl_s, served
             )
             busy.update(fresh)
             if claims:
@@ -216,13 +228,19 @@ class ClaimsRepo:
         )
         return ClaimBatch(claims=claims, is_capped=is_capped, began_monotonic_s=began)
 
-    async def _waiting_tenants_txn(self, conn: AsyncConnection, lane: str) -> list[WaitingTenant]:
+    async def _waiting_tenants_txn(
+        self, conn: AsyncConnection, lane: str, served: Sequence[str] | None
+    ) -> list[WaitingTenant]:
         """The tenants with eligible queued runs in ``lane``, with their next run and load.
 
-        A tenant whose runs are all delayed (``not_before`` ahead) has no next run and is left
-        out.
+        A tenant whose runs are all delayed (``not_before`` ahead), or of workflows outside
+        ``served``, has no next run and is left out.
         """
-        rows = await conn.execute(waiting_statement(self._db.backend), {"lane": lane})
+        stmt = waiting_statement(self._db.backend, served is not None)
+        params: dict[str, Any] = {"lane": lane}
+        if served is not None:
+            params["workflows"] = served
+        rows = await conn.execute(stmt, params)
         return [
             WaitingTenant(
                 tenant_id=row.tenant_id,
@@ -263,14 +281,16 @@ class _LockedClaim:
         busy: Mapping[str, int],
         limit: int,
         lease_ttl_s: float,
+        workflows: Sequence[str] | None,
     ) -> tuple[list[Claim], Mapping[str, int]]:
         await conn.execute(lock_tenants_statement(self._backend), {"ids": sorted(caps)})
         # A tenant never gets more than the whole batch, however much it was allotted.
         wanted = {tenant: min(count, limit) for tenant, count in allotted.items()}
-        read = await self._next_runs_txn(conn, lane, wanted)
+        read = await self._next_runs_txn(conn, lane, wanted, workflows)
         # The read's predicate holds on the rows as locked; checked again here all the same,
         # since a claim of a row that changed under it would be a double claim.
-        rows = [row for row in read if _is_claimable(row, lane)]
+        served = None if workflows is None else frozenset(workflows)
+        rows = [row for row in read if _is_claimable(row, lane, served)]
         # A tenant without candidates left is not claimed from, so its count is not needed.
         fresh = {row["tenant_id"]: row["busy"] for row in rows}
         free = {tenant: caps[tenant] - count for tenant, count in fresh.items()}
@@ -290,7 +310,11 @@ class _LockedClaim:
         return [_claim_of(by_id[run_id], owner, now, expires) for run_id in chosen], fresh
 
     async def _next_runs_txn(
-        self, conn: AsyncConnection, lane: str, wanted: Mapping[str, int]
+        self,
+        conn: AsyncConnection,
+        lane: str,
+        wanted: Mapping[str, int],
+        workflows: Sequence[str] | None,
     ) -> list[RowMapping]:
         """Each tenant's next ``wanted[tenant]`` eligible runs of ``lane``, locked.
 
@@ -300,13 +324,11 @@ class _LockedClaim:
         """
         members = sorted(wanted.items())
         rows: list[RowMapping] = []
-        for offset in range(0, len(members), UNION_CHUNK):
-            chunk = members[offset : offset + UNION_CHUNK]
-            params: dict[str, Any] = {"in_lane": lane}
-            for index, (tenant_id, count) in enumerate(chunk):
-                params[f"tenant_{index}"] = tenant_id
-                params[f"count_{index}"] = count
-            stmt = next_runs_statement(self._backend, len(chunk), True)
+        step = union_chunk(0 if workflows is None else len(workflows))
+        for offset in range(0, len(members), step):
+            chunk = members[offset : offset + step]
+            params = _chunk_params(lane, chunk, workflows)
+            stmt = next_runs_statement(self._backend, len(chunk), True, workflows is not None)
             rows += (await conn.execute(stmt, params)).mappings()
         return rows
 
@@ -335,17 +357,19 @@ class _SerialisedClaim:
         busy: Mapping[str, int],
         limit: int,
         lease_ttl_s: float,
+        workflows: Sequence[str] | None,
     ) -> tuple[list[Claim], Mapping[str, int]]:
         free = {t: caps[t] - busy[t] for t in caps}
         wanted = sorted((t, min(count, free[t])) for t, count in allotted.items() if free[t] > 0)
         claimed: list[RowMapping] = []
-        for offset in range(0, len(wanted), UNION_CHUNK):
-            chunk = wanted[offset : offset + UNION_CHUNK]
-            params: dict[str, Any] = {"in_lane": lane, "new_owner": owner}
-            for index, (tenant_id, count) in enumerate(chunk):
-                params[f"tenant_{index}"] = tenant_id
-                params[f"count_{index}"] = count
-            stmt = claim_next_statement(self._backend, len(chunk), lease_ttl_s)
+        step = union_chunk(0 if workflows is None else len(workflows))
+        for offset in range(0, len(wanted), step):
+            chunk = wanted[offset : offset + step]
+            params = _chunk_params(lane, chunk, workflows)
+            params["new_owner"] = owner
+            stmt = claim_next_statement(
+                self._backend, len(chunk), lease_ttl_s, workflows is not None
+            )
             claimed += (await conn.execute(stmt, params)).mappings()
         order = take_in_claim_order(_queued_runs(claimed), busy, free, limit)
         if len(order) != len(claimed):  # pragma: no cover - the allotment fits the batch
@@ -353,6 +377,19 @@ class _SerialisedClaim:
         by_id = {row["id"]: row for row in claimed}
         # The counts read at the start are still exact: nothing else wrote meanwhile.
         return [_claim_from_row(by_id[run_id]) for run_id in order], {}
+
+
+def _chunk_params(
+    lane: str, chunk: Sequence[tuple[str, int]], workflows: Sequence[str] | None
+) -> dict[str, Any]:
+    """The parameters of one claim read over ``chunk``'s (tenant, count) members."""
+    params: dict[str, Any] = {"in_lane": lane}
+    if workflows is not None:
+        params["workflows"] = workflows
+    for index, (tenant_id, count) in enumerate(chunk):
+        params[f"tenant_{index}"] = tenant_id
+        params[f"count_{index}"] = count
+    return params
 
 
 def _queued_runs(rows: Sequence[RowMapping]) -> list[QueuedRun]:
@@ -368,13 +405,17 @@ def _queued_runs(rows: Sequence[RowMapping]) -> list[QueuedRun]:
     ]
 
 
-def _is_claimable(row: RowMapping, lane: str) -> bool:
-    """Whether a run's locked row is still eligible: queued in ``lane``, due, not cancelled."""
+def _is_claimable(row: RowMapping, lane: str, served: frozenset[str] | None) -> bool:
+    """Whether a locked run is still eligible: queued in ``lane``, due, not cancelled, served.
+
+    ``served``: the workflows the claiming worker runs; None, any.
+    """
     return (
         row["status"] == _QUEUED
         and row["lane"] == lane
         and row["not_before"] <= row["db_now"]
         and row["cancel_requested_at"] is None
+        and (served is None or row["workflow"] in served)
     )
 
 

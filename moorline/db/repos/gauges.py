@@ -4,10 +4,11 @@ Both must stay cheap with a large history, since Prometheus asks every few secon
 
 - runs per (lane, status) is an index-only scan of ``ix_runs_lane_tenant``, which leads with
   ``(status, lane)``;
-- pending interrupts are those of ``running`` runs: the runs come from an index leading with
-  ``status``, and their interrupts from the ``(run_id, status)`` index, so the interrupts of
-  runs that ended long ago are never read. (A run waiting for a decision keeps its lease and
-  stays ``running``; an interrupt left pending by a run that then ended waits for no one.)
+- pending interrupts are those of ``running`` and ``waiting`` runs (a run waiting for a
+  decision parks after ``park_after``): the runs come from an index leading with ``status``,
+  and their interrupts from the ``(run_id, status)`` index, so the interrupts of runs that
+  ended long ago are never read. (An interrupt left pending by a run that then ended waits for
+  no one.)
 
 Queue depth and the oldest queued age per lane are
 :meth:`~moorline.db.repos.listing.RunListing.lane_loads`, the read behind
@@ -46,7 +47,7 @@ class Gauges:
             select(func.count())
             .select_from(interrupts.join(runs, runs.c.id == interrupts.c.run_id))
             .where(
-                runs.c.status == RunStatus.RUNNING.value,
+                runs.c.status.in_([RunStatus.RUNNING.value, RunStatus.WAITING.value]),
                 interrupts.c.status == InterruptStatus.PENDING.value,
             )
         )

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import and_, select, tuple_, update
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_CANCELLED, EVENT_RELEASED, append_events_txn
@@ -25,10 +26,13 @@ class Renewal:
             its lease.
         cancel_requested: Those renewed runs whose cancel is recorded: their worker learns of
             it here at the latest, however the RuntimeStore's signal fared.
+        parked: ``(run id, attempt)`` of fences not renewed because that very attempt parked
+            its run (``waiting``): the lease went with the park, it was not taken over.
     """
 
     renewed: frozenset[tuple[RunId, Attempt]]
     cancel_requested: frozenset[RunId]
+    parked: frozenset[tuple[RunId, Attempt]] = frozenset()
 
 
 class LeasesRepo:
@@ -88,14 +92,35 @@ class LeasesRepo:
                 # ones the UPDATE matched (it holds their locks; no fence can newly match).
                 back = select(runs.c.id, runs.c.attempt, runs.c.cancel_requested_at).where(held)
                 rows = (await conn.execute(back)).all()
+                renewed = frozenset((RunId(row.id), Attempt(row.attempt)) for row in rows)
+                missed = [key for key in keys if key not in renewed]
+                parked = await self._parked_txn(conn, missed) if missed else frozenset()
             return Renewal(
-                renewed=frozenset((RunId(row.id), Attempt(row.attempt)) for row in rows),
+                renewed=renewed,
                 cancel_requested=frozenset(
                     RunId(row.id) for row in rows if row.cancel_requested_at is not None
                 ),
+                parked=parked,
             )
 
         return await self._db.with_retry(renew)
+
+    @staticmethod
+    async def _parked_txn(
+        conn: AsyncConnection, missed: Sequence[tuple[str, int]]
+    ) -> frozenset[tuple[RunId, Attempt]]:
+        """Of the fences a heartbeat missed, those whose own attempt parked the run.
+
+        A park ends the lease between two heartbeats while the attempt still winds down
+        (``finally`` blocks, buffered events); only a park by attempt N leaves a run
+        ``waiting`` at attempt N, as any later claim increments it.
+        """
+        found = select(runs.c.id, runs.c.attempt).where(
+            tuple_(runs.c.id, runs.c.attempt).in_(missed),
+            runs.c.status == RunStatus.WAITING.value,
+        )
+        rows = (await conn.execute(found)).all()
+        return frozenset((RunId(row.id), Attempt(row.attempt)) for row in rows)
 
     async def release(self, fence: Fence) -> bool:
         """Give a running run back to the queue at once (graceful shutdown).

@@ -45,6 +45,7 @@ class RunFilter:
     workflow: str | None = None
     conversation_id: str | None = None
     lane: str | None = None
+    parent_run_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,4 +245,6 @@ def _matching(where: RunFilter) -> builtins.list[ColumnElement[bool]]:
         conditions.append(runs.c.conversation_id == where.conversation_id)
     if where.lane is not None:
         conditions.append(runs.c.lane == where.lane)
+    if where.parent_run_id is not None:
+        conditions.append(runs.c.parent_run_id == where.parent_run_id)
     return conditions

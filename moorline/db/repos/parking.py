@@ -22,6 +22,7 @@ deadline. A re-queued run keeps its ``not_before`` (in the past), so it is claim
 the runs queued after it in its lane.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -42,7 +43,10 @@ from moorline.db.repos.fences import hold_fence_txn
 from moorline.db.repos.records import DecisionReason, Fence, InterruptStatus
 from moorline.db.schema import interrupts, messages, runs
 from moorline.errors import LeaseLost
-from moorline.types import Attempt, JSONObject, RunId, RunStatus
+from moorline.types import TERMINAL_STATUSES, Attempt, JSONObject, RunId, RunStatus
+
+_IN_CHUNK = 500
+"""Ids per ``IN`` list: well under every backend's bound-parameter limit."""
 
 DEFAULT_SWEEP_LIMIT = 500
 """Due waiting runs one sweep transaction moves."""
@@ -57,6 +61,7 @@ class WaitKind(StrEnum):
     PERMISSION = "permission"
     SLEEP = "sleep"
     MESSAGE = "message"
+    CHILDREN = "children"
 
 
 class ResumeReason(StrEnum):
@@ -65,6 +70,7 @@ class ResumeReason(StrEnum):
     DECISION = "decision"
     MESSAGE = "message"
     TIMER = "timer"
+    CHILDREN = "children"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +87,8 @@ class Wait:
     kind: WaitKind
     until: datetime | None
     interrupt_id: str | None = None
+    children: tuple[str, ...] = ()
+    """The child runs a ``children`` wait awaits (every one must end)."""
 
     def describe(self) -> JSONObject:
         """``waiting_for`` as stored and shown: ``{"kind", "until", "interrupt_id"?}``."""
@@ -90,6 +98,8 @@ class Wait:
         }
         if self.interrupt_id is not None:
             described["interrupt_id"] = self.interrupt_id
+        if self.kind is WaitKind.CHILDREN:
+            described["children"] = len(self.children)
         return described
 
 
@@ -185,6 +195,8 @@ class ParkingRepo:
                 )
             ).scalar_one_or_none()
             return status != _PENDING
+        if wait.kind is WaitKind.CHILDREN:
+            return not await mark_awaited_txn(conn, run_id, wait.children)
         if wait.kind is WaitKind.MESSAGE:
             waiting = exists().where(
                 messages.c.run_id == run_id, messages.c.delivered_attempt.is_(None)
@@ -325,3 +337,30 @@ async def deny_pending_txn(
         .values(status=InterruptStatus.DENIED.value, reason=reason.value, resolved_at=now)
     )
     return int(result.rowcount)
+
+
+async def mark_awaited_txn(conn: AsyncConnection, parent_id: str, child_ids: Sequence[str]) -> bool:
+    """Mark the parent's children ``child_ids`` awaited; whether any of them has not ended.
+
+    The UPDATE locks the children's rows, so a child finishing meanwhile either committed
+    before (and the read after it sees it ended) or finds the mark and wakes the parent
+    (:meth:`~moorline.db.repos.children.ChildrenRepo.wake_parents`).
+    """
+    for offset in range(0, len(child_ids), _IN_CHUNK):
+        chunk = list(child_ids[offset : offset + _IN_CHUNK])
+        await conn.execute(
+            update(runs)
+            .where(runs.c.parent_run_id == parent_id, runs.c.id.in_(chunk))
+            .values(awaited=1)
+        )
+    return await has_unfinished_awaited_txn(conn, parent_id)
+
+
+async def has_unfinished_awaited_txn(conn: AsyncConnection, parent_id: str) -> bool:
+    """Whether a child the parent awaits has not ended yet."""
+    unfinished = exists().where(
+        runs.c.parent_run_id == parent_id,
+        runs.c.awaited == 1,
+        runs.c.status.not_in([status.value for status in TERMINAL_STATUSES]),
+    )
+    return bool((await conn.execute(select(unfinished))).scalar())

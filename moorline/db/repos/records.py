@@ -83,6 +83,14 @@ class Run:
     """Times the run left ``waiting``; claims after them do not use up attempts."""
     deadline_at: datetime | None = None
     """The run's wall-clock limit, waits included (None: none)."""
+    parent_run_id: RunId | None = None
+    """The run that started this one as a child (None: a top-level run)."""
+    child_key: str | None = None
+    """Its key among its parent's children."""
+    depth: int = 0
+    """0 for a top-level run, its parent's plus one for a child."""
+    detached: bool = False
+    """A child that outlives its parent's failure (never cancelled with it)."""
 
 
 def run_from_row(row: Mapping[Any, Any]) -> Run:
@@ -124,6 +132,10 @@ def run_from_row(row: Mapping[Any, Any]) -> Run:
         wake_at=row.get("wake_at"),
         resumes=row.get("resumes") or 0,
         deadline_at=row.get("deadline_at"),
+        parent_run_id=row.get("parent_run_id"),
+        child_key=row.get("child_key"),
+        depth=row.get("depth") or 0,
+        detached=bool(row.get("detached")),
     )
 
 

@@ -202,9 +202,10 @@ class RunTransitions(RunRepoBase):
         # The row is locked (or, on SQLite, the whole database is): it cannot have moved.
         if result.rowcount != 1:  # pragma: no cover - would be a locking bug
             raise AssertionError(f"cancel of locked run {run.run_id} changed {result.rowcount}")
-        if changed.status is RunStatus.CANCELLED:
+        if run.status is RunStatus.WAITING:
             # A waiting run's open question is closed too: nobody will act on its answer.
             await deny_pending_txn(conn, run.run_id, DecisionReason.CANCELLED, now)
+        if changed.status is RunStatus.CANCELLED:
             cancelled: list[_EventItem] = [
                 (run.run_id, run.attempt, EVENT_CANCELLED, {"reason": "cancelled"})
             ]

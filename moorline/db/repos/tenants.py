@@ -143,7 +143,7 @@ class TenantsRepo:
                 # The id is a fresh uuid4, so the name's unique constraint is the one that
                 # can fail; the transaction rolls back as the error leaves it.
                 raise TenantExists(f"a tenant named {name!r} exists already") from exc
-            api_key = await _insert_key_txn(conn, self._backend, tenant_id)
+            _, api_key = await _insert_key_txn(conn, self._backend, tenant_id)
             row = await _select_tenant_txn(conn, tenants.c.id == tenant_id)
         if row is None:  # pragma: no cover - inserted in the same transaction
             raise AssertionError(f"tenant {tenant_id} vanished")
@@ -151,6 +151,17 @@ class TenantsRepo:
 
     async def create_key(self, tenant_id: TenantId) -> str:
         """Add an API key to a tenant (for rotation); returns it in clear, once.
+
+        Raises:
+            NotFound: No such tenant.
+        """
+        return (await self.issue_key(tenant_id))[1]
+
+    async def issue_key(self, tenant_id: TenantId) -> tuple[ApiKey, str]:
+        """Add an API key to a tenant: its listing record, and the key in clear, once.
+
+        Not retried on a lost connection: a retry after a lost acknowledgement would issue a
+        second key, and the first one's text would be lost with the answer.
 
         Raises:
             NotFound: No such tenant.
@@ -338,18 +349,23 @@ class TenantsRepo:
             self._forget(lambda known: known.tenant.tenant_id == tenant_id)
 
 
-async def _insert_key_txn(conn: AsyncConnection, backend: Backend, tenant_id: str) -> str:
+async def _insert_key_txn(
+    conn: AsyncConnection, backend: Backend, tenant_id: str
+) -> tuple[ApiKey, str]:
     api_key = new_api_key()
+    key_id = str(uuid.uuid4())
     await conn.execute(
         insert(api_keys).values(
-            id=str(uuid.uuid4()),
+            id=key_id,
             tenant_id=tenant_id,
             key_hash=hash_api_key(api_key),
             prefix=api_key[:PREFIX_LENGTH],
             created_at=backend.now(),
         )
     )
-    return api_key
+    # Read back: created_at is the database's clock, set by the statement.
+    row = (await conn.execute(select(api_keys).where(api_keys.c.id == key_id))).mappings().one()
+    return _api_key_from_row(row), api_key
 
 
 async def _select_tenant_txn(

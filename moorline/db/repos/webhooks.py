@@ -5,9 +5,10 @@ HMAC signature made with the webhook's secret (see :mod:`moorline.api.routes.web
 secret is stored as given because verification needs it.
 """
 
+import builtins
 import uuid
 
-from sqlalchemy import RowMapping, insert, select
+from sqlalchemy import RowMapping, delete, insert, select
 from sqlalchemy.exc import IntegrityError
 
 from moorline.db.backends import Backend
@@ -67,6 +68,38 @@ class WebhooksRepo:
             return None if row is None or row["id"] != webhook_id else _webhook_from_row(row)
 
         return await self._db.with_retry(read)
+
+    async def list_for(self, tenant_id: TenantId) -> builtins.list[Webhook]:
+        """The tenant's webhooks, oldest first."""
+        stmt = (
+            select(webhooks)
+            .where(webhooks.c.tenant_id == tenant_id)
+            .order_by(webhooks.c.created_at, webhooks.c.id)
+        )
+
+        async def read() -> builtins.list[Webhook]:
+            async with self._db.connect() as conn:
+                rows = (await conn.execute(stmt)).mappings().all()
+            return [_webhook_from_row(row) for row in rows]
+
+        return await self._db.with_retry(read)
+
+    async def delete(self, webhook_id: str, *, tenant_id: TenantId) -> bool:
+        """Delete a webhook of ``tenant_id``; False when it has none with this id.
+
+        Deliveries to it are refused (404) from then on; runs it started are kept.
+        """
+        stmt = delete(webhooks).where(
+            webhooks.c.id == webhook_id, webhooks.c.tenant_id == tenant_id
+        )
+
+        async def remove() -> bool:
+            async with self._db.transaction() as conn:
+                result = await conn.execute(stmt)
+            return result.rowcount == 1
+
+        # Idempotent: a retry after a lost acknowledgement deletes nothing more.
+        return await self._db.with_retry(remove)
 
 
 def _webhook_from_row(row: RowMapping) -> Webhook:

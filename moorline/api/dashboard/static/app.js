@@ -12,8 +12,8 @@ const ROLE_KEY = "moorline.role";
 const POLL_MS = 2000;
 const MAX_EVENT_LINES = 500;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled", "timed_out", "rate_limited"]);
-const STATUSES = ["pending", "queued", "running", "succeeded", "failed", "cancelled",
-  "timed_out", "rate_limited"];
+const STATUSES = ["pending", "queued", "running", "waiting", "succeeded", "failed",
+  "cancelled", "timed_out", "rate_limited"];
 
 // ---- session and API --------------------------------------------------------------------
 
@@ -122,7 +122,17 @@ function svg(tag, attrs = {}) {
   return node;
 }
 
+// A parked run holds no worker slot: say what brings it back, and when it gives up.
+const describeWait = (wait) => wait.kind +
+  (wait.until ? ` until ${new Date(wait.until).toLocaleString()}` : " (no time limit)");
 const badge = (status) => h("span", { class: `badge ${status}`, "data-status": status }, status);
+// A failed run's error: its fields as JSON, then its traceback as written (one frame a line).
+function errorParts(error) {
+  if (typeof error !== "object" || typeof error.traceback !== "string") return [json(error)];
+  const { traceback, ...rest } = error;
+  return [json(rest), h("h3", {}, "Traceback"), h("pre", { class: "traceback" }, traceback)];
+}
+
 const json = (value) => h("pre", {}, value === null || value === undefined ? "—"
   : JSON.stringify(value, null, 2));
 
@@ -258,8 +268,18 @@ function viewLanes() {
       h("div", { class: "figure" }, h("b", { class: "running" }, lane.running), h("span", {}, "running")),
       h("div", { class: "figure" }, h("b", {}, lane.oldest_queued_age_s === null ? "—"
         : duration(lane.oldest_queued_age_s)), h("span", {}, "oldest queued"))),
+    unservedNote(lane),
     throughputChart(lane.lane))));
   });
+}
+
+// Queued runs no live worker serves wait for a worker that has their workflow (a rolling
+// deploy, a worker started with another app): say which, since nothing else will run them.
+function unservedNote(lane) {
+  if (!lane.unserved) return null;
+  return h("p", { class: "unserved", role: "status" },
+    h("b", {}, `${lane.unserved} unserved`),
+    ` — no live worker serves ${lane.unserved_workflows.join(", ")}`);
 }
 
 function throughputChart(lane) {
@@ -377,10 +397,11 @@ function viewRun(runId) {
   const interrupt = h("div");
   const io = h("div", { class: "grid2" });
   const timeline = h("div", { class: "panel timeline", id: "steps" });
+  const family = h("div", { id: "family" });
   const streamed = h("pre", { class: "stream-text", id: "streamed" });
   const events = h("div", { class: "panel events", id: "events" });
   main.replaceChildren(title, h("div", { class: "panel" }, facts), interrupt, controls, io,
-    h("h2", {}, "Steps"), timeline, h("h2", {}, "Streamed text"), streamed,
+    family, h("h2", {}, "Steps"), timeline, h("h2", {}, "Streamed text"), streamed,
     h("h2", {}, "Events"), events);
   let run = null;
 
@@ -448,14 +469,35 @@ function viewRun(runId) {
       ["started", run.started_at ? new Date(run.started_at).toLocaleString() : "—"],
       ["finished", run.finished_at ? new Date(run.finished_at).toLocaleString() : "—"],
       ["elapsed", duration(run.elapsed_time)],
+      ...(run.waiting_for ? [["waiting for", describeWait(run.waiting_for)]] : []),
     ].flatMap(([name, value]) => [h("dt", {}, name), h("dd", { "data-fact": name }, String(value))]));
     io.replaceChildren(
       h("div", {}, h("h2", {}, "Input"), json(run.input)),
       h("div", { id: "result" }, h("h2", {}, run.error ? "Error" : "Output"),
-        json(run.error ? run.error : run.output)));
+        ...(run.error ? errorParts(run.error) : [json(run.output)])));
     drawInterrupt();
     drawControls();
+    drawFamily();
     drawSteps();
+  }
+
+  // The run's place in its tree: a link up to its parent, and its children with links down.
+  function drawFamily() {
+    const parts = [];
+    if (run.parent_run_id) {
+      parts.push(h("p", { id: "parent" }, "Child of ",
+        h("a", { href: `#/runs/${run.parent_run_id}` }, h("code", {}, run.parent_run_id))));
+    }
+    if (run.children && run.children.length) {
+      parts.push(h("h2", {}, `Children (${run.children.length})`),
+        h("table", { class: "runs", id: "children" },
+          h("thead", {}, h("tr", {}, ...["run", "key", "workflow", "status"].map((c) => h("th", {}, c)))),
+          h("tbody", {}, ...run.children.map((child) => h("tr", {},
+            h("td", {}, h("a", { href: `#/runs/${child.run_id}` }, h("code", {}, child.run_id.slice(0, 8)))),
+            h("td", {}, h("code", {}, child.key)), h("td", {}, child.workflow),
+            h("td", {}, badge(child.status)))))));
+    }
+    family.replaceChildren(...parts);
   }
 
   const stop = new AbortController();

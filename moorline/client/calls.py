@@ -1,0 +1,274 @@
+"""API v1's operations as request descriptions, shared by the async and the sync client.
+
+Each function returns a :class:`Call`: the method, path, body, query and result model of one
+request, so the async and the sync client differ only in how they send it (httpx's
+``AsyncClient`` or ``Client``), as httpx's own two clients do. Nothing here does I/O.
+"""
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel
+
+from moorline.client.errors import ServerUnreachable, error_from_response
+from moorline.client.results import (
+    ApiKeyIssued,
+    ApiKeys,
+    CancelAccepted,
+    MessageAccepted,
+    Queues,
+    Readiness,
+    Resumed,
+    Run,
+    RunAccepted,
+    RunPage,
+    Tenant,
+    TenantCreated,
+    TenantPage,
+    Usage,
+    Webhook,
+    Webhooks,
+    Workflows,
+)
+from moorline.errors import Unauthorized
+from moorline.types import JSONObject, RunStatus
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+URL_VARIABLE = "MOORLINE_URL"
+API_KEY_VARIABLE = "MOORLINE_API_KEY"
+DEFAULT_TIMEOUT_S = 10.0
+STREAM_READ_TIMEOUT_S = 60.0
+"""Longest silence on an event stream before it counts as dropped (the server pings every
+``SSE_PING_INTERVAL``, 15 s by default)."""
+
+MAX_RECONNECTS = 8
+"""Reconnects of an event stream in a row, without an event in between, before giving up."""
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class NoContent(BaseModel):
+    """The answer of a 204: nothing."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Call(Generic[M]):
+    """One request of API v1 and the model of its answer."""
+
+    model: type[M]
+    method: str
+    path: str
+    json: Mapping[str, Any] | None = None
+    params: Mapping[str, Any] | None = None
+    admin: bool = False
+
+
+def resolve_url(url: str | None) -> str:
+    """``url``, else ``MOORLINE_URL``, else the local default; without a trailing slash.
+
+    The clients read the two variables the CLI's client commands read, so code run beside
+    them needs no configuration of its own (a client is often built where ``Settings`` is
+    not, and a bad unrelated ``MOORLINE_*`` variable must not stop it).
+    """
+    return (url or os.environ.get(URL_VARIABLE) or DEFAULT_URL).rstrip("/")
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """``api_key``, else ``MOORLINE_API_KEY``, else None (admin-only clients need none)."""
+    return api_key if api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+
+
+def authorization(secret: str | None, *, admin: bool) -> dict[str, str]:
+    """The ``Authorization`` header of a request, or ``Unauthorized`` when there is no key."""
+    if secret is None:
+        needed = "an admin token" if admin else "an API key"
+        raise Unauthorized(f"this request needs {needed}, and the client has none")
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def result(call: Call[M], response: httpx.Response) -> M:
+    """The answer of ``call`` as its model, or the error the answer carries, raised."""
+    if response.status_code >= 400:
+        raise error_from_response(response)
+    if response.status_code == 204:
+        return call.model.model_validate({})
+    return call.model.model_validate(response.json())
+
+
+def readiness(response: httpx.Response) -> Readiness:
+    """``/readyz``'s answer: 503 is an answer (not ready), not an error."""
+    body = response.json()
+    if response.status_code == 200:
+        return Readiness(ready=True, checks=body.get("checks", {}))
+    if response.status_code == 503 and isinstance(body.get("error"), dict):
+        error = body["error"]
+        return Readiness(ready=False, checks=error.get("checks", {}), message=error.get("message"))
+    raise error_from_response(response)
+
+
+def events_path(run_id: str) -> str:
+    """The path of the run's event stream."""
+    return f"/v1/runs/{segment(run_id)}/events"
+
+
+def events_headers(after: int) -> dict[str, str]:
+    """The headers that resume a run's event stream after event ``after``."""
+    return {"Accept": "text/event-stream", "Last-Event-ID": str(after)}
+
+
+def backoff_s(failures: int) -> float:
+    """Seconds to wait before reconnect number ``failures`` (0.2, 0.4, … up to 2)."""
+    return float(min(2.0, 0.1 * 2**failures))
+
+
+def unreachable(url: str, exc: BaseException) -> ServerUnreachable:
+    """The error of a request the server did not answer."""
+    reason = str(exc) or type(exc).__name__
+    return ServerUnreachable(f"could not reach the Moorline server at {url}: {reason}")
+
+
+def segment(value: str) -> str:
+    """``value`` as one path segment: a ``/`` or ``?`` in an id must not change the route."""
+    return quote(value, safe="")
+
+
+# --- the operations ---------------------------------------------------------------------------
+
+
+def create_tenant(name: str, plan: str) -> Call[TenantCreated]:
+    """``POST /v1/admin/tenants``."""
+    body = {"name": name, "plan": plan}
+    return Call(model=TenantCreated, method="POST", path="/v1/admin/tenants", json=body, admin=True)
+
+
+def change_plan(tenant_id: str, plan: str) -> Call[Tenant]:
+    """``PATCH /v1/admin/tenants/{tenant_id}``."""
+    path = f"/v1/admin/tenants/{segment(tenant_id)}"
+    return Call(model=Tenant, method="PATCH", path=path, json={"plan": plan}, admin=True)
+
+
+def list_tenants(*, limit: int | None, cursor: str | None) -> Call[TenantPage]:
+    """``GET /v1/admin/tenants``."""
+    params = {key: v for key, v in (("limit", limit), ("cursor", cursor)) if v is not None}
+    return Call(model=TenantPage, method="GET", path="/v1/admin/tenants", params=params, admin=True)
+
+
+def list_keys(tenant_id: str) -> Call[ApiKeys]:
+    """``GET /v1/admin/tenants/{tenant_id}/keys``."""
+    path = f"/v1/admin/tenants/{segment(tenant_id)}/keys"
+    return Call(model=ApiKeys, method="GET", path=path, admin=True)
+
+
+def issue_key(tenant_id: str) -> Call[ApiKeyIssued]:
+    """``POST /v1/admin/tenants/{tenant_id}/keys``."""
+    path = f"/v1/admin/tenants/{segment(tenant_id)}/keys"
+    return Call(model=ApiKeyIssued, method="POST", path=path, admin=True)
+
+
+def revoke_key(tenant_id: str, key_id: str) -> Call[NoContent]:
+    """``DELETE /v1/admin/tenants/{tenant_id}/keys/{key_id}``."""
+    path = f"/v1/admin/tenants/{segment(tenant_id)}/keys/{segment(key_id)}"
+    return Call(model=NoContent, method="DELETE", path=path, admin=True)
+
+
+def list_webhooks() -> Call[Webhooks]:
+    """``GET /v1/webhooks``."""
+    return Call(model=Webhooks, method="GET", path="/v1/webhooks")
+
+
+def delete_webhook(webhook_id: str) -> Call[NoContent]:
+    """``DELETE /v1/webhooks/{webhook_id}``."""
+    return Call(model=NoContent, method="DELETE", path=f"/v1/webhooks/{segment(webhook_id)}")
+
+
+def queues() -> Call[Queues]:
+    """``GET /v1/admin/queues``."""
+    return Call(model=Queues, method="GET", path="/v1/admin/queues", admin=True)
+
+
+def workflows() -> Call[Workflows]:
+    """``GET /v1/workflows``."""
+    return Call(model=Workflows, method="GET", path="/v1/workflows")
+
+
+def trigger(
+    workflow: str,
+    input: JSONObject | None,
+    *,
+    idempotency_key: str | None,
+    conversation_id: str | None,
+    delay_seconds: float | None,
+) -> Call[RunAccepted]:
+    """``POST /v1/workflows/{workflow}/runs``; unset options are left out of the body."""
+    body: dict[str, Any] = {"input": input or {}}
+    optional = {
+        "idempotency_key": idempotency_key,
+        "conversation_id": conversation_id,
+        "delay_seconds": delay_seconds,
+    }
+    body.update({key: value for key, value in optional.items() if value is not None})
+    path = f"/v1/workflows/{segment(workflow)}/runs"
+    return Call(model=RunAccepted, method="POST", path=path, json=body)
+
+
+def get_run(run_id: str) -> Call[Run]:
+    """``GET /v1/runs/{run_id}``."""
+    return Call(model=Run, method="GET", path=f"/v1/runs/{segment(run_id)}")
+
+
+def list_runs(
+    *,
+    status: RunStatus | str | None,
+    workflow: str | None,
+    conversation_id: str | None,
+    limit: int | None,
+    cursor: str | None,
+) -> Call[RunPage]:
+    """``GET /v1/runs``; unset filters are left out of the query."""
+    params = {
+        "status": None if status is None else str(status),
+        "workflow": workflow,
+        "conversation_id": conversation_id,
+        "limit": limit,
+        "cursor": cursor,
+    }
+    query = {key: value for key, value in params.items() if value is not None}
+    return Call(model=RunPage, method="GET", path="/v1/runs", params=query)
+
+
+def cancel(run_id: str) -> Call[CancelAccepted]:
+    """``POST /v1/runs/{run_id}/cancel``."""
+    return Call(model=CancelAccepted, method="POST", path=f"/v1/runs/{segment(run_id)}/cancel")
+
+
+def resume(
+    run_id: str, *, approved: bool, interrupt_id: str | None, data: JSONObject | None
+) -> Call[Resumed]:
+    """``POST /v1/runs/{run_id}/resume``."""
+    body: dict[str, Any] = {"approved": approved}
+    if interrupt_id is not None:
+        body["interrupt_id"] = interrupt_id
+    if data is not None:
+        body["data"] = data
+    return Call(model=Resumed, method="POST", path=f"/v1/runs/{segment(run_id)}/resume", json=body)
+
+
+def post_message(run_id: str, content: str) -> Call[MessageAccepted]:
+    """``POST /v1/runs/{run_id}/messages``."""
+    path = f"/v1/runs/{segment(run_id)}/messages"
+    return Call(model=MessageAccepted, method="POST", path=path, json={"content": content})
+
+
+def create_webhook(workflow: str, secret: str | None) -> Call[Webhook]:
+    """``POST /v1/webhooks``."""
+    body = {"workflow": workflow} if secret is None else {"workflow": workflow, "secret": secret}
+    return Call(model=Webhook, method="POST", path="/v1/webhooks", json=body)
+
+
+def usage() -> Call[Usage]:
+    """``GET /v1/usage``."""
+    return Call(model=Usage, method="GET", path="/v1/usage")

@@ -1,0 +1,250 @@
+"""Child runs from a workflow: ``ctx.start_child``, ``ctx.join``, ``ctx.gather``, ``ctx.map``.
+
+A child is a run of its own (any worker may claim it), started durably by the parent's
+attempt: ``(parent, key)`` is unique, so a parent replayed after a crash gets the child it
+started, never a second one, and no checkpoint is needed beside the child's row. Joining reads
+the children's statuses; while some have not ended the parent waits in memory for
+``park_after`` seconds, then parks (``waiting`` for ``children``, holding no slot) until the
+last awaited child ends. A child that ended while the parent executed is seen without parking.
+A joined child's output is read from its run, which no longer changes once it ended, so a
+replayed join returns what the first one returned.
+
+``Children`` is a base class of :class:`~moorline.engine.context.Context`, kept in its own
+module as :class:`~moorline.engine.waits.Waits` is.
+"""
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar, overload
+
+from moorline.db.repos.children import ChildrenRepo, NewChild
+from moorline.db.repos.parking import Wait, WaitKind
+from moorline.db.repos.records import Fence, Run
+from moorline.engine.registry import Moorline
+from moorline.errors import ChildFailed, InvalidInput
+from moorline.types import JSONObject, JSONValue, RunId, RunStatus
+
+T = TypeVar("T")
+
+DEFAULT_MAX_CHILDREN = 1_000
+"""Children one run may start (a workflow's ``max_children``)."""
+
+DEFAULT_MAX_DEPTH = 5
+"""How deep children may nest below a top-level run."""
+
+JOIN_POLL_S = 0.05
+"""How often an in-memory join reads its children's statuses, in seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildHandle:
+    """A child run started by ``ctx.start_child``; ``await handle.result()`` joins it."""
+
+    run_id: RunId
+    key: str
+    workflow: str
+    _ctx: "Children"
+
+    async def result(self) -> JSONValue:
+        """The child's output once it ended; ``ChildFailed`` if it did not succeed."""
+        return await self._ctx.join(self)
+
+
+class Children:
+    """Starting and joining child runs (a base of ``Context``)."""
+
+    # Set by Context.__init__.
+    _fence: Fence
+    _run: Run
+    _children: ChildrenRepo | None
+    _workflows: Moorline | None
+    _max_children: int
+    _park_after_s: float
+
+    # Provided by Context and Waits.
+    async def _fenced(self, write: Coroutine[Any, Any, T]) -> T:
+        raise NotImplementedError
+
+    async def _check_boundary(self) -> None:
+        raise NotImplementedError
+
+    async def _pause(self, delay_s: float) -> None:
+        raise NotImplementedError
+
+    async def _park(self, wait: Wait) -> None:
+        raise NotImplementedError
+
+    async def start_child(
+        self, workflow: str, input: JSONObject, *, key: str, detached: bool = False
+    ) -> ChildHandle:
+        """Start a child run of ``workflow``, once per ``key`` for this run.
+
+        Args:
+            workflow: The child's workflow (this worker's app must have it).
+            input: Its arguments by parameter name, validated as a trigger's are.
+            key: The child's key among this run's children (``f"section:{i}"`` in loops).
+            detached: The child outlives this run's failure or timeout; a cancel of this run
+                still cancels it.
+
+        Raises:
+            WorkflowNotFound: No workflow ``workflow`` here.
+            InvalidInput: ``input`` does not fit the workflow's parameters.
+            ChildLimitExceeded: Past the workflow's ``max_children`` or the depth limit.
+            Cancelled: The run was cancelled.
+        """
+        if not key:
+            raise InvalidInput("ctx.start_child: key must not be empty")
+        await self._check_boundary()
+        if self._workflows is None or self._children is None:
+            raise RuntimeError("this context cannot start child runs (built without them)")
+        definition = self._workflows.get(workflow)
+        new = NewChild(
+            key=key,
+            workflow=workflow,
+            input=definition.validate_input(input),
+            max_attempts=definition.max_attempts,
+            timeout_s=definition.timeout_s,
+            detached=detached,
+        )
+        repo = self._children
+        child = await self._fenced(
+            repo.start(
+                self._fence,
+                self._run,
+                new,
+                max_children=self._max_children,
+                max_depth=DEFAULT_MAX_DEPTH,
+            )
+        )
+        return ChildHandle(child.run_id, key, child.workflow, self)
+
+    async def join(self, handle: ChildHandle) -> JSONValue:
+        """``handle``'s output once the child ended (the run parks if that takes long).
+
+        Raises:
+            ChildFailed: The child ended ``failed``, ``cancelled`` or ``timed_out``.
+            RunParked: The run parked until the child ends; let it through.
+        """
+        [output] = await self.gather(handle)
+        return output
+
+    @overload
+    async def gather(
+        self, *handles: ChildHandle, return_exceptions: Literal[False] = False
+    ) -> list[JSONValue]: ...
+
+    @overload
+    async def gather(
+        self, *handles: ChildHandle, return_exceptions: bool
+    ) -> list[JSONValue | ChildFailed]: ...
+
+    async def gather(
+        self, *handles: ChildHandle, return_exceptions: bool = False
+    ) -> list[JSONValue] | list[JSONValue | ChildFailed]:
+        """The outputs of ``handles``, in order, once every one ended.
+
+        Args:
+            *handles: The children to wait for.
+            return_exceptions: Return a child's ``ChildFailed`` in its place instead of
+                raising the first one.
+
+        Raises:
+            ChildFailed: A child did not succeed (unless ``return_exceptions``).
+            RunParked: The run parked until the children end; let it through.
+        """
+        await self._check_boundary()
+        ids = [handle.run_id for handle in handles]
+        parked_once = False
+        while True:
+            ended = await self._ended(ids)
+            if ended is not None:
+                return self._outcomes(handles, ended, return_exceptions)
+            if parked_once:
+                await self._pause(JOIN_POLL_S)
+                continue
+            if await self._poll_children(ids, self._park_after_s):
+                continue
+            parked_once = True
+            await self._park(Wait(kind=WaitKind.CHILDREN, until=None, children=tuple(ids)))
+
+    @overload
+    async def map(
+        self,
+        workflow: str,
+        inputs: Iterable[JSONObject],
+        *,
+        key: str | Callable[[int, JSONObject], str],
+        return_exceptions: Literal[False] = False,
+    ) -> list[JSONValue]: ...
+
+    @overload
+    async def map(
+        self,
+        workflow: str,
+        inputs: Iterable[JSONObject],
+        *,
+        key: str | Callable[[int, JSONObject], str],
+        return_exceptions: bool,
+    ) -> list[JSONValue | ChildFailed]: ...
+
+    async def map(
+        self,
+        workflow: str,
+        inputs: Iterable[JSONObject],
+        *,
+        key: str | Callable[[int, JSONObject], str],
+        return_exceptions: bool = False,
+    ) -> list[JSONValue] | list[JSONValue | ChildFailed]:
+        """Start a child of ``workflow`` per input, then gather them (fan-out and join).
+
+        Args:
+            workflow: The children's workflow.
+            inputs: One child's arguments each.
+            key: A prefix (child ``i`` is ``f"{key}:{i}"``) or a function of ``(i, input)``.
+            return_exceptions: As for :meth:`gather`.
+        """
+        handles = []
+        for index, child_input in enumerate(inputs):
+            child_key = key(index, child_input) if callable(key) else f"{key}:{index}"
+            handles.append(await self.start_child(workflow, child_input, key=child_key))
+        return await self.gather(*handles, return_exceptions=return_exceptions)
+
+    async def _ended(self, ids: list[RunId]) -> dict[str, Run] | None:
+        """The children by id when every one ended; None while one has not."""
+        if self._children is None:
+            raise RuntimeError("this context cannot join child runs (built without them)")
+        children = await self._children.get_many(self._fence.run_id, ids)
+        found: dict[str, Run] = {run.run_id: run for run in children}
+        for run_id in ids:
+            child = found.get(run_id)
+            if child is None:
+                raise ChildFailed(run_id, "missing", "no such child of this run")
+            if not child.status.is_terminal:
+                return None
+        return found
+
+    async def _poll_children(self, ids: list[RunId], window_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + window_s
+        while (left_s := deadline - loop.time()) > 0:
+            await self._pause(min(left_s, JOIN_POLL_S))
+            if await self._ended(ids) is not None:
+                return True
+        return False
+
+    @staticmethod
+    def _outcomes(
+        handles: Sequence[ChildHandle], ended: dict[str, Run], return_exceptions: bool
+    ) -> list[JSONValue | ChildFailed]:
+        outcomes: list[JSONValue | ChildFailed] = []
+        for handle in handles:
+            run = ended[handle.run_id]
+            if run.status is RunStatus.SUCCEEDED:
+                outcomes.append(run.output)
+                continue
+            failure = ChildFailed(run.run_id, run.status.value, run.error)
+            if not return_exceptions:
+                raise failure
+            outcomes.append(failure)
+        return outcomes

@@ -1,0 +1,168 @@
+"""``moorline.Client`` and ``moorline.SyncClient`` pass the same contract tests against a live
+deployment (the ``cluster`` of ``conftest.py``: ``moorline serve`` and ``moorline worker``).
+
+Each test runs once per client through :class:`Driver`, which awaits the async client's
+methods and runs the sync client's in a thread (so the test's event loop stays free, not
+because the sync client needs one).
+"""
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from moorline import Client, SyncClient
+from moorline.client import Event, Run, ServerUnreachable
+from moorline.errors import Unauthorized, WorkflowNotFound
+from moorline.types import RunStatus
+from tests.api.conftest import ADMIN_TOKEN
+from tests.e2e.conftest import Cluster
+from tests.e2e.test_e2e import TIMEOUT_S
+from tests.helpers import wait_for
+
+AnyClient = Client | SyncClient
+
+
+class Driver:
+    """The same call on either client, awaited."""
+
+    def __init__(self, client: AnyClient) -> None:
+        self.client = client
+
+    async def __call__(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        method = getattr(self.client, name)
+        if isinstance(self.client, SyncClient):
+            return await asyncio.to_thread(method, *args, **kwargs)
+        return await method(*args, **kwargs)
+
+    async def events(self, run_id: str, after: int = 0) -> list[Event]:
+        client = self.client
+        if isinstance(client, SyncClient):
+            return await asyncio.to_thread(lambda: list(client.events(run_id, after=after)))
+        return [event async for event in client.events(run_id, after=after)]
+
+    async def close(self) -> None:
+        if isinstance(self.client, SyncClient):
+            self.client.close()
+        else:
+            await self.client.aclose()
+
+
+@pytest.fixture(params=["async", "sync"])
+def kind(request: pytest.FixtureRequest) -> str:
+    kind: str = request.param
+    return kind
+
+
+@pytest.fixture
+async def make(kind: str) -> AsyncIterator[Any]:
+    """Build drivers of the parametrized kind; all closed after the test."""
+    built: list[Driver] = []
+
+    def build(*args: Any, **kwargs: Any) -> Driver:
+        cls = SyncClient if kind == "sync" else Client
+        driver = Driver(cls(*args, **kwargs))
+        built.append(driver)
+        return driver
+
+    yield build
+    for driver in built:
+        await driver.close()
+
+
+async def tenant_key(make: Any, cluster: Cluster) -> str:
+    admin = make(cluster.url, admin_token=ADMIN_TOKEN)
+    created = await admin("create_tenant", f"clients-{uuid.uuid4().hex[:8]}", "team")
+    key: str = created.api_key
+    return key
+
+
+async def test_url_and_key_come_from_the_environment(
+    cluster: Cluster, make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = await tenant_key(make, cluster)
+    monkeypatch.setenv("MOORLINE_URL", cluster.url)
+    monkeypatch.setenv("MOORLINE_API_KEY", key)
+    client = make()
+    assert client.client.url == cluster.url
+    usage = await client("usage")
+    assert usage.plan == "team"
+    # An explicit argument wins over the environment.
+    monkeypatch.setenv("MOORLINE_API_KEY", "ml_not-a-key")
+    with pytest.raises(Unauthorized):
+        await make()("usage")
+    assert (await make(cluster.url, key)("usage")).plan == "team"
+
+
+async def test_trigger_with_wait_returns_the_finished_run(cluster: Cluster, make: Any) -> None:
+    client = make(cluster.url, await tenant_key(make, cluster))
+    run: Run = await client("trigger", "greet", {"name": "ada"}, wait=True, timeout=TIMEOUT_S)
+    assert run.status == RunStatus.SUCCEEDED
+    assert run.output == {"greeting": "hello, ada"}
+    events = await client.events(run.run_id)
+    assert [event.type for event in events][-1] == "succeeded"
+    listed = await client("list_runs", workflow="greet")
+    assert [summary.run_id for summary in listed.runs] == [run.run_id]
+    assert {item.name for item in await client("workflows")} >= {"greet", "publish"}
+
+
+async def test_wait_times_out_then_sees_the_end(cluster: Cluster, make: Any) -> None:
+    client = make(cluster.url, await tenant_key(make, cluster))
+    accepted = await client("trigger", "wait", {})
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await client("wait", accepted.run_id, timeout=0.5)
+    assert time.monotonic() - started < 3.0  # the bound, not a reconnect loop after it
+    await client("cancel", accepted.run_id)
+    run = await client("wait", accepted.run_id, timeout=TIMEOUT_S)
+    assert run.status == RunStatus.CANCELLED
+
+
+async def test_approve_sends_data_to_the_workflow(cluster: Cluster, make: Any) -> None:
+    client = make(cluster.url, await tenant_key(make, cluster))
+    accepted = await client("trigger", "publish", {"draft": "v1"})
+
+    async def asked() -> Run | None:
+        run: Run = await client("get_run", accepted.run_id)
+        return run if run.pending_interrupt is not None else None
+
+    paused = await wait_for(asked, timeout_s=TIMEOUT_S, message="the permission request")
+    assert paused is not None and paused.pending_interrupt is not None
+    assert paused.pending_interrupt.data == {"draft": "v1"}
+    await client("approve", accepted.run_id, data={"draft": "v2, edited"})
+    run = await client("wait", accepted.run_id, timeout=TIMEOUT_S)
+    assert run.output == {"approved": True, "data": {"draft": "v2, edited"}}
+
+
+async def test_errors_are_the_same_classes(cluster: Cluster, make: Any) -> None:
+    client = make(cluster.url, await tenant_key(make, cluster))
+    with pytest.raises(WorkflowNotFound):
+        await client("trigger", "no-such-workflow", {})
+    with pytest.raises(ServerUnreachable):
+        await make("http://127.0.0.1:1", "ml_x")("usage")
+    assert await client("healthz") is True
+    assert (await client("readyz")).ready
+
+
+async def test_keys_are_rotated_and_webhooks_managed(cluster: Cluster, make: Any) -> None:
+    admin = make(cluster.url, admin_token=ADMIN_TOKEN)
+    created = await admin("create_tenant", f"rotate-{uuid.uuid4().hex[:8]}", "team")
+    issued = await admin("issue_key", created.tenant_id)
+    keys = await admin("list_keys", created.tenant_id)
+    assert [key.key_id for key in keys][-1] == issued.key_id
+    await admin("revoke_key", created.tenant_id, keys[0].key_id)
+    # The serving process revoked it: refused at once there.
+    with pytest.raises(Unauthorized):
+        await make(cluster.url, created.api_key)("usage")
+    client = make(cluster.url, issued.api_key)
+    assert (await client("usage")).plan == "team"
+    page = await admin("list_tenants")
+    assert created.tenant_id in {tenant.tenant_id for tenant in page.tenants}
+
+    hook = await client("create_webhook", "greet")
+    assert [listed.webhook_id for listed in await client("list_webhooks")] == [hook.webhook_id]
+    await client("delete_webhook", hook.webhook_id)
+    assert await client("list_webhooks") == []
