@@ -305,9 +305,11 @@ class RunModel:
         run.is_cancel_requested = True
         if run.status is S.RUNNING:
             return "requested"
+        if run.status is S.WAITING:
+            # Nobody will act on its answer now: the open question closes with the run. (A
+            # queued run's pending approval stays as it is, as when a run ends running.)
+            self._deny_pending(run, DecisionReason.CANCELLED)
         self._end_lease(run, S.CANCELLED)
-        # Nobody will act on an answer now: the open question closes with the run.
-        self._deny_pending(run, DecisionReason.CANCELLED)
         return "cancelled"
 
     # --- steps ------------------------------------------------------------------------------

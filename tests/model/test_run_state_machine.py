@@ -58,7 +58,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
-from moorline.db.repos.records import DecisionReason
+from moorline.db.repos.records import DecisionReason, InterruptStatus
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
 from moorline.types import RunStatus
@@ -276,3 +276,18 @@ def test_a_cancel_ends_a_waiting_run_and_denies_its_approval(machine_backend: Ba
     )
     assert run.status is RunStatus.CANCELLED
     assert run.interrupt is not None and run.interrupt.reason is DecisionReason.CANCELLED
+
+
+def test_a_cancel_of_a_queued_run_leaves_its_approval_as_it_is(machine_backend: Backend) -> None:
+    # Only a waiting run's approval is denied by a cancel (as a run cancelled while running
+    # leaves it): a queued one may have asked in an attempt that was released.
+    run = replay(
+        machine_backend,
+        [
+            ("start_running", {"max_attempts": 1, "progress": 2}),
+            ("release", {"pick": 0}),
+            ("cancel", {"run": 0, "by": "owner"}),
+        ],
+    )
+    assert run.status is RunStatus.CANCELLED
+    assert run.interrupt is not None and run.interrupt.status is InterruptStatus.PENDING
