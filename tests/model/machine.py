@@ -43,6 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from sqlalchemy import delete, update
 
 from moorline.db.repos.interrupts import InterruptResolved, InterruptsRepo
+from moorline.db.repos.messages import MessagesRepo
 from moorline.db.repos.parking import ParkingRepo, Wait, WaitKind
 from moorline.db.repos.queue import QueueRepo
 from moorline.db.repos.records import DecisionReason, Fence, InterruptStatus
@@ -50,7 +51,7 @@ from moorline.db.repos.runs import Failed, NewRun, Outcome, RunsRepo, Stopped, S
 from moorline.db.repos.steps import CancelRequested, LeaseLost, StepsRepo
 from moorline.db.schema import interrupts, runs
 from moorline.dispatch.cancel import cancel_run
-from moorline.errors import RunFinished, RunNotFound
+from moorline.errors import RunFinished, RunNotFound, RunNotInteractive
 from moorline.types import JSONObject, RunId, RunStatus, StepStatus, TenantId
 from tests.contract.queue_helpers import NO_CAP, unique
 from tests.model.backend import LONG_S, PAST_S, Backend
@@ -130,6 +131,7 @@ class RunMachine(DatabaseChecks, RuleBasedStateMachine):
         self.steps = StepsRepo(db)
         self.interrupts = InterruptsRepo(db)
         self.parking = ParkingRepo(db)
+        self.messages = MessagesRepo(db)
         self.tenant = backend.tenant
         self.lane = unique("lane")
         self.model = RunModel()
@@ -541,6 +543,22 @@ class RunMachine(DatabaseChecks, RuleBasedStateMachine):
         assert {r.run_id for r in moved} <= set(self.model.runs), "another test's run"
         assert all(r.lane == self.lane for r in moved)
         assert {r.run_id: r.status for r in moved} == self.model.sweep_due()
+
+    @rule(run=PICK)
+    @when(lambda self: self.has(RunStatus.RUNNING, RunStatus.WAITING))
+    def inject(self, run: int) -> None:
+        """The tenant posts a message to a run: stored while it runs; refused otherwise,
+        a waiting one included, since it waits for a decision, not a message (which must
+        neither wake it nor be lost)."""
+        run_id = self._run(run)
+        try:
+            posted = self.sync(self.messages.post(self.tenant, run_id, "hello"))
+        except RunNotInteractive:
+            accepted = False
+        else:
+            accepted = True
+            assert posted.resumed_lane is None, "a message re-queued a run waiting for a decision"
+        assert accepted == (self.model.run(run_id).status is RunStatus.RUNNING)
 
     # --- ending attempts ----------------------------------------------------------------------
 

@@ -8,9 +8,9 @@ heartbeat, start / complete / fail a step, request and resolve an approval (whic
 run waiting for it), expire approvals, park for the approval (refused once it is decided or
 due), sweep the timers (a due wait re-queued with its approval denied ``timeout``, a passed
 deadline ``timed_out``), finish attempts (one or two outcomes per ``finish_many``), release,
-cancel (a waiting run ends at once), crash / pause / resume a worker, advance the clock, reap.
-Each rule checks what the repository answered against the model; after every rule the
-database is read and checked:
+cancel (a waiting run ends at once), inject a message, crash / pause / resume a worker,
+advance the clock, reap. Each rule checks what the repository answered against the model;
+after every rule the database is read and checked:
 
 - model and database agree: status, attempt, lease owner, whether the lease is valid by
   database time, cancel flag, ``finished_at``, claimability, steps, approval and decision,
@@ -25,9 +25,10 @@ database is read and checked:
   and the events table is append-only;
 - checkpoints prefix-closed: a step or approval is recorded only if the workflow reached it.
 
-**Inject** and the other waits have no rule: the model's workflow waits only for its approval,
-so a run parks only for ``i0``. Parking for a message or a sleep, and a message re-queuing a
-run that waits for one, are the same edges; ``tests/contract/test_parking_repo.py`` covers them.
+**Inject** stores a message while the run runs and is refused otherwise; the model's workflow
+waits only for its approval, so a run parks only for ``i0`` and no message may wake it.
+Parking for a message or a sleep, and a message re-queuing a run that waits for one, are the
+same edges; ``tests/contract/test_parking_repo.py`` covers them.
 
 **Backends.** SQLite and PostgreSQL (the issue's pair) in CI; ``MOORLINE_FULL=1`` adds MariaDB.
 One database and tenant per backend for the whole module, one lane per example, whose runs
