@@ -4,7 +4,7 @@ The state machine checks the database after every rule, so the read is most of a
 It is one ``UNION ALL`` of the four tables in a common shape (one round trip, one compiled
 statement per dialect), with every comparison against database time made in SQL by the same
 predicates the repositories use: a lease is valid while ``lease_expires_at > now``, a queued
-run is due once ``not_before <= now``.
+run is due once ``not_before <= now``, a waiting run's timer once ``wake_at <= now``.
 """
 
 import functools
@@ -44,6 +44,12 @@ class RunRow:
     """``not_before`` reached by database time."""
     is_cancel_requested: bool
     finished_at: str | None
+    resumes: int
+    waiting_for: JSONObject | None
+    is_wake_due: bool | None
+    """None without a timer (``wake_at``); else whether it is due by database time."""
+    is_deadline_past: bool | None
+    """None without a deadline (``deadline_at``); else whether it passed by database time."""
 
 
 @dataclass(frozen=True)
@@ -69,12 +75,18 @@ _COLUMNS = (
     *("name", "status", "attempt", "seq"),
     *("lease", "due", "cancel", "finished"),
     *("interrupt_id", "reason", "decision"),
+    *("resumes", "wake", "deadline"),
 )
 """The common shape of every table's rows, after ``kind`` and ``run_id``."""
 
 
 def _flag(condition: Any) -> Any:
     return case((condition, 1), else_=0)
+
+
+def _passed(column: Any, now: Any) -> Any:
+    """None for a NULL instant, else 1 once it is at or before ``now``, else 0."""
+    return case((column.is_(None), null()), (column <= now, 1), else_=0)
 
 
 @functools.cache
@@ -107,6 +119,11 @@ def _statement(dialect: DialectName) -> CompoundSelect[Any]:
             due=_flag(runs.c.not_before <= now),
             cancel=_flag(runs.c.cancel_requested_at.is_not(None)),
             finished=cast(runs.c.finished_at, String(64)),
+            # JSON travels as text, in the one JSON-shaped column of the common shape.
+            decision=cast(runs.c.waiting_for, Text()),
+            resumes=cast(runs.c.resumes, Integer()),
+            wake=_passed(runs.c.wake_at, now),
+            deadline=_passed(runs.c.deadline_at, now),
         ).where(runs.c.lane == lane),
         shape(
             "step",
@@ -152,6 +169,10 @@ async def observe(db: DatabaseManager, lane: str) -> Observation:
                 is_due=bool(row.due),
                 is_cancel_requested=bool(row.cancel),
                 finished_at=row.finished,
+                resumes=row.resumes,
+                waiting_for=None if row.decision is None else json.loads(row.decision),
+                is_wake_due=None if row.wake is None else bool(row.wake),
+                is_deadline_past=None if row.deadline is None else bool(row.deadline),
             )
         elif row.kind == "step":
             seen.steps.setdefault(run_id, {})[row.name] = (StepStatus(row.status), row.attempt)

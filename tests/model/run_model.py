@@ -18,25 +18,20 @@ step ``s1`` only if ``i0`` was approved. An attempt replays it from the start (a
 is a replay, not a second call), so the only checkpoints that may ever exist are a prefix of
 it: ``i0`` after ``s0`` succeeded, ``s1`` after ``i0`` was approved.
 
-**History** is checked from the events table, independently of the model: the statuses the
-events spell out follow ``ALLOWED_EDGES``, every claim (``started``) takes the next attempt,
-and nothing follows a terminal event (:func:`check_history`).
+**Parking** (docs/design.md, "Run lifecycle"): an attempt whose approval is pending may park
+its run for it (``ParkingRepo.park``): the run becomes ``waiting``, holds no lease, and waits
+for ``i0``'s decision, its deadline, or the run's own wall-clock deadline, whichever comes
+first (its *wake*). A decision re-queues it at once; the timer sweep re-queues it once its
+wake passed (the approval denied ``timeout``) or ends it ``timed_out`` once its deadline
+passed; a cancel ends it at once. A claim after a resume is no failure: the attempt budget
+counts ``attempt - resumes`` against ``max_attempts``, for the worker and the reaper alike.
+
+**History** is checked from the events table, independently of the model: see ``history.py``.
 """
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from moorline.db.repos.events import (
-    EVENT_CANCELLED,
-    EVENT_FAILED,
-    EVENT_QUEUED,
-    EVENT_RECLAIMED,
-    EVENT_RELEASED,
-    EVENT_RETRYING,
-    EVENT_STARTED,
-    EVENT_SUCCEEDED,
-    EVENT_TIMED_OUT,
-)
 from moorline.db.repos.records import DecisionReason, Fence, InterruptStatus
 from moorline.types import Attempt, JSONObject, RunId, RunStatus, StepStatus
 
@@ -54,41 +49,15 @@ END = len(WORKFLOW)
 """An attempt's position once it has nothing left to do but return."""
 
 S = RunStatus
-ALLOWED_EDGES = frozenset(
-    {
-        (S.PENDING, S.QUEUED),
-        (S.PENDING, S.RATE_LIMITED),
-        (S.QUEUED, S.RUNNING),
-        (S.RUNNING, S.QUEUED),
-        (S.RUNNING, S.SUCCEEDED),
-        (S.RUNNING, S.FAILED),
-        (S.RUNNING, S.CANCELLED),
-        (S.RUNNING, S.TIMED_OUT),
-        # A cancel ends a run nobody executes at once (RunsRepo.request_cancel).
-        (S.PENDING, S.CANCELLED),
-        (S.QUEUED, S.CANCELLED),
-    }
-)
-"""The lifecycle's edges (docs/design.md); every other change of status is a bug."""
-
-EVENT_STATUS: dict[str, RunStatus] = {
-    EVENT_QUEUED: S.QUEUED,
-    EVENT_STARTED: S.RUNNING,
-    EVENT_RETRYING: S.QUEUED,
-    EVENT_RECLAIMED: S.QUEUED,
-    EVENT_RELEASED: S.QUEUED,
-    EVENT_SUCCEEDED: S.SUCCEEDED,
-    EVENT_FAILED: S.FAILED,
-    EVENT_CANCELLED: S.CANCELLED,
-    EVENT_TIMED_OUT: S.TIMED_OUT,
-}
-"""The status each lifecycle event records a move to."""
 
 Kind = Literal["succeeded", "retry_now", "retry_later", "failed", "timed_out", "cancelled"]
 """How an attempt ends, as the worker reports it to ``RunsRepo.finish_many``."""
 
 StepStart = Literal["lease_lost", "cancel_requested", "new", "repeated", "replay"]
 Cancel = Literal["not_found", "finished", "cancelled", "requested"]
+Park = Literal["lease_lost", "cancel_requested", "arrived", "parked"]
+"""What ``ParkingRepo.park`` answers: refused by the fence or a cancel, refused because the
+decision or the deadline is already there (the workflow goes on), or the run is waiting."""
 
 PERSON_REASONS = frozenset({DecisionReason.APPROVED, DecisionReason.DENIED})
 
@@ -118,6 +87,23 @@ class ModelRun:
     is_cancel_requested: bool = False
     steps: dict[str, tuple[StepStatus, int]] = field(default_factory=dict)
     interrupt: ModelInterrupt | None = None
+    resumes: int = 0
+    """Times the run left ``waiting`` for ``queued``: claims after them use no attempt."""
+    waiting_for: str | None = None
+    """The interrupt a ``waiting`` run waits for."""
+    wake_tick: int | None = None
+    """When a ``waiting`` run's timer is due: its approval's or its own deadline."""
+    is_wake_past: bool = False
+    """Its timer is due in the database (``wake_at`` rewritten into the past)."""
+    deadline_tick: int | None = None
+    """The run's wall-clock deadline, recorded by its first park that had one."""
+    is_deadline_past: bool = False
+    """Its deadline passed in the database (``deadline_at`` rewritten into the past)."""
+
+    @property
+    def tries(self) -> int:
+        """Attempts that count against ``max_attempts``: claims, less those after a resume."""
+        return self.attempt - self.resumes
 
 
 @dataclass
@@ -129,6 +115,11 @@ class Progress:
     """The step started and not yet finished by this attempt."""
     has_raised: bool = False
     """Its last step failed: the workflow raised, unless it retries the step."""
+    has_asked: bool = False
+    """It opened ``i0`` and found it pending: it waits for the decision, and may park."""
+    resumes: int = 0
+    """The run's ``resumes`` as its claim read them: the worker's attempt budget is
+    ``attempt - resumes`` against ``max_attempts``."""
 
 
 WorkerState = Literal["alive", "paused"]
@@ -150,6 +141,20 @@ class Worker:
 
     def owner(self, lane: str) -> str:
         return f"{lane}/w{self.slot}.{self.generation}"
+
+
+@dataclass
+class Passed:
+    """What one move of the clock ran out of, for the machine to rewrite into the past."""
+
+    leases: set[RunId]
+    delays: set[RunId] = field(default_factory=set)
+    deadlines: set[str] = field(default_factory=set)
+    """Approvals' deadlines (``interrupts.expires_at``)."""
+    wakes: set[RunId] = field(default_factory=set)
+    """Waiting runs' timers (``runs.wake_at``)."""
+    run_deadlines: set[RunId] = field(default_factory=set)
+    """Runs' wall-clock deadlines (``runs.deadline_at``)."""
 
 
 class RunModel:
@@ -246,7 +251,7 @@ class RunModel:
             raise AssertionError(f"run {run_id} was reaped while {run.status.value} and unexpired")
         if run.is_cancel_requested:
             status = S.CANCELLED
-        elif run.attempt >= run.max_attempts:
+        elif run.tries >= run.max_attempts:
             status = S.FAILED
         else:
             status = S.QUEUED
@@ -258,6 +263,9 @@ class RunModel:
         run.owner = None
         run.lease_until_tick = None
         run.due_tick = None
+        run.waiting_for = None
+        run.wake_tick = None
+        run.is_wake_past = False
 
     # --- finishing --------------------------------------------------------------------------
 
@@ -297,6 +305,10 @@ class RunModel:
         run.is_cancel_requested = True
         if run.status is S.RUNNING:
             return "requested"
+        if run.status is S.WAITING:
+            # Nobody will act on its answer now: the open question closes with the run. (A
+            # queued run's pending approval stays as it is, as when a run ends running.)
+            self._deny_pending(run, DecisionReason.CANCELLED)
         self._end_lease(run, S.CANCELLED)
         return "cancelled"
 
@@ -357,17 +369,22 @@ class RunModel:
         )
         if interrupt.status is InterruptStatus.PENDING:
             if reason in PERSON_REASONS and interrupt.is_overdue:
-                # A person came too late: the refusal expires the interrupt.
+                # A person came too late: the refusal expires the interrupt (and a waiting
+                # run waits for its timer, due already, as the sweep will find).
                 self._expire(interrupt)
                 return False, interrupt
             interrupt.status, interrupt.reason, interrupt.decision = status, reason, decision
-            return True, interrupt
-        same = (interrupt.status, interrupt.reason, interrupt.decision) == (
-            status,
-            reason,
-            decision,
-        )
-        return same, interrupt
+            accepted = True
+        else:
+            accepted = (interrupt.status, interrupt.reason, interrupt.decision) == (
+                status,
+                reason,
+                decision,
+            )
+        run = self.runs[run_id]
+        if accepted and run.status is S.WAITING and run.waiting_for == interrupt.interrupt_id:
+            self._resume(run)
+        return accepted, interrupt
 
     def expire_due(self) -> set[str]:
         """Expire every overdue pending interrupt; their ids."""
@@ -385,18 +402,89 @@ class RunModel:
         interrupt.reason = DecisionReason.TIMEOUT
         interrupt.decision = None
 
+    def _deny_pending(self, run: ModelRun, reason: DecisionReason) -> None:
+        interrupt = run.interrupt
+        if interrupt is not None and interrupt.status is InterruptStatus.PENDING:
+            interrupt.status, interrupt.reason = InterruptStatus.DENIED, reason
+            interrupt.decision = None
+
+    # --- parking ----------------------------------------------------------------------------
+
+    def park(self, fence: Fence, deadline_ticks: int | None) -> Park:
+        """Park the fence's run for its approval, as ``ParkingRepo.park`` should.
+
+        The run's deadline (``deadline_ticks`` from now) is recorded only if it has none yet.
+        """
+        if not self.is_current(fence):
+            return "lease_lost"
+        run = self.runs[fence.run_id]
+        if run.is_cancel_requested:
+            return "cancel_requested"
+        interrupt = run.interrupt
+        if interrupt is None:
+            raise AssertionError(f"run {fence.run_id} parked for an approval it never asked")
+        if interrupt.status is not InterruptStatus.PENDING or interrupt.is_overdue:
+            return "arrived"
+        if run.deadline_tick is None and deadline_ticks is not None:
+            run.deadline_tick = self.clock + deadline_ticks
+        self._end_lease(run, S.WAITING)
+        run.waiting_for = interrupt.interrupt_id
+        run.wake_tick = interrupt.deadline_tick
+        if run.deadline_tick is not None:
+            run.wake_tick = min(run.wake_tick, run.deadline_tick)
+        # A deadline that passed while the run was running makes its timer due at once.
+        run.is_wake_past = run.is_deadline_past
+        return "parked"
+
+    def sweep_due(self) -> dict[RunId, RunStatus]:
+        """Move every waiting run whose timer is due, as the timer sweep should; where to.
+
+        Past its deadline it ends ``timed_out``; else it is re-queued. Either way its pending
+        approval is denied ``timeout``: the replay reads that decision.
+        """
+        moved: dict[RunId, RunStatus] = {}
+        for run in self.runs.values():
+            if run.status is not S.WAITING or not run.is_wake_past:
+                continue
+            self._deny_pending(run, DecisionReason.TIMEOUT)
+            if run.is_deadline_past:
+                self._end_lease(run, S.TIMED_OUT)
+            else:
+                self._resume(run)
+            moved[run.run_id] = run.status
+        return moved
+
+    def _resume(self, run: ModelRun) -> None:
+        """``waiting`` → ``queued``, in its old place in the lane (claimable at once)."""
+        self._end_lease(run, S.QUEUED)
+        run.resumes += 1
+
     # --- time -------------------------------------------------------------------------------
 
-    def advance(self, ticks: int) -> tuple[set[RunId], set[RunId], set[str]]:
+    def advance(self, ticks: int) -> Passed:
         """Move the clock; the leases, delays and deadlines that ran out (for the database)."""
         self.clock += ticks
-        leases = self.expired()
-        delays: set[RunId] = set()
-        deadlines: set[str] = set()
+        passed = Passed(leases=self.expired())
         for run in self.runs.values():
+            if (
+                run.deadline_tick is not None
+                and not run.is_deadline_past
+                and not run.status.is_terminal
+                and run.deadline_tick <= self.clock
+            ):
+                run.is_deadline_past = True
+                passed.run_deadlines.add(run.run_id)
+            if (
+                run.status is S.WAITING
+                and not run.is_wake_past
+                and run.wake_tick is not None
+                and run.wake_tick <= self.clock
+            ):
+                run.is_wake_past = True
+                passed.wakes.add(run.run_id)
             if run.due_tick is not None and run.due_tick <= self.clock:
                 run.due_tick = None
-                delays.add(run.run_id)
+                passed.delays.add(run.run_id)
             interrupt = run.interrupt
             if (
                 interrupt is not None
@@ -405,8 +493,8 @@ class RunModel:
                 and interrupt.deadline_tick <= self.clock
             ):
                 interrupt.is_overdue = True
-                deadlines.add(interrupt.interrupt_id)
-        return leases, delays, deadlines
+                passed.deadlines.add(interrupt.interrupt_id)
+        return passed
 
 
 def next_position(position: int, interrupt: ModelInterrupt | None) -> int:
@@ -431,30 +519,3 @@ def check_prefix_closed(
         assert s0_done and interrupt is InterruptStatus.APPROVED, (
             f"run {run_id}: {S1} checkpointed while {S0} is {steps.get(S0)} and {I0} is {interrupt}"
         )
-
-
-def check_history(
-    run_id: RunId, events: list[tuple[str, int]], status: RunStatus, attempt: int
-) -> None:
-    """The run's events spell a path along ``ALLOWED_EDGES`` that ends where the row is.
-
-    Every ``started`` event carries the attempt after the previous one's (each claim takes the
-    next fencing token), every other event the attempt current when it was written, and no
-    event follows a terminal one.
-    """
-    current = S.PENDING
-    last_started = 0
-    for seq, (event_type, event_attempt) in enumerate(events, 1):
-        where = f"run {run_id} event {seq} ({event_type}, attempt {event_attempt})"
-        assert event_type in EVENT_STATUS, f"{where}: not a lifecycle event"
-        moved_to = EVENT_STATUS[event_type]
-        assert (current, moved_to) in ALLOWED_EDGES, f"{where}: {current} → {moved_to}"
-        if event_type == EVENT_STARTED:
-            assert event_attempt == last_started + 1, f"{where}: after attempt {last_started}"
-            last_started = event_attempt
-        else:
-            assert event_attempt == last_started, f"{where}: during attempt {last_started}"
-        current = moved_to
-    ends = status if current is S.PENDING and status is S.RATE_LIMITED else current
-    assert ends is status, f"run {run_id}: events end {current}, the row says {status}"
-    assert last_started == attempt, f"run {run_id}: last claim {last_started}, row {attempt}"
