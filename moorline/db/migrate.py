@@ -129,6 +129,7 @@ ADDED_SQLITE_COLUMNS = (
     ("runs", "depth", "INTEGER NOT NULL DEFAULT 0"),
     ("runs", "detached", "INTEGER NOT NULL DEFAULT 0"),
     ("runs", "awaited", "INTEGER NOT NULL DEFAULT 0"),
+    ("runs", "emits", "INTEGER NOT NULL DEFAULT 0"),
 )
 """Columns added since the first version (table, column, SQLite type), as the server
 migrations add them (0004, 0005, 0008): ``create_all`` never alters a table that exists."""

@@ -104,6 +104,9 @@ runs = Table(
     Column("resumes", Integer, nullable=False, default=0, server_default="0"),
     # Wall-clock limit of the whole run, waits included (``deadline=``, ``deadline_seconds``).
     Column("deadline_at", UTCDateTime(), nullable=True),
+    # ``ctx.emit`` calls outside steps the workflow had made when it last parked: its replay
+    # skips that many, since they are recorded already (a step's emits replay with the step).
+    Column("emits", Integer, nullable=False, default=0, server_default="0"),
     # A child run: its parent, its key among the parent's children (unique per parent, so a
     # replayed start_child finds the child it started), its depth (top-level runs: 0),
     # whether it outlives its parent (detached), and whether the parent awaits it now.

@@ -186,6 +186,10 @@ class Context(Permissions, Waits, Children):
         self._timers = 0
         self._message_waits = 0
         self._parked: RunParked | None = None
+        self._emit_calls = 0
+        """``ctx.emit`` calls outside steps so far, the skipped ones included."""
+        self._skip_emits = claim.run.emits
+        """Calls the run made before it last parked: recorded already, so not written again."""
         self._lost: LeaseLost | None = None
         self._is_cancelled = False
         self._cancel_delivered = False
@@ -345,6 +349,12 @@ class Context(Permissions, Waits, Children):
         if not isinstance(payload, dict):
             raise TypeError(f"the data of event {type!r} must be a JSON object")
         self._check_lease()
+        if _CURRENT_STEP.get() is None:
+            # Outside a step, a replay after a park repeats the calls made before it: they
+            # are recorded already (a step's own emits replay with the step, not at all).
+            self._emit_calls += 1
+            if self._emit_calls <= self._skip_emits:
+                return
         try:
             if type in BUFFERED_EVENT_TYPES:
                 # No store round trip per delta: the cancel flag is read at the next boundary.

@@ -67,6 +67,7 @@ class Waits:
     _message_waits: int
     _drains: int
     _parked: RunParked | None
+    _emit_calls: int
 
     if TYPE_CHECKING:
         # Provided by the class these are mixed into; declared for the type checker only,
@@ -204,6 +205,9 @@ class Waits:
         deadline_at = None
         if self._deadline_s is not None:
             deadline_at = self._run.created_at + timedelta(seconds=self._deadline_s)
-        if await self._fenced(self._parking.park(self._fence, wait, deadline_at=deadline_at)):
+        parking = self._parking.park(
+            self._fence, wait, deadline_at=deadline_at, emits=self._emit_calls
+        )
+        if await self._fenced(parking):
             self._parked = RunParked(self._fence, wait.kind.value)
             raise self._parked

@@ -282,3 +282,25 @@ async def test_a_waiting_run_holds_no_cap_unit(engine: EngineHarness) -> None:
             await engine.until_status(run_id, RunStatus.WAITING)
         other = await engine.new_run("echo")
         await asyncio.wait_for(engine.until_status(other, RunStatus.SUCCEEDED), 20)
+
+
+async def test_emits_before_a_park_are_not_written_again_by_the_replay(
+    engine: EngineHarness,
+) -> None:
+    @engine.app.workflow("chatty")
+    async def chatty(ctx: Context) -> str:
+        await ctx.emit("note", {"n": 1})
+        await ctx.emit("delta", {"text": "before "})
+        await ctx.sleep(SLEEP_S)
+        await ctx.emit("note", {"n": 2})
+        return "done"
+
+    run_id = await engine.new_run("chatty")
+    timers = sweep(engine.db)
+    async with engine.worker(slots=1):
+        await engine.until_status(run_id, RunStatus.WAITING)
+        await wait_for(timers.tick, message="the sleep's timer to be due")
+        await engine.until_status(run_id, RunStatus.SUCCEEDED)
+    notes = [e.data for e in await engine.stored(run_id, "note")]
+    assert notes == [{"n": 1}, {"n": 2}]
+    assert len(await engine.stored(run_id, "delta")) == 1

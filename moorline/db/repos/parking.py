@@ -119,13 +119,17 @@ class ParkingRepo:
         self._db = db
         self._backend: Backend = db.backend
 
-    async def park(self, fence: Fence, wait: Wait, *, deadline_at: datetime | None = None) -> bool:
+    async def park(
+        self, fence: Fence, wait: Wait, *, deadline_at: datetime | None = None, emits: int = 0
+    ) -> bool:
         """Move the fence's run to ``waiting`` for ``wait``, unless what it waits for is here.
 
         Args:
             fence: The attempt's fence; the attempt writes nothing after a park.
             wait: What the run waits for.
             deadline_at: The run's wall-clock limit, recorded if the run has none yet.
+            emits: The workflow's ``ctx.emit`` calls outside steps so far (recorded: the
+                replay skips them).
 
         Returns:
             True when the run is now ``waiting``; False when the decision, a message or the
@@ -150,12 +154,17 @@ class ParkingRepo:
                     if tries > 1 and await self._parked_txn(conn, fence):
                         return True  # our first try committed unanswered
                     raise
-                return await self._park_txn(conn, fence, wait, deadline_at)
+                return await self._park_txn(conn, fence, wait, deadline_at, emits)
 
         return await self._db.with_retry(attempt)
 
     async def _park_txn(
-        self, conn: AsyncConnection, fence: Fence, wait: Wait, deadline_at: datetime | None
+        self,
+        conn: AsyncConnection,
+        fence: Fence,
+        wait: Wait,
+        deadline_at: datetime | None,
+        emits: int,
     ) -> bool:
         now: datetime = (await conn.execute(self._backend.select_now())).scalar_one()
         if await self._arrived_txn(conn, fence.run_id, wait, now):
@@ -170,6 +179,7 @@ class ParkingRepo:
             "waiting_for": wait.describe(),
             "wake_at": wake_at,
             "deadline_at": deadline,
+            "emits": emits,
             "lease_owner": None,
             "lease_expires_at": None,
             "updated_at": now,

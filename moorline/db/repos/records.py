@@ -91,6 +91,8 @@ class Run:
     """0 for a top-level run, its parent's plus one for a child."""
     detached: bool = False
     """A child that outlives its parent's failure (never cancelled with it)."""
+    emits: int = 0
+    """``ctx.emit`` calls outside steps made before the run last parked (its replay skips)."""
 
 
 def run_from_row(row: Mapping[Any, Any]) -> Run:
@@ -136,6 +138,7 @@ def run_from_row(row: Mapping[Any, Any]) -> Run:
         child_key=row.get("child_key"),
         depth=row.get("depth") or 0,
         detached=bool(row.get("detached")),
+        emits=row.get("emits") or 0,
     )
 
 
