@@ -279,9 +279,15 @@ class ChildrenRepo:
             )
             .exists()
         )
+        awaiting = (
+            select(child.c.id)
+            .where(child.c.parent_run_id == runs.c.id, child.c.awaited == 1)
+            .exists()
+        )
+        # wake_at is NULL for children waits only (see parking.NO_TIMER).
         stmt = (
             select(runs.c.id)
-            .where(runs.c.status == _WAITING, runs.c.wake_at.is_(None), ~pending)
+            .where(runs.c.status == _WAITING, runs.c.wake_at.is_(None), awaiting, ~pending)
             .limit(limit)
         )
 

@@ -24,7 +24,7 @@ the runs queued after it in its lane.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -47,6 +47,9 @@ from moorline.types import TERMINAL_STATUSES, Attempt, JSONObject, RunId, RunSta
 
 _IN_CHUNK = 500
 """Ids per ``IN`` list: well under every backend's bound-parameter limit."""
+
+NO_TIMER = datetime(9999, 1, 1, tzinfo=UTC)
+"""``wake_at`` of a wait without a time limit (a message wait without a timeout)."""
 
 DEFAULT_SWEEP_LIMIT = 500
 """Due waiting runs one sweep transaction moves."""
@@ -174,6 +177,10 @@ class ParkingRepo:
         ).scalar_one()
         deadline = held if held is not None else deadline_at
         wake_at = min((t for t in (wait.until, deadline) if t is not None), default=None)
+        if wake_at is None and wait.kind is not WaitKind.CHILDREN:
+            # No timer: a time no sweep reaches. NULL is left to children waits alone, so the
+            # backstop that wakes parents reads their range of ``ix_runs_wake`` and no other.
+            wake_at = NO_TIMER
         values: dict[str, Any] = {
             "status": _WAITING,
             "waiting_for": wait.describe(),
