@@ -2,12 +2,22 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two stamps: serving needs the package and its drivers (`.[all]`); the tests and linters
+# (`dev`: pytest, mypy, Playwright, ...) only `make test`, `make lint` and the rest. STAMP keeps
+# its old name for the full install, so a venv made before the split stays current.
 STAMP := $(VENV)/.installed-stamp
+RUN_STAMP := $(VENV)/.installed-run-stamp
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-full fuzz lint format bench soak clean chromium
 
 # constraints.txt: the tested versions (see its header), so CI and users install those.
+$(RUN_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[all]'
+	touch $(RUN_STAMP)
+
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -16,7 +26,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-run: install
+# A venv with the full install serves as it is; otherwise only what serving needs.
+run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 	$(BIN)/moorline serve
 
 # The dashboard's browser test drives Debian's chromium, never a browser Playwright downloads.
