@@ -8,13 +8,20 @@ only users of this machine can reach it, and its output is theirs, so the first 
 command away without weakening anything. A server listening on other interfaces keeps the
 admin routes off and says how to set a token: a token printed by a server reachable from the
 network would end up in its logs.
+
+The commands it prints start with :func:`cli_command`: ``moorline`` when that is what the
+user's shell runs, else the path it was started by (``.venv/bin/moorline`` from ``make run``),
+so that they work as pasted.
 """
 
 import inspect
 import ipaddress
 import secrets
 import shlex
+import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import SecretStr
 
@@ -42,8 +49,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def start_banner(settings: Settings, *, host: str, port: int, database: str) -> Banner:
-    """The start message of a server on ``host:port``, and its admin token if it needs one."""
+def cli_command(argv0: str, *, path: str | None = None) -> str:
+    """How the user's shell runs this ``moorline``, for commands printed to be pasted.
+
+    Args:
+        argv0: How this process was started (``sys.argv[0]``).
+        path: The ``PATH`` to look ``moorline`` up in; None for the environment's.
+    """
+    on_path = shutil.which("moorline", path=path)
+    if Path(argv0).name != "moorline":  # python -m moorline
+        return "moorline" if on_path else f"{shlex.quote(sys.executable)} -m moorline"
+    if on_path is not None and Path(on_path).resolve() == Path(argv0).resolve():
+        return "moorline"
+    # A venv not activated: the path as the user typed it works from where they typed it.
+    return shlex.quote(argv0)
+
+
+def start_banner(
+    settings: Settings, *, host: str, port: int, database: str, command: str = "moorline"
+) -> Banner:
+    """The start message of a server on ``host:port``, and its admin token if it needs one.
+
+    ``command`` starts the printed commands (:func:`cli_command`).
+    """
     shown_host = f"[{host}]" if ":" in host else host
     url = f"http://{shown_host}:{port}"
     lines = [
@@ -53,7 +81,7 @@ def start_banner(settings: Settings, *, host: str, port: int, database: str) -> 
     ]
     # A wildcard address is not a URL to reach the server at: name the loopback one instead.
     reach = url if host not in ("0.0.0.0", "::") else f"http://127.0.0.1:{port}"
-    create = f"moorline tenants create my-team --plan team --url {shlex.quote(reach)}"
+    create = f"{command} tenants create my-team --plan team --url {shlex.quote(reach)}"
     if settings.public_url is None:
         # Webhook URLs are built from the configured address, never from a request's Host.
         settings = settings.model_copy(update={"public_url": reach})

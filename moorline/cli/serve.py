@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import socket
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated
@@ -22,7 +23,7 @@ from moorline.api.access import ErrorAccessLog
 from moorline.api.app import create_app
 from moorline.api.deps import Services
 from moorline.api.protocol import uvicorn_limits
-from moorline.cli.banner import start_banner, workflow_lines
+from moorline.cli.banner import cli_command, start_banner, workflow_lines
 from moorline.cli.main import configure_logging
 from moorline.db.manager import DatabaseManager
 from moorline.engine.loader import DEFAULT_APP, load_app
@@ -149,7 +150,13 @@ async def _serve(
         await db.dispose()
         raise
     port: int = listening.getsockname()[1]
-    banner = start_banner(settings, host=host, port=port, database=db.display_url)
+    banner = start_banner(
+        settings,
+        host=host,
+        port=port,
+        database=db.display_url,
+        command=cli_command(sys.argv[0]),
+    )
     if banner.settings is not settings:
         # A generated admin token: log lines must blank it like a configured one.
         settings = banner.settings
