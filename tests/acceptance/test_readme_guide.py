@@ -76,11 +76,9 @@ def isolated_network() -> list[str] | None:
     probe = subprocess.run(
         ["unshare", "-rn", "ip", "link", "set", "lo", "up"], capture_output=True, check=False
     )
-    return (
-        ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "-"]
-        if (probe.returncode == 0)
-        else None
-    )
+    if probe.returncode != 0:
+        return None
+    return ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "-"]
 
 
 def port_is_free(port: int) -> bool:
