@@ -33,6 +33,9 @@ DEFAULT_MAX_CHILDREN = 1_000
 DEFAULT_MAX_DEPTH = 5
 """How deep children may nest below a top-level run."""
 
+MAP_BATCH = 500
+"""Children ``ctx.map`` starts in one transaction."""
+
 JOIN_POLL_S = 0.05
 """How often an in-memory join reads its children's statuses, in seconds."""
 
@@ -95,23 +98,33 @@ class Children:
             ChildLimitExceeded: Past the workflow's ``max_children`` or the depth limit.
             Cancelled: The run was cancelled.
         """
-        if not key:
-            raise InvalidInput("ctx.start_child: key must not be empty")
+        [handle] = await self._start_children([(workflow, input, key)], detached=detached)
+        return handle
+
+    async def _start_children(
+        self, specs: Sequence[tuple[str, JSONObject, str]], *, detached: bool = False
+    ) -> list[ChildHandle]:
+        """Start children ``(workflow, input, key)`` in one fenced transaction."""
         await self._check_boundary()
         if self._workflows is None or self._children is None:
             raise RuntimeError("this context cannot start child runs (built without them)")
-        definition = self._workflows.get(workflow)
-        new = NewChild(
-            key=key,
-            workflow=workflow,
-            input=definition.validate_input(input),
-            max_attempts=definition.max_attempts,
-            timeout_s=definition.timeout_s,
-            detached=detached,
-        )
-        repo = self._children
-        child = await self._fenced(
-            repo.start(
+        new = []
+        for workflow, child_input, key in specs:
+            if not key:
+                raise InvalidInput("ctx.start_child: key must not be empty")
+            definition = self._workflows.get(workflow)
+            new.append(
+                NewChild(
+                    key=key,
+                    workflow=workflow,
+                    input=definition.validate_input(child_input),
+                    max_attempts=definition.max_attempts,
+                    timeout_s=definition.timeout_s,
+                    detached=detached,
+                )
+            )
+        started = await self._fenced(
+            self._children.start_many(
                 self._fence,
                 self._run,
                 new,
@@ -119,7 +132,10 @@ class Children:
                 max_depth=DEFAULT_MAX_DEPTH,
             )
         )
-        return ChildHandle(child.run_id, key, child.workflow, self)
+        return [
+            ChildHandle(child.run_id, child.child_key or "", child.workflow, self)
+            for child in started
+        ]
 
     async def join(self, handle: ChildHandle) -> JSONValue:
         """``handle``'s output once the child ended (the run parks if that takes long).
@@ -206,16 +222,23 @@ class Children:
             key: A prefix (child ``i`` is ``f"{key}:{i}"``) or a function of ``(i, input)``.
             return_exceptions: As for :meth:`gather`.
         """
-        handles = []
-        for index, child_input in enumerate(inputs):
-            child_key = key(index, child_input) if callable(key) else f"{key}:{index}"
-            handles.append(await self.start_child(workflow, child_input, key=child_key))
+        specs = [
+            (workflow, child_input, key(index, child_input) if callable(key) else f"{key}:{index}")
+            for index, child_input in enumerate(inputs)
+        ]
+        handles: list[ChildHandle] = []
+        for offset in range(0, len(specs), MAP_BATCH):
+            handles += await self._start_children(specs[offset : offset + MAP_BATCH])
         return await self.gather(*handles, return_exceptions=return_exceptions)
 
     async def _ended(self, ids: list[RunId]) -> dict[str, Run] | None:
         """The children by id when every one ended; None while one has not."""
         if self._children is None:
             raise RuntimeError("this context cannot join child runs (built without them)")
+        # A count while some run, the rows (their outputs) once all ended: a join of 1,000
+        # children polled in memory reads a number, not 1,000 rows, each time.
+        if await self._children.unfinished_count(self._fence.run_id, ids):
+            return None
         children = await self._children.get_many(self._fence.run_id, ids)
         found: dict[str, Run] = {run.run_id: run for run in children}
         for run_id in ids:

@@ -53,6 +53,7 @@ from sqlalchemy.exc import DBAPIError
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.queue import Claim, QueueRepo
+from moorline.db.repos.records import Run
 from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import LeaseLost
 from moorline.db.repos.workers import WorkerEntry, WorkersRepo
@@ -73,11 +74,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_POLL_INTERVAL_S = 1.0
 DEFAULT_GRACE_S = 30.0
 SELF_FENCE_MARGIN_FRACTION = 1 / 6
+"""Share of LEASE_TTL kept in hand: with heartbeats every TTL/3, a worker that missed two
+renewals stops the run at 5/6 of the TTL, before the reaper can see the lease expire."""
 CLAIM_BACKOFF_S = 0.1
 """First pause after a failed claim; doubled per further failure, up to CLAIM_BACKOFF_MAX_S."""
 CLAIM_BACKOFF_MAX_S = 5.0
-"""Share of LEASE_TTL kept in hand: with heartbeats every TTL/3, a worker that missed two
-renewals stops the run at 5/6 of the TTL, before the reaper can see the lease expire."""
+WAKE_BATCH_S = 0.01
+"""How long children's ends are gathered before their parents are told, in seconds."""
 
 
 class WorkerCrashed(MoorlineError):
@@ -221,6 +224,9 @@ class Worker:
         self._failures = FailureDescriber(secrets)
         self._children = ChildrenRepo(db)
         self._notifier = notifier
+        self._ended_children: list[Run] = []
+        """Children whose end their parents have not been told of yet."""
+        self._waking: asyncio.Task[None] | None = None
         self._executions: set[_Execution] = set()
         self._in_lane = dict.fromkeys(self._lanes, 0)
         self._recheck = {lane: asyncio.Event() for lane in self._lanes}
@@ -281,6 +287,9 @@ class Worker:
                     self._recheck[lane].set()
                 await asyncio.gather(*claimers)
                 await self._drain()
+                if self._waking is not None:
+                    # Parents not told now are woken by the timer sweep: only wait a little.
+                    await asyncio.wait([self._waking], timeout=WAKE_BATCH_S * 100)
                 self._completer.close()
                 self._closing.set()
                 self._cancel_retry_timers()
@@ -480,7 +489,11 @@ class Worker:
             await self._release_runtime(claim)
 
     async def _tell_parent(self, claim: Claim, outcome: Outcome) -> None:
-        """A child ended: wake its parent if it waits for it (the timer sweep is the backstop)."""
+        """A child ended: have its parent told, in a batch with the others ending about now.
+
+        The batch costs one transaction per parent, not one per child, and the child's slot
+        is free before it is written; the timer sweep is the backstop if it never is.
+        """
         if isinstance(outcome, Succeeded):
             status = RunStatus.SUCCEEDED
         elif isinstance(outcome, Failed):
@@ -489,18 +502,24 @@ class Worker:
             status = RunStatus.FAILED
         else:
             status = outcome.status
-        try:
-            lanes = await self._children.wake_parents([replace(claim.run, status=status)])
-        except Exception as exc:
-            logger.warning(
-                "run %s: parent %s not woken: %r", claim.fence.run_id, claim.run.parent_run_id, exc
-            )
-            return
-        for lane in lanes:
-            if lane in self._recheck:
-                self._recheck[lane].set()
-        if lanes and self._notifier is not None:
-            await self._notifier.notify(lanes)
+        self._ended_children.append(replace(claim.run, status=status))
+        if self._waking is None or self._waking.done():
+            self._waking = asyncio.create_task(self._wake_parents(), name="wake-parents")
+
+    async def _wake_parents(self) -> None:
+        while self._ended_children:
+            await asyncio.sleep(WAKE_BATCH_S)  # the children ending about together
+            ended, self._ended_children = self._ended_children, []
+            try:
+                lanes = await self._children.wake_parents(ended)
+            except Exception as exc:
+                logger.warning("%d parents not told of their children: %r", len(ended), exc)
+                continue
+            for lane in lanes:
+                if lane in self._recheck:
+                    self._recheck[lane].set()
+            if lanes and self._notifier is not None:
+                await self._notifier.notify(lanes)
 
     def _count_outcome(self, execution: _Execution, outcome: Outcome) -> None:
         name: str

@@ -20,7 +20,7 @@ import builtins
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, insert, select
@@ -97,32 +97,69 @@ class ChildrenRepo:
             ChildLimitExceeded: ``max_children`` children exist already, or the child would
                 be deeper than ``max_depth``; nothing was written.
         """
+        [started] = await self.start_many(
+            fence, parent, [child], max_children=max_children, max_depth=max_depth
+        )
+        return started
 
-        async def attempt() -> Run:
+    async def start_many(
+        self,
+        fence: Fence,
+        parent: Run,
+        children: Sequence[NewChild],
+        *,
+        max_children: int,
+        max_depth: int,
+    ) -> builtins.list[Run]:
+        """Start ``children`` (keys unique) in one transaction; the ones started before return.
+
+        A fan-out is one transaction, not one per child: the parent's row (the fence) is
+        locked once, the keys are looked up in one read, and the new children and their
+        events are inserted together.
+
+        Raises:
+            LeaseLost, CancelRequested, ChildLimitExceeded: As :meth:`start`; nothing written.
+        """
+        keys = [child.key for child in children]
+        if len(set(keys)) != len(keys):
+            raise ValueError("child keys must be unique within one call")
+
+        async def attempt() -> builtins.list[Run]:
             async with self._db.write_transaction() as conn:
-                action = f"child {child.key!r}"
+                action = f"{len(children)} children"
                 await hold_fence_txn(conn, self._backend.name, fence, action, refuse_cancelled=True)
-                found = await self._child_txn(conn, parent.run_id, child.key)
-                if found is not None:
-                    return found
-                return await self._insert_txn(conn, fence, parent, child, max_children, max_depth)
+                found = await self._children_txn(conn, parent.run_id, keys)
+                new = [child for child in children if child.key not in found]
+                if new:
+                    inserted = await self._insert_txn(
+                        conn, fence, parent, new, max_children, max_depth
+                    )
+                    found.update((run.child_key or "", run) for run in inserted)
+                return [found[key] for key in keys]
 
         return await self._db.with_retry(attempt)
 
-    async def _child_txn(self, conn: AsyncConnection, parent_id: str, key: str) -> Run | None:
-        stmt = select(runs).where(runs.c.parent_run_id == parent_id, runs.c.child_key == key)
-        row = (await conn.execute(stmt)).mappings().first()
-        return None if row is None else run_from_row(row)
+    async def _children_txn(
+        self, conn: AsyncConnection, parent_id: str, keys: builtins.list[str]
+    ) -> dict[str, Run]:
+        found: dict[str, Run] = {}
+        for offset in range(0, len(keys), 500):
+            stmt = select(runs).where(
+                runs.c.parent_run_id == parent_id, runs.c.child_key.in_(keys[offset : offset + 500])
+            )
+            for row in (await conn.execute(stmt)).mappings():
+                found[row["child_key"]] = run_from_row(row)
+        return found
 
     async def _insert_txn(
         self,
         conn: AsyncConnection,
         fence: Fence,
         parent: Run,
-        child: NewChild,
+        children: builtins.list[NewChild],
         max_children: int,
         max_depth: int,
-    ) -> Run:
+    ) -> builtins.list[Run]:
         depth = parent.depth + 1
         if depth > max_depth:
             raise ChildLimitExceeded(
@@ -131,12 +168,38 @@ class ChildrenRepo:
             )
         count = select(func.count()).where(runs.c.parent_run_id == parent.run_id)
         started = int((await conn.execute(count)).scalar_one())
-        if started >= max_children:
+        if started + len(children) > max_children:
             raise ChildLimitExceeded(
-                f"run {parent.run_id} already started {started} children, its limit"
+                f"run {parent.run_id} already started {started} children; {len(children)} more "
+                f"would pass its limit of {max_children}"
             )
         now: datetime = (await conn.execute(self._backend.select_now())).scalar_one()
-        values: dict[str, Any] = {
+        # A microsecond apart, in start order: listings and claims (FIFO) keep that order.
+        rows = [
+            self._row(parent, child, depth, now + timedelta(microseconds=index))
+            for index, child in enumerate(children)
+        ]
+        for offset in range(0, len(rows), 200):
+            await conn.execute(insert(runs), rows[offset : offset + 200])
+        events: builtins.list[tuple[RunId, Attempt, str, JSONObject]] = [
+            (RunId(row["id"]), Attempt(0), EVENT_QUEUED, {}) for row in rows
+        ]
+        events += [
+            (
+                fence.run_id,
+                fence.attempt,
+                EVENT_CHILD_STARTED,
+                {"run_id": row["id"], "key": row["child_key"], "workflow": row["workflow"]},
+            )
+            for row in rows
+        ]
+        await append_events_txn(conn, self._backend.name, events, now=now)
+        blank = dict.fromkeys(runs.c.keys())
+        return [run_from_row({**blank, **row}) for row in rows]
+
+    @staticmethod
+    def _row(parent: Run, child: NewChild, depth: int, now: datetime) -> dict[str, Any]:
+        return {
             "id": str(uuid.uuid4()),
             "tenant_id": parent.tenant_id,
             "workflow": child.workflow,
@@ -159,23 +222,27 @@ class ChildrenRepo:
             "depth": depth,
             "detached": int(child.detached),
             "awaited": 0,
+            "emits": 0,
         }
-        await conn.execute(insert(runs).values(**values))
-        started_data: JSONObject = {
-            "run_id": values["id"],
-            "key": child.key,
-            "workflow": child.workflow,
-        }
-        await append_events_txn(
-            conn,
-            self._backend.name,
-            [
-                (RunId(values["id"]), Attempt(0), EVENT_QUEUED, {}),
-                (fence.run_id, fence.attempt, EVENT_CHILD_STARTED, started_data),
-            ],
-            now=now,
-        )
-        return run_from_row({**dict.fromkeys(runs.c.keys()), **values})
+
+    async def unfinished_count(self, parent_id: RunId, child_ids: Sequence[str]) -> int:
+        """How many of the parent's children ``child_ids`` have not ended: one count query."""
+        unfinished = 0
+
+        async def read() -> int:
+            total = 0
+            async with self._db.connect() as conn:
+                for offset in range(0, len(child_ids), 500):
+                    stmt = select(func.count()).where(
+                        runs.c.parent_run_id == parent_id,
+                        runs.c.id.in_(list(child_ids[offset : offset + 500])),
+                        runs.c.status.not_in(_TERMINAL),
+                    )
+                    total += int((await conn.execute(stmt)).scalar_one())
+            return total
+
+        unfinished = await self._db.with_retry(read)
+        return unfinished
 
     async def get_many(self, parent_id: RunId, child_ids: Sequence[str]) -> builtins.list[Run]:
         """The parent's children with these ids, in no particular order."""
