@@ -104,9 +104,6 @@ runs = Table(
     Column("resumes", Integer, nullable=False, default=0, server_default="0"),
     # Wall-clock limit of the whole run, waits included (``deadline=``, ``deadline_seconds``).
     Column("deadline_at", UTCDateTime(), nullable=True),
-    # ``ctx.emit`` calls outside steps the workflow had made when it last parked: its replay
-    # skips that many, since they are recorded already (a step's emits replay with the step).
-    Column("emits", Integer, nullable=False, default=0, server_default="0"),
     # A child run: its parent, its key among the parent's children (unique per parent, so a
     # replayed start_child finds the child it started), its depth (top-level runs: 0),
     # whether it outlives its parent (detached), and whether the parent awaits it now.
@@ -116,6 +113,9 @@ runs = Table(
     # 0 or 1: integers, whose server defaults every backend reflects alike (booleans' differ).
     Column("detached", Integer, nullable=False, default=0, server_default="0"),
     Column("awaited", Integer, nullable=False, default=0, server_default="0"),
+    # ``ctx.emit`` calls outside steps the workflow had made when it last parked: its replay
+    # skips that many, since they are recorded already (a step's emits replay with the step).
+    Column("emits", Integer, nullable=False, default=0, server_default="0"),
     UniqueConstraint("tenant_id", "idempotency_key"),
     # A unique index, not a constraint: SQLite files made before it can get an index.
     Index("ix_runs_parent_key", "parent_run_id", "child_key", unique=True),

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.fences import fence_by_parameters, fence_parameters
@@ -70,12 +71,20 @@ async def reclaim(db: DatabaseManager, lane: str, fence: Fence, owner: str = "ne
     await set_lease_expiry(db, [fence.run_id], -1.0)
     reaped = await queue.reap_expired(limit=1_000)
     assert fence.run_id in [r.run_id for r in reaped]
+
     # A fenced write of the old attempt that is still in flight holds the run's row lock, and
     # the claim skips locked rows: poll until it is free.
-    [successor] = await wait_for(
-        lambda: queue.claim_batch(lane, owner, limit=1, lease_ttl_s=TTL_S, tenant_caps=NO_CAP),
-        message=f"claim of run {fence.run_id}",
-    )
+    async def claim() -> list[Claim]:
+        try:
+            return await queue.claim_batch(
+                lane, owner, limit=1, lease_ttl_s=TTL_S, tenant_caps=NO_CAP
+            )
+        except OperationalError:
+            # MariaDB may pick the claim as a deadlock's victim against the old attempt's
+            # in-flight writes; a worker's claim loop backs off and claims again, as here.
+            return []
+
+    [successor] = await wait_for(claim, message=f"claim of run {fence.run_id}")
     assert successor.fence.attempt == fence.attempt + 1
     return successor.fence
 
