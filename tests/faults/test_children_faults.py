@@ -268,14 +268,23 @@ async def test_kill_9_of_the_childrens_workers_mid_fan_out_ends_each_child_once(
     )
     procs = [workers.start(), workers.start()]
     interrupted: list[str] = []
-    for turn in range(KILLS):
+    for _ in range(KILLS):
 
-        async def some_children() -> list[RunId]:
-            return await children_of(db, parents)
+        async def a_child_in_flight() -> list[tuple[int, list[str]]]:
+            kids = await children_of(db, parents)
+            for index, proc in enumerate(procs):
+                held = await running_under(db, kids, owner_pattern(proc))
+                if held:
+                    return [(index, held)]
+            return []
 
-        kids = await wait_for(some_children, timeout_s=SETTLE_S, message="children")
-        interrupted += await kill_while_running(db, kids, procs[turn % 2])
-        procs[turn % 2] = workers.start()
+        [(index, held)] = await wait_for(
+            a_child_in_flight, timeout_s=SETTLE_S, interval_s=0.005, message="a child running"
+        )
+        procs[index].kill()
+        procs[index].wait()
+        interrupted += held
+        procs[index] = workers.start()
     assert interrupted, "no kill caught a child running: the test did not test"
     kids = await check_joined(db, parents, CHILDREN)
     workers.terminate_all()
