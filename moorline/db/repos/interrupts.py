@@ -98,12 +98,6 @@ class InterruptsRepo:
             CancelRequested: The run's cancel is recorded; nothing was written.
             InterruptMismatch: ``key`` was opened before for another action.
         """
-        # A replay after the decision (the common resume) reads it without a write
-        # transaction: a resolved interrupt never changes again, so no fence is needed to
-        # read it, and the attempt's next write proves the fence all the same.
-        decided = await self._decided(fence.run_id, key)
-        if decided is not None:
-            return _check_replay(decided, fence.run_id, key, action)
 
         async def attempt() -> Interrupt:
             async with self._db.write_transaction() as conn:
@@ -133,18 +127,6 @@ class InterruptsRepo:
                 return await _reread_txn(conn, interrupt_id)
 
         return await self._db.with_retry(attempt)
-
-    async def _decided(self, run_id: RunId, key: str) -> RowMapping | None:
-        """The run's interrupt ``key`` if it was opened and resolved; None otherwise."""
-
-        async def read() -> RowMapping | None:
-            async with self._db.connect() as conn:
-                row = await _select_txn(
-                    conn, interrupts.c.run_id == run_id, interrupts.c.key == key
-                )
-            return None if row is None or row["status"] == _PENDING else row
-
-        return await self._db.with_retry(read)
 
     async def resolve(
         self,
