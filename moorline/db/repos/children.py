@@ -35,6 +35,7 @@ from moorline.db.repos.parking import (
     ResumeReason,
     WaitKind,
     has_unfinished_awaited_txn,
+    lock_wait_state_txn,
     resume_txn,
 )
 from moorline.db.repos.records import Fence, Run, run_from_row
@@ -227,7 +228,6 @@ class ChildrenRepo:
 
     async def unfinished_count(self, parent_id: RunId, child_ids: Sequence[str]) -> int:
         """How many of the parent's children ``child_ids`` have not ended: one count query."""
-        unfinished = 0
 
         async def read() -> int:
             total = 0
@@ -241,8 +241,7 @@ class ChildrenRepo:
                     total += int((await conn.execute(stmt)).scalar_one())
             return total
 
-        unfinished = await self._db.with_retry(read)
-        return unfinished
+        return await self._db.with_retry(read)
 
     async def get_many(self, parent_id: RunId, child_ids: Sequence[str]) -> builtins.list[Run]:
         """The parent's children with these ids, in no particular order."""
@@ -280,7 +279,7 @@ class ChildrenRepo:
         """Children ``ended`` reached a terminal status: wake their parents that wait for them.
 
         For each parent: its row is locked (as its park locks it), a ``child_finished`` event
-        is written for each of these children it awaits, and a parent ``waiting`` for
+        is written for each of these children, and a parent ``waiting`` for
         children none of which is left unfinished is re-queued.
 
         Returns:
@@ -290,14 +289,18 @@ class ChildrenRepo:
         for child in ended:
             if child.parent_run_id is not None:
                 by_parent.setdefault(child.parent_run_id, []).append(child)
+        return await self._wake_each(by_parent)
+
+    async def _wake_each(self, parents: dict[str, builtins.list[Run]]) -> set[str]:
+        """:meth:`_wake_txn` for each parent (with its ended children), one transaction each."""
         lanes: set[str] = set()
-        for parent_id, children in by_parent.items():
+        for parent_id, ended in parents.items():
 
             async def wake(
-                parent_id: str = parent_id, children: builtins.list[Run] = children
+                parent_id: str = parent_id, ended: builtins.list[Run] = ended
             ) -> str | None:
                 async with self._db.write_transaction() as conn:
-                    return await self._wake_txn(conn, parent_id, children)
+                    return await self._wake_txn(conn, parent_id, ended)
 
             lane = await self._db.with_retry(wake)
             if lane is not None:
@@ -307,10 +310,7 @@ class ChildrenRepo:
     async def _wake_txn(
         self, conn: AsyncConnection, parent_id: str, ended: builtins.list[Run] | None = None
     ) -> str | None:
-        wanted = select(
-            runs.c.id, runs.c.status, runs.c.attempt, runs.c.waiting_for, runs.c.lane
-        ).where(runs.c.id == parent_id)
-        row = (await conn.execute(self._backend.lock_rows(wanted))).mappings().first()
+        row = await lock_wait_state_txn(conn, self._backend, runs.c.id == parent_id)
         if row is None or row["status"] in _TERMINAL:
             return None
         if ended:
@@ -362,17 +362,8 @@ class ChildrenRepo:
             async with self._db.connect() as conn:
                 return [str(i) for i in (await conn.execute(stmt)).scalars()]
 
-        lanes: set[str] = set()
-        for parent_id in await self._db.with_retry(ready):
-
-            async def wake(parent_id: str = parent_id) -> str | None:
-                async with self._db.write_transaction() as conn:
-                    return await self._wake_txn(conn, parent_id)
-
-            lane = await self._db.with_retry(wake)
-            if lane is not None:
-                lanes.add(lane)
-        return lanes
+        ready_ids = await self._db.with_retry(ready)
+        return await self._wake_each({parent_id: [] for parent_id in ready_ids})
 
     async def unfinished_descendants(self, run_id: RunId) -> builtins.list[Run]:
         """Every descendant of ``run_id`` that has not ended, parents before their children."""

@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.fences import hold_fence_txn
-from moorline.db.repos.parking import ResumeReason, resume_txn
+from moorline.db.repos.parking import ResumeReason, lock_wait_state_txn, resume_txn
 from moorline.db.repos.records import DecisionReason, Fence, Interrupt, InterruptStatus
 from moorline.db.schema import interrupts, runs
 from moorline.errors import Conflict, MoorlineError, NotFound
@@ -164,7 +164,7 @@ class InterruptsRepo:
             async with self._db.write_transaction() as conn:
                 # The run's row first, as a park takes it: a run parking for this interrupt
                 # either sees the decision or is re-queued by it (moorline.db.repos.parking).
-                run = await self._lock_run_txn(conn, run_id)
+                run = await lock_wait_state_txn(conn, self._backend, runs.c.id == run_id)
                 outcome = await self._resolve_txn(conn, run_id, interrupt_id, status, cause, data)
                 waited: Any = None if run is None else run["waiting_for"]
                 if (
@@ -181,12 +181,6 @@ class InterruptsRepo:
         if isinstance(outcome, InterruptResolved):
             raise outcome
         return outcome
-
-    async def _lock_run_txn(self, conn: AsyncConnection, run_id: RunId) -> RowMapping | None:
-        wanted = select(
-            runs.c.id, runs.c.status, runs.c.attempt, runs.c.waiting_for, runs.c.lane
-        ).where(runs.c.id == run_id)
-        return (await conn.execute(self._backend.lock_rows(wanted))).mappings().first()
 
     async def _resolve_txn(
         self,

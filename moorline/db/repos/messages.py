@@ -35,7 +35,7 @@ from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_MESSAGE_RECEIVED, append_fenced_events_txn
 from moorline.db.repos.fences import hold_fence_txn
-from moorline.db.repos.parking import ResumeReason, resume_txn
+from moorline.db.repos.parking import ResumeReason, lock_wait_state_txn, resume_txn
 from moorline.db.repos.records import Event, Fence, Message
 from moorline.db.repos.steps import StepMismatch
 from moorline.db.schema import messages, runs, steps
@@ -120,10 +120,9 @@ class MessagesRepo:
         """
         backend = self._backend
         async with self._db.write_transaction() as conn:
-            owned = select(
-                runs.c.id, runs.c.status, runs.c.attempt, runs.c.waiting_for, runs.c.lane
-            ).where(runs.c.id == run_id, runs.c.tenant_id == tenant_id)
-            run = (await conn.execute(backend.lock_rows(owned))).mappings().first()
+            run = await lock_wait_state_txn(
+                conn, backend, runs.c.id == run_id, runs.c.tenant_id == tenant_id
+            )
             if run is None:
                 raise RunNotFound(f"no run {run_id}")
             status = run["status"]

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import RowMapping, exists, select, update
+from sqlalchemy import ColumnElement, RowMapping, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import Backend
@@ -294,6 +294,20 @@ class ParkingRepo:
         event = (RunId(row["id"]), Attempt(row["attempt"]), EVENT_TIMED_OUT, data)
         await append_events_txn(conn, self._backend.name, [event], now=now)
         return RunStatus.TIMED_OUT
+
+
+async def lock_wait_state_txn(
+    conn: AsyncConnection, backend: Backend, *conditions: ColumnElement[bool]
+) -> RowMapping | None:
+    """Lock the run's row (as a park locks it) and read what ending its wait needs.
+
+    Every write that can end a wait (a decision, a message, a child's end) takes the row
+    first, so it and a concurrent park serialise on it (see the module docstring).
+    """
+    wanted = select(
+        runs.c.id, runs.c.status, runs.c.attempt, runs.c.waiting_for, runs.c.lane
+    ).where(*conditions)
+    return (await conn.execute(backend.lock_rows(wanted))).mappings().first()
 
 
 async def resume_txn(
