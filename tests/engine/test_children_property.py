@@ -121,9 +121,7 @@ def register(engine: EngineHarness, reaper: Reaper, children: ChildrenRepo, faul
         async def at(point: int) -> None:
             if spec["crash"] == point and node_id not in faults.crashed:
                 faults.crashed.add(node_id)
-                # The reaper takes the run back: this attempt now holds a dead lease.
-                await set_lease_expiry(engine.db, [ctx.run_id], -1.0)
-                await reaper.tick()
+                await take_back(engine, reaper, ctx.run_id, ctx.attempt)
             if spec["cancel"] == point and node_id not in faults.cancelled:
                 faults.cancelled.add(node_id)
                 assert engine.tenant is not None
@@ -141,6 +139,25 @@ def register(engine: EngineHarness, reaper: Reaper, children: ChildrenRepo, faul
         outcomes = await ctx.gather(*handles, return_exceptions=True)
         await at(len(kids) + 1)
         return 1 + sum(o for o in outcomes if isinstance(o, int))
+
+
+async def take_back(engine: EngineHarness, reaper: Reaper, run_id: str, attempt: int) -> None:
+    """Expire the lease and let the reaper take the run back: the attempt becomes a zombie.
+
+    The reaper skips a row another transaction holds locked (a child ending locks its parent
+    to wake it), so a pass can miss the run; the crash repeats until a pass took it.
+    """
+
+    async def taken() -> bool:
+        await set_lease_expiry(engine.db, [run_id], -1.0)
+        await reaper.tick()
+        async with engine.db.connect() as conn:
+            row = (
+                await conn.execute(select(runs.c.status, runs.c.attempt).where(runs.c.id == run_id))
+            ).one()
+        return row.status != RunStatus.RUNNING.value or row.attempt != attempt
+
+    await wait_for(taken, timeout_s=10.0, interval_s=0.01, message="the reaper took it back")
 
 
 @asynccontextmanager
