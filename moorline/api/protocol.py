@@ -27,6 +27,9 @@ in the protocol, from the parser's own callbacks:
 - **Connections.** A connection accepted while ``MOORLINE_MAX_CONNECTIONS`` are open is
   answered 503 ``server_busy`` and closed at once; uvicorn only checks when a request's head is
   complete, so idle connections would pile up before its check.
+- **An answer before the body's end** (a chunked body over ``MOORLINE_MAX_BODY_BYTES`` gets its
+  413 mid-body): the connection closes after the answer. uvicorn would read and drop the rest of
+  the body, however long, to keep the connection alive.
 
 Timeouts cost a request two clock reads, not a timer each: one timer per connection fires at
 the earliest deadline, and re-arms itself when the deadline has moved on since.
@@ -180,6 +183,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline = None
         super().on_message_complete()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._reading is _Reading.BODY and not self.transport.is_closing():
+            # Answered before the body ended (a 413 mid-body, say): uvicorn would read and
+            # drop the rest, however long, to keep the connection. Not worth it: close. The
+            # rest stays unread, so a client still sending is held back by its own socket's
+            # buffers, and reads the answer, rather than reset by a quick drop limit.
+            self._refused = True
+            self._close_lingering(drop=False)
+
     def send_400_response(self, msg: str) -> None:
         # uvicorn answers 400 to every error the parser raises, those of our callbacks too.
         refusal, self._refusal = self._refusal, None
@@ -248,16 +261,23 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is None or cycle.response_complete or not cycle.response_started:
             self.transport.write(raw_error_response(refusal))
         self._refused = True
+        self._close_lingering()
+
+    def _close_lingering(self, *, drop: bool = True) -> None:
         if not self.transport.can_write_eof():
             self.transport.close()
             return
         # A lingering close, as nginx's: closing a socket with unread bytes in it sends a
         # reset, which can destroy the answer before the client reads it. So the answer goes
-        # out with a FIN, and what still comes in is read and dropped until the client closes
-        # (eof_received), LINGER_S passes or it has sent LINGER_MAX_BYTES more.
+        # out with a FIN, and what still comes in is read and dropped (or, with drop=False,
+        # left unread) until the client closes (eof_received), LINGER_S passes or it has sent
+        # LINGER_MAX_BYTES more.
         self.transport.write_eof()
         if self.flow is not None:
-            self.flow.resume_reading()
+            if drop:
+                self.flow.resume_reading()
+            else:
+                self.flow.pause_reading()
         self.loop.call_later(LINGER_S, self.transport.close)
 
 
