@@ -98,6 +98,9 @@ class InterruptsRepo:
             CancelRequested: The run's cancel is recorded; nothing was written.
             InterruptMismatch: ``key`` was opened before for another action.
         """
+        decided = await self._decided(fence, key, action)
+        if decided is not None:
+            return decided
 
         async def attempt() -> Interrupt:
             async with self._db.write_transaction() as conn:
@@ -127,6 +130,30 @@ class InterruptsRepo:
                 return await _reread_txn(conn, interrupt_id)
 
         return await self._db.with_retry(attempt)
+
+    async def _decided(self, fence: Fence, key: str, action: str) -> Interrupt | None:
+        """The decided interrupt ``key``, read without a lock, when the fence holds and no
+        cancel is recorded; else None, and :meth:`open`'s fenced transaction decides.
+
+        A resumed run's replay opens the interrupt it parked on, already decided: one read
+        instead of a write transaction. A decision never changes once recorded, and the fence
+        and the cancel are read in the same statement, so the answer is the one the fenced
+        path would have given at that instant.
+        """
+        held = (
+            select(interrupts)
+            .select_from(interrupts.join(runs, runs.c.id == interrupts.c.run_id))
+            .where(
+                interrupts.c.run_id == fence.run_id,
+                interrupts.c.key == key,
+                interrupts.c.status != _PENDING,
+                fence.clause(),
+                runs.c.cancel_requested_at.is_(None),
+            )
+        )
+        async with self._db.connect() as conn:
+            row = (await conn.execute(held)).mappings().first()
+        return None if row is None else _check_replay(row, fence.run_id, key, action)
 
     async def resolve(
         self,
