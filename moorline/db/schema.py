@@ -260,6 +260,8 @@ workers = Table(
     Column("started_at", UTCDateTime(), nullable=False),
     Column("last_seen_at", UTCDateTime(), nullable=False),
     Column("expires_at", UTCDateTime(), nullable=False),
+    # The Moorline version the process runs (null: a worker older than revision 0011).
+    Column("version", String(64), nullable=True),
 )
 
 for _table in metadata.tables.values():
