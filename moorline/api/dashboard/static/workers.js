@@ -61,7 +61,7 @@ function viewWorker(workerId) {
   const body = h("tbody", { id: "held-body" });
   main.replaceChildren(title, facts, h("h2", {}, "Runs held"),
     h("table", { class: "runs", id: "held" }, h("thead", {}, h("tr", {},
-      ["run", "workflow", "lane", "tenant", "attempt", "started", "lease expires"]
+      ["run", "workflow", "lane", "tenant", "attempt", "running for", "lease expires"]
         .map((c) => h("th", {}, c)))), body),
     h("p", {}, h("a", { href: "#/workers" }, "All workers")));
   every(POLL_MS, async () => {
