@@ -20,7 +20,8 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     │   ├── TenantNotFound     tenant_not_found
     │   ├── WebhookNotFound    webhook_not_found
     │   ├── InterruptNotFound  interrupt_not_found
-    │   └── ApiKeyNotFound     api_key_not_found
+    │   ├── ApiKeyNotFound     api_key_not_found
+    │   └── WorkerNotFound     worker_not_found
     ├── Conflict               409: the request contradicts the current state
     │   ├── TransitionRejected a fenced or conditional transition matched no row
     │   ├── IdempotencyConflict idempotency_conflict
@@ -193,6 +194,12 @@ class InterruptNotFound(NotFound):
     """No interrupt with that id in the run."""
 
     code = "interrupt_not_found"
+
+
+class WorkerNotFound(NotFound):
+    """No worker row with that id (admin): it never beat, stopped cleanly, or was pruned."""
+
+    code = "worker_not_found"
 
 
 class Conflict(MoorlineError):

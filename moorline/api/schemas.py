@@ -140,6 +140,59 @@ class Queues(BaseModel):
     lanes: list[LaneOut]
 
 
+# --- workers --------------------------------------------------------------------------------
+
+
+class WorkerOut(BaseModel):
+    """A worker process as its heartbeat row says, live or dead, with the runs it holds."""
+
+    worker_id: str = Field(description="Its lease owner id: runs it holds name it.")
+    host: str
+    pid: int
+    version: str | None = Field(description="The Moorline version it runs; null if unknown.")
+    lanes: dict[str, int] = Field(description="Lane → worker slots it serves.")
+    workflows: list[str] | None = Field(
+        description="The workflows it runs, by name; null when it claims every workflow."
+    )
+    status: Literal["live", "dead"] = Field(
+        description="`dead`: no heartbeat for one `MOORLINE_LEASE_TTL` (killed, partitioned, "
+        "paused); a worker that stops cleanly removes itself instead. Dead rows are pruned a "
+        "day after."
+    )
+    started_at: datetime
+    last_seen_at: datetime = Field(description="Its last heartbeat, by database time.")
+    last_seen_age_s: float = Field(description="Seconds since its last heartbeat.")
+    expires_at: datetime = Field(description="When it counts as dead without another beat.")
+    runs: int = Field(description="Runs it holds the lease of (`running`).")
+    run_ids: list[str] = Field(description="The ids of the first 50 of those runs, sorted.")
+
+
+class WorkerList(BaseModel):
+    """Every worker with a heartbeat row: live ones first, then by host and pid."""
+
+    workers: list[WorkerOut]
+
+
+class HeldRunOut(BaseModel):
+    """A run a worker holds the lease of."""
+
+    run_id: str
+    tenant_id: str
+    workflow: str
+    queue: str = Field(description="The run's lane.")
+    attempt: int
+    started_at: datetime | None
+    lease_expires_at: datetime | None = Field(
+        description="When the reaper may take it back unless the worker renews it."
+    )
+
+
+class WorkerDetail(WorkerOut):
+    """One worker with every run it holds."""
+
+    held: list[HeldRunOut]
+
+
 # --- runs -----------------------------------------------------------------------------------
 
 

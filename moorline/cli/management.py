@@ -1,12 +1,14 @@
-"""``moorline tenants …`` and ``moorline webhooks …``: tenants, their plans and keys, webhooks.
+"""``moorline tenants …``, ``moorline workers`` and ``moorline webhooks …``.
 
 ``tenants`` commands are the operator's (``--admin-token``, ``MOORLINE_ADMIN_TOKEN``): create,
-list, change a plan, list a tenant's keys, issue another key, revoke one. ``webhooks`` commands
+list, change a plan, list a tenant's keys, issue another key, revoke one. ``workers`` is the
+operator's too: every worker process, live or dead, with its lanes and the runs it holds, or
+one worker's held runs. ``webhooks`` commands
 are a tenant's (``--api-key``): list and delete its webhooks. Like the other client commands
 they speak only the HTTP API, print for people or ``--json``, and fail with one line.
 """
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.table import Table
@@ -23,7 +25,15 @@ from moorline.cli.client_commands import (
     tenants_create,
 )
 from moorline.client import Client
-from moorline.client.results import ApiKeys, TenantLoad, TenantPage, Webhooks
+from moorline.client.results import (
+    ApiKeys,
+    TenantLoad,
+    TenantPage,
+    Webhooks,
+    Worker,
+    WorkerDetail,
+    Workers,
+)
 
 TenantArg = Annotated[str, typer.Argument(metavar="TENANT_ID", help="The tenant's id.")]
 
@@ -42,6 +52,7 @@ def register(cli: typer.Typer) -> None:
     tenants.command("issue-key")(tenants_issue_key)
     tenants.command("revoke-key")(tenants_revoke_key)
     cli.add_typer(tenants, name="tenants")
+    cli.command("workers")(workers_list)
     webhooks = typer.Typer(
         help="List and delete your webhooks.", no_args_is_help=True, rich_markup_mode="markdown"
     )
@@ -146,6 +157,91 @@ async def tenants_revoke_key(
     async with Client(url, admin_token=admin_token) as client:
         await client.revoke_key(tenant_id, key_id)
     stdout().print(f"key {key_id} of tenant {tenant_id} revoked")
+
+
+@synchronous
+async def workers_list(
+    worker_id: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[WORKER_ID]",
+            help="Show this worker and every run it holds.",
+            show_default=False,
+        ),
+    ] = None,
+    status: Annotated[
+        Literal["live", "dead"] | None,
+        typer.Option(help="Only the live, or only the dead, workers.", show_default=False),
+    ] = None,
+    url: Url = DEFAULT_URL,
+    admin_token: AdminToken = None,
+    as_json: AsJson = False,
+) -> None:
+    """List the worker processes with their lanes and the runs they hold (admin).
+
+    A worker is dead when it sent no heartbeat for one lease TTL (killed, partitioned); one
+    that stops cleanly leaves the list. With a WORKER_ID: that worker and every run it holds.
+    """
+    async with Client(url, admin_token=admin_token) as client:
+        if worker_id is not None:
+            detail = await client.worker(worker_id)
+        else:
+            rows = await client.workers(status=status)
+    if worker_id is not None:
+        if as_json:
+            print_json(detail)
+            return
+        print_worker(detail)
+        return
+    if as_json:
+        print_json(Workers(workers=rows))
+        return
+    stdout().print(workers_table(rows))
+
+
+def workers_table(rows: list[Worker]) -> Table:
+    """One line per worker; ids are never cut (``moorline workers WORKER_ID`` needs them)."""
+    table = Table(box=None)
+    width = max((len(row.worker_id) for row in rows), default=6)
+    table.add_column("worker", no_wrap=True, min_width=width)
+    for name in ("status", "host", "pid", "version", "lanes", "workflows", "runs", "last seen"):
+        table.add_column(name, no_wrap=name != "workflows")
+    for row in rows:
+        lanes = ", ".join(f"{lane}={slots}" for lane, slots in sorted(row.lanes.items()))
+        workflows = "all" if row.workflows is None else ", ".join(row.workflows)
+        table.add_row(
+            row.worker_id,
+            row.status,
+            row.host,
+            str(row.pid),
+            row.version or "-",
+            lanes,
+            workflows,
+            str(row.runs),
+            f"{row.last_seen_age_s:.1f}s ago",
+        )
+    return table
+
+
+def print_worker(detail: WorkerDetail) -> None:
+    """A worker's facts, then one line per run it holds."""
+    console = stdout()
+    lanes = ", ".join(f"{lane}={slots}" for lane, slots in sorted(detail.lanes.items()))
+    console.print(
+        f"worker {detail.worker_id} ({detail.status}) on {detail.host} pid {detail.pid}, "
+        f"version {detail.version or '-'}; lanes {lanes}; "
+        f"last seen {detail.last_seen_age_s:.1f}s ago; holds {detail.runs} runs"
+    )
+    if not detail.held:
+        return
+    table = Table(box=None)
+    table.add_column("run", no_wrap=True, min_width=max(len(run.run_id) for run in detail.held))
+    for name in ("workflow", "lane", "tenant", "attempt", "lease expires"):
+        table.add_column(name, no_wrap=True)
+    for run in detail.held:
+        expires = "-" if run.lease_expires_at is None else run.lease_expires_at.isoformat()
+        table.add_row(run.run_id, run.workflow, run.queue, run.tenant_id, str(run.attempt), expires)
+    console.print(table)
 
 
 @synchronous

@@ -60,6 +60,8 @@ from moorline.client.results import (
     WaitingFor,
     Webhook,
     WebhookListed,
+    Worker,
+    WorkerDetail,
     WorkflowInfo,
     WorkflowLimits,
 )
@@ -142,6 +144,18 @@ class Client:
     async def queues(self) -> list[Lane]:
         """Every lane's load (admin)."""
         return (await self._call(calls.queues())).lanes
+
+    async def workers(self, *, status: Literal["live", "dead"] | None = None) -> list[Worker]:
+        """Every worker with a heartbeat row, live ones first, with the runs each holds (admin).
+
+        Args:
+            status: Only the ``live`` or only the ``dead`` ones (no heartbeat for a lease TTL).
+        """
+        return (await self._call(calls.workers(status))).workers
+
+    async def worker(self, worker_id: str) -> WorkerDetail:
+        """One worker with every run it holds (admin); ``WorkerNotFound`` when it has no row."""
+        return await self._call(calls.worker(worker_id))
 
     # --- runs ---------------------------------------------------------------------------------
 
@@ -434,6 +448,8 @@ __all__ = [
     "Usage",
     "WaitingFor",
     "Webhook",
+    "Worker",
+    "WorkerDetail",
     "WorkflowInfo",
     "WorkflowLimits",
     "error_from_response",

@@ -32,6 +32,8 @@ from moorline.client.results import (
     Usage,
     Webhook,
     Webhooks,
+    WorkerDetail,
+    Workers,
     Workflows,
 )
 from moorline.errors import Unauthorized
@@ -188,6 +190,18 @@ def delete_webhook(webhook_id: str) -> Call[NoContent]:
 def queues() -> Call[Queues]:
     """``GET /v1/admin/queues``."""
     return Call(model=Queues, method="GET", path="/v1/admin/queues", admin=True)
+
+
+def workers(status: str | None) -> Call[Workers]:
+    """``GET /v1/admin/workers``."""
+    params = {} if status is None else {"status": status}
+    return Call(model=Workers, method="GET", path="/v1/admin/workers", params=params, admin=True)
+
+
+def worker(worker_id: str) -> Call[WorkerDetail]:
+    """``GET /v1/admin/workers/{worker_id}``."""
+    path = f"/v1/admin/workers/{segment(worker_id)}"
+    return Call(model=WorkerDetail, method="GET", path=path, admin=True)
 
 
 def workflows() -> Call[Workflows]:

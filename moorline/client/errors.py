@@ -41,6 +41,7 @@ from moorline.errors import (
     TenantNotFound,
     Unauthorized,
     WebhookNotFound,
+    WorkerNotFound,
     WorkflowNotFound,
 )
 
@@ -89,6 +90,7 @@ _SIMPLE: tuple[type[MoorlineError], ...] = (
     WebhookNotFound,
     InterruptNotFound,
     ApiKeyNotFound,
+    WorkerNotFound,
     Conflict,
     IdempotencyConflict,
     RunFinished,

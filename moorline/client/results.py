@@ -93,6 +93,48 @@ class Queues(Result):
     lanes: list[Lane]
 
 
+class Worker(Result):
+    """A worker process as ``GET /v1/admin/workers`` lists it, live or dead."""
+
+    worker_id: str
+    host: str
+    pid: int
+    version: str | None
+    lanes: dict[str, int]
+    workflows: list[str] | None
+    status: Literal["live", "dead"]
+    started_at: datetime
+    last_seen_at: datetime
+    last_seen_age_s: float
+    expires_at: datetime
+    runs: int
+    run_ids: list[str]
+
+
+class Workers(Result):
+    """Every worker with a heartbeat row, live ones first."""
+
+    workers: list[Worker]
+
+
+class HeldRun(Result):
+    """A run a worker holds the lease of."""
+
+    run_id: str
+    tenant_id: str
+    workflow: str
+    queue: str
+    attempt: int
+    started_at: datetime | None
+    lease_expires_at: datetime | None
+
+
+class WorkerDetail(Worker):
+    """One worker with every run it holds."""
+
+    held: list[HeldRun]
+
+
 class RunAccepted(Result):
     """An admitted trigger (or, for a repeated idempotency key, the earlier run)."""
 

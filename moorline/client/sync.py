@@ -47,6 +47,8 @@ from moorline.client.results import (
     Usage,
     Webhook,
     WebhookListed,
+    Worker,
+    WorkerDetail,
     WorkflowInfo,
 )
 from moorline.client.sse import parse_sse_sync
@@ -124,6 +126,18 @@ class SyncClient:
     def queues(self) -> list[Lane]:
         """Every lane's load (admin)."""
         return self._call(calls.queues()).lanes
+
+    def workers(self, *, status: Literal["live", "dead"] | None = None) -> list[Worker]:
+        """Every worker with a heartbeat row, live ones first, with the runs each holds (admin).
+
+        Args:
+            status: Only the ``live`` or only the ``dead`` ones (no heartbeat for a lease TTL).
+        """
+        return (self._call(calls.workers(status))).workers
+
+    def worker(self, worker_id: str) -> WorkerDetail:
+        """One worker with every run it holds (admin); ``WorkerNotFound`` when it has no row."""
+        return self._call(calls.worker(worker_id))
 
     # --- runs ---------------------------------------------------------------------------------
 

@@ -246,9 +246,10 @@ leader_leases = Table(
     Column("expires_at", UTCDateTime(), nullable=False),
 )
 
-# The worker processes alive now and what they serve: each renews its row with its heartbeat,
-# so a row whose ``expires_at`` passed is a worker gone (killed, partitioned, stopped). A queued
-# run whose (lane, workflow) no live row serves is reported as unserved.
+# The worker processes and what they serve: each renews its row with its heartbeat, so a row
+# whose ``expires_at`` passed is a worker gone (killed, partitioned, paused), shown dead to
+# operators until pruned a day later; a clean stop deletes the row. A queued run whose
+# (lane, workflow) no live row serves is reported as unserved.
 workers = Table(
     "workers",
     metadata,
@@ -260,6 +261,8 @@ workers = Table(
     Column("started_at", UTCDateTime(), nullable=False),
     Column("last_seen_at", UTCDateTime(), nullable=False),
     Column("expires_at", UTCDateTime(), nullable=False),
+    # The Moorline version the process runs (null: a worker older than revision 0011).
+    Column("version", String(64), nullable=True),
 )
 
 for _table in metadata.tables.values():

@@ -1,7 +1,9 @@
 """A worker's presence: its ``workers`` row, renewed while it claims, deleted when it stops.
 
 The row says which lanes and workflows the worker serves, so the API can tell a queued run that
-merely waits from one that no live worker will ever claim (:mod:`moorline.db.repos.workers`).
+merely waits from one that no live worker will ever claim (:mod:`moorline.db.repos.workers`);
+with its host, pid and version it is also what operators see of the worker
+(``GET /v1/admin/workers``, ``moorline workers``, the dashboard's Workers page).
 It is renewed every ``LEASE_TTL/3`` and expires one ``LEASE_TTL`` after the last renewal, as
 the worker's leases do: a worker killed with ``kill -9`` stops counting as a server of its
 workflows within one TTL, one that stops cleanly at once.

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
+import moorline
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.queue import Claim, QueueRepo
@@ -213,6 +214,7 @@ class Worker:
                 pid=os.getpid(),
                 lanes=self._lanes,
                 workflows=self._workflows,
+                version=moorline.__version__,
             ),
             ttl_s=lease_ttl_s,
         )

@@ -119,13 +119,16 @@ async def test_the_dashboard_page_and_its_files_are_served(api: Api) -> None:
     assert page.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert '<script src="/dashboard/app.js"' in page.text
-    for name, kind in (("app.js", "javascript"), ("app.css", "text/css")):
+    assert '<script src="/dashboard/workers.js"' in page.text
+    scripts = ("app.js", "workers.js")
+    for name, kind in (*((script, "javascript") for script in scripts), ("app.css", "text/css")):
         asset = await api.client.get(f"/dashboard/{name}")
         assert asset.status_code == 200 and kind in asset.headers["content-type"]
     # Nothing from elsewhere: no CDN, no absolute URL to fetch.
-    script = (await api.client.get("/dashboard/app.js")).text
-    assert "http://" not in script.replace('"http://www.w3.org/2000/svg"', "")
-    assert "https://" not in script
+    for name in scripts:
+        script = (await api.client.get(f"/dashboard/{name}")).text
+        assert "http://" not in script.replace('"http://www.w3.org/2000/svg"', "")
+        assert "https://" not in script
     assert (await api.client.get("/dashboard/missing.js")).status_code == 404
 
 
@@ -137,7 +140,8 @@ def test_the_dashboard_files_ship_in_the_package() -> None:
     package = root / "moorline"
     shipped = {path for pattern in patterns for path in package.glob(pattern)}
     static = package / "api" / "dashboard" / "static"
-    assert {static / name for name in ("index.html", "app.js", "app.css")} <= shipped
+    names = ("index.html", "app.js", "workers.js", "app.css")
+    assert {static / name for name in names} <= shipped
 
 
 @pytest.mark.parametrize(

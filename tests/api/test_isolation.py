@@ -22,6 +22,7 @@ from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.messages import MessagesRepo
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.repos.tenants import TenantsRepo
+from moorline.db.repos.workers import WorkerEntry, WorkersRepo
 from moorline.types import RunId, RunStatus, TenantId
 from tests.api.conftest import ADMIN, Api, Caller
 
@@ -199,6 +200,25 @@ def probe_admin_run_route(method: str, suffix: str) -> Probe:
     return probe
 
 
+async def probe_worker_route(api: Api, world: World) -> None:
+    """A worker holding A's run: its page is 403 to every tenant key, and names nothing."""
+    repo = WorkersRepo(api.db)
+    a_run = (await api.client.get(f"/v1/admin/runs/{world.run_id}", headers=ADMIN)).json()
+    entry = WorkerEntry(worker_id="test-worker", host="h", pid=1, lanes={"l": 1}, workflows=None)
+    await repo.beat(entry, 60.0)  # api.start leased A's run to "test-worker"
+    try:
+        for caller in (world.b, world.a):
+            response = await api.client.get("/v1/admin/workers/test-worker", headers=caller.headers)
+            assert response.status_code == 403, response.text
+            assert response.json()["error"]["code"] == "forbidden"
+            assert world.run_id not in response.text and world.a.tenant_id not in response.text
+        seen = await api.client.get("/v1/admin/workers/test-worker", headers=ADMIN)
+        # Other tests' worlds leased their runs to "test-worker" too.
+        assert a_run["run_id"] in {run["run_id"] for run in seen.json()["held"]}
+    finally:
+        await repo.leave(entry.worker_id)
+
+
 PROBES: dict[tuple[str, str], Probe] = {
     **{
         (method, f"/v1/admin/runs/{{run_id}}{suffix}"): probe_admin_run_route(method, suffix)
@@ -224,6 +244,7 @@ PROBES: dict[tuple[str, str], Probe] = {
         "DELETE", "/{key_id}"
     ),
     ("POST", "/v1/workflows/{workflow}/runs"): probe_trigger,
+    ("GET", "/v1/admin/workers/{worker_id}"): probe_worker_route,
 }
 
 

@@ -14,6 +14,7 @@ PINNED: dict[type[errors.MoorlineError], tuple[str, int]] = {
     errors.WebhookNotFound: ("webhook_not_found", 404),
     errors.InterruptNotFound: ("interrupt_not_found", 404),
     errors.ApiKeyNotFound: ("api_key_not_found", 404),
+    errors.WorkerNotFound: ("worker_not_found", 404),
     errors.InvalidJson: ("invalid_json", 400),
     errors.CredentialsInQuery: ("key_in_query", 400),
     errors.BodyTooLarge: ("body_too_large", 413),

@@ -6,6 +6,7 @@ the ``cluster`` of ``conftest.py``: ``moorline serve`` and ``moorline worker`` o
 """
 
 import json
+from typing import Any
 
 from moorline import Client
 from moorline.types import RunStatus
@@ -97,3 +98,36 @@ async def test_tenants_and_webhooks_are_managed_with_the_cli(cluster: Cluster) -
     assert deleted.returncode == 0, deleted.stderr
     again = cli_as(cluster, second["api_key"], "webhooks", "delete", hook.webhook_id)
     assert_one_line_error(again, "error: webhook_not_found")
+
+
+async def test_the_cli_lists_the_workers_and_the_runs_each_holds(cluster: Cluster) -> None:
+    """Issue 20, item 5: ``moorline workers`` over the cluster's one worker process."""
+    admin = {"MOORLINE_ADMIN_TOKEN": ADMIN_TOKEN}
+    key = await new_tenant(cluster)
+    async with Client(cluster.url, key) as client:
+        accepted = await client.trigger("wait", {})  # runs until it gets a message
+        await wait_until(client, accepted.run_id, RunStatus.RUNNING)
+
+        async def holding() -> dict[str, Any] | None:
+            listed = cluster.cli("workers", "--json", "--status", "live", **admin)
+            assert listed.returncode == 0, listed.stderr
+            workers: list[dict[str, Any]] = json.loads(listed.stdout)["workers"]
+            return next((w for w in workers if accepted.run_id in w["run_ids"]), None)
+
+        worker = await wait_for(holding, timeout_s=TIMEOUT_S, message="the run held")
+        assert worker is not None
+        assert (worker["status"], worker["runs"]) == ("live", 1)
+        assert "workflow_team" in worker["lanes"]
+        worker_id = str(worker["worker_id"])
+
+        table = cluster.cli("workers", **admin)
+        assert table.returncode == 0, table.stderr
+        assert worker_id in table.stdout and "live" in table.stdout
+        assert "workflow_team=" in table.stdout
+        one = cluster.cli("workers", worker_id, **admin)
+        assert one.returncode == 0, one.stderr
+        assert f"worker {worker_id} (live)" in one.stdout and accepted.run_id in one.stdout
+        await client.cancel(accepted.run_id)
+
+    assert_one_line_error(cluster.cli("workers", "no-such:1:x", **admin), "worker_not_found")
+    assert_one_line_error(cli_as(cluster, key, "workers", "--admin-token", key), "forbidden")

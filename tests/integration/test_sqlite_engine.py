@@ -241,6 +241,7 @@ async def test_a_file_from_an_older_version_gets_the_columns_added_since(db_path
         async with old.transaction() as conn:  # as the versions before steps.seq left it
             await conn.execute(text("DROP INDEX ix_steps_run_seq"))
             await conn.execute(text("ALTER TABLE steps DROP COLUMN seq"))
+            await conn.execute(text("ALTER TABLE workers DROP COLUMN version"))  # before 0011
     finally:
         await old.dispose()
     current = DatabaseManager(Settings(database_url=url))
@@ -249,9 +250,11 @@ async def test_a_file_from_an_older_version_gets_the_columns_added_since(db_path
         async with current.connect() as conn:
             columns = {row[1] for row in await conn.execute(text("PRAGMA table_info(steps)"))}
             indexes = {row[1] for row in await conn.execute(text("PRAGMA index_list(steps)"))}
+            workers = {row[1] for row in await conn.execute(text("PRAGMA table_info(workers)"))}
     finally:
         await current.dispose()
     assert "seq" in columns
+    assert "version" in workers
     assert "ix_steps_run_seq" in indexes
 
 

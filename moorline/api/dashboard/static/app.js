@@ -610,6 +610,9 @@ function route() {
   const parts = path.split("/").filter(Boolean);
   if (parts[0] === "runs" && parts[1]) viewRun(decodeURIComponent(parts[1]));
   else if (parts[0] === "lanes" && session.isAdmin) viewLanes();
+  else if (parts[0] === "workers" && parts[1] && session.isAdmin) {
+    viewWorker(decodeURIComponent(parts[1]));
+  } else if (parts[0] === "workers" && session.isAdmin) viewWorkers();
   else if (parts[0] === "tenants" && session.isAdmin) viewTenants();
   else if (parts[0] === "usage" && !session.isAdmin) viewUsage();
   else viewRuns(params);
