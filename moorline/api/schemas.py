@@ -11,22 +11,25 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from moorline.admission.submission import (
+    CONVERSATION_PATTERN,
+    IDEMPOTENCY_KEY_PATTERN,
+    MAX_DELAY_S,
+    MAX_KEY_LENGTH,
+)
 from moorline.types import RunStatus
 
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 """Text without control characters."""
 
-TOKEN = r"^[!-~]+$"
+TOKEN = IDEMPOTENCY_KEY_PATTERN
 """Visible ASCII, no spaces: keys that must compare exactly on every database."""
 
-CONVERSATION = r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$"
+CONVERSATION = CONVERSATION_PATTERN
 """Conversation ids become Redis key parts: no ``:``, ``{``, ``}``, ``*`` or spaces."""
 
 WORKFLOW = r"^[A-Za-z][A-Za-z0-9_.-]*$"
 """As ``moorline.engine.registry.NAME_PATTERN``."""
-
-MAX_DELAY_S = 30 * 86400.0
-"""Longest ``delay_seconds``: thirty days."""
 
 DISPLAY_NAME = r"^[^\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]+$"
 """Text without control characters (C0, C1), zero-width, line-separator or bidi-override
@@ -52,8 +55,10 @@ PlanName = Annotated[
     ),
 ]
 WorkflowName = Annotated[str, Field(min_length=1, max_length=200, pattern=WORKFLOW)]
-ConversationId = Annotated[str, Field(min_length=1, max_length=200, pattern=CONVERSATION)]
-IdempotencyKey = Annotated[str, Field(min_length=1, max_length=200, pattern=TOKEN)]
+ConversationId = Annotated[
+    str, Field(min_length=1, max_length=MAX_KEY_LENGTH, pattern=CONVERSATION)
+]
+IdempotencyKey = Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH, pattern=TOKEN)]
 
 
 class RequestBody(BaseModel):
