@@ -32,6 +32,7 @@ from moorline.api.openapi import complete_openapi
 from moorline.api.routes import (
     admin,
     admin_runs,
+    batch,
     catalogue,
     dashboard,
     health,
@@ -112,7 +113,18 @@ def create_app(
     # The runs routes first: a request is matched against the routes in order, and triggers are
     # the hot path. No two routers share a path, so the order changes nothing else.
     runs.install(app)
-    modules = (health, admin, admin_runs, keys, webhooks, webhook_admin, usage, metrics, catalogue)
+    modules = (
+        batch,
+        health,
+        admin,
+        admin_runs,
+        keys,
+        webhooks,
+        webhook_admin,
+        usage,
+        metrics,
+        catalogue,
+    )
     for module in modules:
         app.include_router(module.build_router())
     install_docs(app)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from moorline.admission.submission import (
     CONVERSATION_PATTERN,
     IDEMPOTENCY_KEY_PATTERN,
+    MAX_BATCH,
     MAX_DELAY_S,
     MAX_KEY_LENGTH,
 )
@@ -179,6 +180,52 @@ class RunAccepted(BaseModel):
     status: RunStatus
     queue: str
     created_at: datetime
+
+
+class RunBatch(RequestBody):
+    """Triggers of one workflow, each admitted on its own (not all-or-nothing)."""
+
+    runs: list[RunCreate] = Field(
+        min_length=1,
+        max_length=MAX_BATCH,
+        description=f"1 to {MAX_BATCH} triggers, each as the body of a single trigger.",
+    )
+
+
+class ItemError(BaseModel):
+    """Why an item was refused: the single trigger's error body (its code, message, fields)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    code: str
+    message: str
+
+
+class RunBatchItem(BaseModel):
+    """One item's answer, at the item's index in the request."""
+
+    status_code: int = Field(
+        description="What a single trigger of this item answers: 202 new run, 200 the earlier "
+        "run of a repeated idempotency key, 409, 422 or 429 with `error`."
+    )
+    run_id: str | None = Field(
+        description="The item's run: new, earlier, or stored `rate_limited` by the quota; "
+        "null when nothing was stored."
+    )
+    status: RunStatus | None = Field(description="The run's status; null without a run.")
+    queue: str | None = None
+    created_at: datetime | None = None
+    error: ItemError | None = None
+
+
+class RunBatchAnswer(BaseModel):
+    """Every item's answer, in the request's order, and how many of each kind."""
+
+    workflow: str
+    created: int = Field(description="Items answered 202: new runs.")
+    existing: int = Field(description="Items answered 200: earlier runs of their keys.")
+    refused: int = Field(description="Items answered with an error.")
+    results: list[RunBatchItem]
 
 
 class StepOut(BaseModel):
