@@ -36,10 +36,9 @@ from api import (
 )
 from common import on_fresh_database, seed_tenant, summary
 
-from moorline import Client, Context, Moorline, Settings
+from moorline import Client, Context, Moorline, Settings, Submission
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
-from moorline.engine.submitting import Submission
 from moorline.types import JSONObject
 
 
