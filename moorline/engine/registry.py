@@ -10,6 +10,7 @@ import functools
 import inspect
 import math
 import re
+import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -123,6 +124,7 @@ class Moorline:
         self._submissions: Submissions | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._portal: SyncPortal | None = None
+        self._portal_lock = threading.Lock()  # sync callers may come from many threads
 
     @property
     def settings(self) -> Settings:
@@ -320,7 +322,8 @@ class Moorline:
 
     def close_sync(self) -> None:
         """Close what :meth:`submit_sync` opened, and stop its thread."""
-        portal, self._portal = self._portal, None
+        with self._portal_lock:
+            portal, self._portal = self._portal, None
         if portal is not None:
             try:
                 portal.run(self.close())
@@ -328,9 +331,11 @@ class Moorline:
                 portal.close()
 
     def _through_portal(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        if self._portal is None:
-            self._portal = SyncPortal("moorline-submit")
-        return self._portal.run(coroutine)
+        with self._portal_lock:
+            if self._portal is None:
+                self._portal = SyncPortal("moorline-submit")
+            portal = self._portal
+        return portal.run(coroutine)
 
     def _submissions_here(self) -> Submissions:
         """The submissions of the running event loop, built on first use.

@@ -4,6 +4,8 @@ On every backend, over an app that opens its own connections on first use (as a 
 only enqueues would); the tenants are written through the repository, as the admin route does.
 """
 
+import asyncio
+import socket
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +23,7 @@ from moorline.engine.context import Context
 from moorline.engine.registry import Moorline
 from moorline.engine.submitting import Submission, Submitted
 from moorline.errors import (
+    BackendUnavailable,
     ConversationBusy,
     IdempotencyConflict,
     InvalidInput,
@@ -33,6 +36,14 @@ from moorline.errors import (
 from moorline.settings import Settings
 from moorline.types import JSONObject, RunId, RunStatus
 from tests.servers import REDIS_TEST_URL
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
 
 PLANS_YAML = """
 plans:
@@ -250,3 +261,48 @@ async def test_with_redis_counters_the_quota_is_taken_by_the_gate(
     assert sum(isinstance(r, Submitted) for r in results) == 2
     assert sum(isinstance(r, QuotaExceeded) for r in results) == 1
     assert await count_runs(db, tenant, RunStatus.RATE_LIMITED) == 1
+
+
+async def test_an_unreachable_database_is_backend_unavailable_and_the_app_recovers(
+    db: DatabaseManager, database_url: str, plans_file: Path, backend: str, tmp_path: Path
+) -> None:
+    if backend != "postgresql":
+        pytest.skip("one server refusing connections is enough: the error is translated alike")
+    # A port nobody listens on: every connection is refused, as when the server is down.
+    down = database_url.replace(":5432/", f":{free_port()}/")
+    app = build_app(Settings(database_url=down, plans_file=plans_file, db_retry_base=0.01))
+    with pytest.raises(BackendUnavailable):
+        await app.submit("add", {"a": 1, "b": 2}, tenant=str(uuid.uuid4()))
+    await app.close()
+    # Nothing half-open is kept: the same app object works once the database answers.
+    app._settings = Settings(database_url=database_url, plans_file=plans_file)
+    tenant = await new_tenant(db)
+    async with app:
+        assert (await app.submit("add", {"a": 1, "b": 2}, tenant=tenant)).created
+
+
+@pytest.mark.parametrize("turns", [1, 2, 4, 8])
+async def test_a_caller_that_goes_away_leaves_no_unit_without_its_run(
+    app: Moorline, db: DatabaseManager, turns: int
+) -> None:
+    await app.submit("add", {"a": 0, "b": 0}, tenant=await new_tenant(db))  # connections open
+    tenant = await new_tenant(db, "tight")  # daily quota 2
+    with pytest.raises(InvalidInput):  # the tenant is read and kept; no unit is taken
+        await app.submit("add", {"a": "x", "b": 0}, tenant=tenant)
+    items = [Submission(workflow="add", input={"a": n, "b": 0}) for n in range(2)]
+    task = asyncio.create_task(app.submit_many(items, tenant=tenant))
+    for _ in range(turns):  # the caller goes away at some point of the decisions
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await app.close()  # lets the decisions that took a unit finish
+    queued = await count_runs(db, tenant, RunStatus.QUEUED)
+    # Every unit taken has its run, and no run is without its unit: the quota has room for
+    # exactly the runs not stored, and then no more.
+    more = await app.submit_many(
+        [Submission(workflow="add", input={"a": n, "b": 9}) for n in range(3)], tenant=tenant
+    )
+    assert sum(isinstance(r, Submitted) for r in more) == 2 - queued
+    assert sum(isinstance(r, QuotaExceeded) for r in more) == 1 + queued
+    assert await count_runs(db, tenant, RunStatus.QUEUED) == 2
