@@ -14,13 +14,13 @@ made in Python, which no schema has checked.
 import asyncio
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from moorline.admission.admit import Admission, Admitted, Trigger
 from moorline.engine.registry import Moorline
 from moorline.engine.submitting import Submission, Submitted
-from moorline.errors import InvalidRequest, MoorlineError
+from moorline.errors import InvalidInput, InvalidRequest, MoorlineError
 from moorline.plans import Plan
 from moorline.types import TenantId
 
@@ -62,8 +62,14 @@ def check_submission(submission: Submission) -> None:
     """Hold a Python submission to the request schema's rules for the same fields.
 
     Raises:
+        InvalidInput: the input is not a mapping of the workflow's arguments.
         InvalidRequest: naming the field and the rule it breaks.
     """
+    if not isinstance(submission.input, Mapping):
+        raise InvalidInput(
+            f"input of workflow {submission.workflow!r}: a mapping of its arguments by name, "
+            f"not {type(submission.input).__name__}"
+        )
     key = submission.idempotency_key
     if key is not None and not (len(key) <= MAX_KEY_LENGTH and _KEY.match(key)):
         raise InvalidRequest(

@@ -143,6 +143,8 @@ async def test_refusals_are_the_http_routes_errors_and_store_nothing(
         await app.submit("nope", {}, tenant=tenant)
     with pytest.raises(InvalidInput, match="a"):
         await app.submit("add", {"a": "x", "b": 2}, tenant=tenant)
+    with pytest.raises(InvalidInput, match="mapping"):
+        await app.submit("add", [1, 2], tenant=tenant)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="conversation_id"):
         await app.submit("add", {"a": 1, "b": 2}, tenant=tenant, conversation_id="a:b")
     with pytest.raises(InvalidRequest, match="delay"):
