@@ -93,10 +93,17 @@ class LocalSubmissions(Submissions):
             raise RuntimeError("this app's submissions are closed")
         settings = self._workflows.settings
         plans = PlansProvider(settings)  # a broken plans file fails here, before connecting
-        db = DatabaseManager(settings)
-        self._closing.push_async_callback(db.dispose)
-        await db.initialize()
-        stack = build_admission(settings, db, self._closing, metrics=Metrics())
+        opening = AsyncExitStack()
+        try:
+            db = DatabaseManager(settings)
+            opening.push_async_callback(db.dispose)
+            await db.initialize()
+            stack = build_admission(settings, db, opening, metrics=Metrics())
+        except BaseException:
+            # A database that does not answer leaves nothing open: the next submit starts over.
+            await opening.aclose()
+            raise
+        self._closing.push_async_callback(opening.aclose)
         tenants = TenantsRepo(db)
 
         async def origin_of(tenant: str) -> Origin:

@@ -273,10 +273,11 @@ async def test_an_unreachable_database_is_backend_unavailable_and_the_app_recove
     # A port nobody listens on: every connection is refused, as when the server is down.
     down = database_url.replace(":5432/", f":{free_port()}/")
     app = build_app(Settings(database_url=down, plans_file=plans_file, db_retry_base=0.01))
-    with pytest.raises(BackendUnavailable):
-        await app.submit("add", {"a": 1, "b": 2}, tenant=str(uuid.uuid4()))
+    for _ in range(2):  # each try fails alike, and leaves nothing open behind it
+        with pytest.raises(BackendUnavailable):
+            await app.submit("add", {"a": 1, "b": 2}, tenant=str(uuid.uuid4()))
     await app.close()
-    # Nothing half-open is kept: the same app object works once the database answers.
+    # The same app object works once the database answers.
     app._settings = Settings(database_url=database_url, plans_file=plans_file)
     tenant = await new_tenant(db)
     async with app:
