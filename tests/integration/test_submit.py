@@ -309,3 +309,21 @@ async def test_a_caller_that_goes_away_leaves_no_unit_without_its_run(
     assert sum(isinstance(r, Submitted) for r in more) == 2 - queued
     assert sum(isinstance(r, QuotaExceeded) for r in more) == 1 + queued
     assert await count_runs(db, tenant, RunStatus.QUEUED) == 2
+
+
+async def test_with_redis_down_the_quota_fails_closed_and_nothing_is_stored(
+    db: DatabaseManager, database_url: str, plans_file: Path, backend: str
+) -> None:
+    if backend != "sqlite":
+        pytest.skip("the counters are Redis's; the database is not the subject")
+    down = f"redis://127.0.0.1:{free_port()}/0"  # refuses every connection, as a dead Redis
+    tenant = await new_tenant(db)
+    app = build_app(Settings(database_url=database_url, plans_file=plans_file, redis_url=down))
+    async with app:
+        with pytest.raises(BackendUnavailable):
+            await app.submit("add", {"a": 1, "b": 2}, tenant=tenant)
+        results = await app.submit_many(
+            [Submission(workflow="add", input={"a": 1, "b": 2})] * 2, tenant=tenant
+        )
+    assert all(isinstance(r, BackendUnavailable) for r in results)
+    assert await count_runs(db, tenant) == 0
