@@ -9,9 +9,9 @@ stores them in a few transactions; items that share an idempotency key or a conv
 decided in the order of the list.
 
 What refuses the whole request is what the single trigger refuses before admission: a missing
-or unknown key (401), an unknown workflow (404), a body that is not JSON or does not fit the
-schema, 0 or more than 1,000 items among it (422), a body over ``MOORLINE_MAX_BODY_BYTES``
-(413).
+or unknown key (401), an unknown workflow (404), a body that is not JSON (400), one that does
+not fit the schema, no items or more than 1,000 among it (422), a body over
+``MOORLINE_MAX_BODY_BYTES`` (413).
 """
 
 from fastapi import APIRouter, Response
