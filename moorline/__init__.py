@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     from moorline.engine.context import Cancelled, Context
     from moorline.engine.permissions import Decision
     from moorline.engine.registry import Moorline
+    from moorline.engine.submitting import Submission, Submitted
     from moorline.errors import (
         BackendUnavailable,
         ConfigError,
@@ -38,6 +39,8 @@ _MODULE_OF = {
     "RunParked": "moorline.errors",
     "RunStatus": "moorline.types",
     "Settings": "moorline.settings",
+    "Submission": "moorline.engine.submitting",
+    "Submitted": "moorline.engine.submitting",
     "SoftTimeLimitExceeded": "moorline.errors",
     "SyncClient": "moorline.client",
 }
@@ -87,6 +90,8 @@ __all__ = [
     "RunStatus",
     "Settings",
     "SoftTimeLimitExceeded",
+    "Submission",
+    "Submitted",
     "SyncClient",
     "__version__",
 ]

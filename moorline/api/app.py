@@ -23,10 +23,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from moorline.admission.admit import Admission
-from moorline.admission.gate import make_gate
-from moorline.admission.quotas import make_quota_store
-from moorline.admission.ratelimit import RateLimiter
+from moorline.admission.stack import build_admission
 from moorline.api.deps import Services, StreamSlots
 from moorline.api.docs import DOCS_ASSETS_URL, install_docs
 from moorline.api.errors import install_error_handlers
@@ -36,6 +33,7 @@ from moorline.api.routes import (
     admin,
     admin_runs,
     admin_workers,
+    batch,
     catalogue,
     dashboard,
     health,
@@ -48,13 +46,9 @@ from moorline.api.routes import (
 )
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptsRepo
-from moorline.db.repos.listing import RunListing
-from moorline.db.repos.runs import RunsRepo
 from moorline.db.repos.steps import StepsRepo
 from moorline.db.repos.tenants import AUTH_CACHE_TTL_S, TenantsRepo
 from moorline.db.repos.webhooks import WebhooksRepo
-from moorline.dispatch.submit import Submitter
-from moorline.dispatch.wakeups import BackgroundNotifier, make_wakeups
 from moorline.engine.inbox import Inbox
 from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
@@ -121,6 +115,7 @@ def create_app(
     # the hot path. No two routers share a path, so the order changes nothing else.
     runs.install(app)
     modules = (
+        batch,
         health,
         admin,
         admin_runs,
@@ -150,46 +145,25 @@ def _build_services(
     closing.push_async_callback(db.dispose)
     store = make_runtime_store(settings)
     closing.push_async_callback(store.close)
-    notifier, waiter = make_wakeups(settings, db)
-    closing.push_async_callback(waiter.close)  # also releases the notifier's connections
-    wakeups = BackgroundNotifier(notifier)
-    closing.push_async_callback(wakeups.close)
-    runs_repo = RunsRepo(db)
-    quotas = make_quota_store(settings, db)
-    closing.push_async_callback(quotas.close)
-    rate_limiter = RateLimiter(settings)
-    closing.push_async_callback(rate_limiter.close)
-    # Closed before the counters it settles batches with (the exit stack runs last-in first).
-    submitter = Submitter(runs_repo, on_enqueued=wakeups, gate=make_gate(rate_limiter, quotas))
-    closing.push_async_callback(submitter.close)
-    listing = RunListing(db)
     counted = Metrics()
-    admission = Admission(
-        runs=runs_repo,
-        listing=listing,
-        submitter=submitter,
-        quotas=quotas,
-        rate_limiter=rate_limiter,
-        metrics=counted,
-    )
-    closing.push_async_callback(admission.close)
+    stack = build_admission(settings, db, closing, metrics=counted)
     services = Services(
         settings=settings,
         db=db,
         workflows=registry,
         plans=plans,
         tenants=TenantsRepo(db, auth_ttl_s=AUTH_CACHE_TTL_S),
-        runs=runs_repo,
-        listing=listing,
+        runs=stack.runs,
+        listing=stack.listing,
         steps=StepsRepo(db),
         interrupts=InterruptsRepo(db),
         webhooks=WebhooksRepo(db),
-        admission=admission,
-        rate_limiter=rate_limiter,
+        admission=stack.admission,
+        rate_limiter=stack.rate_limiter,
         store=store,
-        notifier=notifier,
-        waiter=waiter,
-        inbox=Inbox(db, store, wake=notifier.notify),
+        notifier=stack.notifier,
+        waiter=stack.waiter,
+        inbox=Inbox(db, store, wake=stack.notifier.notify),
         streams=EventStreams(db, store),
         stream_slots=StreamSlots(settings.max_streams_per_tenant),
         metrics=counted,

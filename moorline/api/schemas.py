@@ -11,22 +11,26 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from moorline.admission.submission import (
+    CONVERSATION_PATTERN,
+    IDEMPOTENCY_KEY_PATTERN,
+    MAX_BATCH,
+    MAX_DELAY_S,
+    MAX_KEY_LENGTH,
+)
 from moorline.types import RunStatus
 
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 """Text without control characters."""
 
-TOKEN = r"^[!-~]+$"
+TOKEN = IDEMPOTENCY_KEY_PATTERN
 """Visible ASCII, no spaces: keys that must compare exactly on every database."""
 
-CONVERSATION = r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$"
+CONVERSATION = CONVERSATION_PATTERN
 """Conversation ids become Redis key parts: no ``:``, ``{``, ``}``, ``*`` or spaces."""
 
 WORKFLOW = r"^[A-Za-z][A-Za-z0-9_.-]*$"
 """As ``moorline.engine.registry.NAME_PATTERN``."""
-
-MAX_DELAY_S = 30 * 86400.0
-"""Longest ``delay_seconds``: thirty days."""
 
 DISPLAY_NAME = r"^[^\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]+$"
 """Text without control characters (C0, C1), zero-width, line-separator or bidi-override
@@ -52,8 +56,10 @@ PlanName = Annotated[
     ),
 ]
 WorkflowName = Annotated[str, Field(min_length=1, max_length=200, pattern=WORKFLOW)]
-ConversationId = Annotated[str, Field(min_length=1, max_length=200, pattern=CONVERSATION)]
-IdempotencyKey = Annotated[str, Field(min_length=1, max_length=200, pattern=TOKEN)]
+ConversationId = Annotated[
+    str, Field(min_length=1, max_length=MAX_KEY_LENGTH, pattern=CONVERSATION)
+]
+IdempotencyKey = Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH, pattern=TOKEN)]
 
 
 class RequestBody(BaseModel):
@@ -227,6 +233,52 @@ class RunAccepted(BaseModel):
     status: RunStatus
     queue: str
     created_at: datetime
+
+
+class RunBatch(RequestBody):
+    """Triggers of one workflow, each admitted on its own (not all-or-nothing)."""
+
+    runs: list[RunCreate] = Field(
+        min_length=1,
+        max_length=MAX_BATCH,
+        description=f"1 to {MAX_BATCH} triggers, each as the body of a single trigger.",
+    )
+
+
+class ItemError(BaseModel):
+    """Why an item was refused: the single trigger's error body (its code, message, fields)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    code: str
+    message: str
+
+
+class RunBatchItem(BaseModel):
+    """One item's answer, at the item's index in the request."""
+
+    status_code: int = Field(
+        description="What a single trigger of this item answers: 202 new run, 200 the earlier "
+        "run of a repeated idempotency key, 409, 422 or 429 with `error`."
+    )
+    run_id: str | None = Field(
+        description="The item's run: new, earlier, or stored `rate_limited` by the quota; "
+        "null when nothing was stored."
+    )
+    status: RunStatus | None = Field(description="The run's status; null without a run.")
+    queue: str | None = None
+    created_at: datetime | None = None
+    error: ItemError | None = None
+
+
+class RunBatchAnswer(BaseModel):
+    """Every item's answer, in the request's order, and how many of each kind."""
+
+    workflow: str
+    created: int = Field(description="Items answered 202: new runs.")
+    existing: int = Field(description="Items answered 200: earlier runs of their keys.")
+    refused: int = Field(description="Items answered with an error.")
+    results: list[RunBatchItem]
 
 
 class StepOut(BaseModel):

@@ -24,8 +24,8 @@ Example::
 """
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Literal, overload
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any, Literal, overload
 
 import httpx
 
@@ -41,6 +41,8 @@ from moorline.client.errors import ApiError, ServerUnreachable, error_from_respo
 from moorline.client.results import (
     ApiKey,
     ApiKeyIssued,
+    BatchAnswer,
+    BatchItem,
     CancelAccepted,
     Event,
     Lane,
@@ -216,6 +218,24 @@ class Client:
         if not wait:
             return accepted
         return await self.wait(accepted.run_id, timeout=timeout)
+
+    async def trigger_many(
+        self, workflow: str, items: Iterable[Mapping[str, Any]]
+    ) -> list[BatchItem]:
+        """Start many runs of ``workflow``: each item admitted on its own, answered in order.
+
+        Each item is a trigger's body: ``{"input": {...}, "idempotency_key"?,
+        "conversation_id"?, "delay_seconds"?}``. Sent :data:`~moorline.client.calls.MAX_BATCH`
+        items a request (``POST /v1/workflows/{workflow}/runs/batch``), one request after
+        another; an item refused (a 409, 422 or 429 of its own) is an answer with ``error``,
+        not an exception. A request refused as a whole (unknown workflow, bad key) raises,
+        and the items of earlier requests stay admitted.
+        """
+        bodies = [calls.batch_item(item) for item in items]
+        answers: list[BatchItem] = []
+        for chunk in calls.chunks(bodies, calls.MAX_BATCH):
+            answers += (await self._call(calls.trigger_batch(workflow, chunk))).results
+        return answers
 
     async def wait(
         self,
@@ -428,6 +448,8 @@ class Client:
 
 __all__ = [
     "ApiError",
+    "BatchAnswer",
+    "BatchItem",
     "CancelAccepted",
     "Client",
     "Event",

@@ -18,6 +18,7 @@ from moorline.client.errors import ServerUnreachable, error_from_response
 from moorline.client.results import (
     ApiKeyIssued,
     ApiKeys,
+    BatchAnswer,
     CancelAccepted,
     MessageAccepted,
     Queues,
@@ -36,7 +37,7 @@ from moorline.client.results import (
     Workers,
     Workflows,
 )
-from moorline.errors import Unauthorized
+from moorline.errors import InvalidInput, Unauthorized
 from moorline.types import JSONObject, RunStatus
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -227,6 +228,39 @@ def trigger(
     body.update({key: value for key, value in optional.items() if value is not None})
     path = f"/v1/workflows/{segment(workflow)}/runs"
     return Call(model=RunAccepted, method="POST", path=path, json=body)
+
+
+MAX_BATCH = 1_000
+"""Most items the server takes in one batch trigger; ``trigger_many`` sends this many a call."""
+
+BATCH_FIELDS = frozenset({"input", "idempotency_key", "conversation_id", "delay_seconds"})
+
+
+def trigger_batch(workflow: str, items: list[dict[str, Any]]) -> Call[BatchAnswer]:
+    """``POST /v1/workflows/{workflow}/runs/batch``: ``items`` as the single trigger's bodies."""
+    path = f"/v1/workflows/{segment(workflow)}/runs/batch"
+    return Call(model=BatchAnswer, method="POST", path=path, json={"runs": items})
+
+
+def batch_item(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A batch item's body: a trigger's body (``input`` and options), unset options left out.
+
+    Raises:
+        InvalidInput: a field the trigger's body does not have (caught here, not as a 422
+            for the whole batch).
+    """
+    unknown = set(item) - BATCH_FIELDS
+    if unknown:
+        known = ", ".join(sorted(BATCH_FIELDS))
+        raise InvalidInput(f"batch item: unknown field {sorted(unknown)[0]!r}; fields: {known}")
+    body = {key: value for key, value in item.items() if value is not None}
+    body.setdefault("input", {})
+    return body
+
+
+def chunks(items: list[dict[str, Any]], size: int) -> list[list[dict[str, Any]]]:
+    """``items`` in consecutive slices of ``size`` (the last one shorter)."""
+    return [items[start : start + size] for start in range(0, len(items), size)]
 
 
 def get_run(run_id: str) -> Call[Run]:

@@ -145,6 +145,37 @@ class RunAccepted(Result):
     created_at: datetime
 
 
+class BatchItem(Result):
+    """One item's answer in a batch trigger, at the item's index.
+
+    ``status_code`` is what a single trigger of the item answers (202 new run, 200 the earlier
+    run of a repeated key, else an error's status with ``error`` set: ``{"code", "message",
+    ...}``). ``run_id`` names the item's run, also one the quota stored ``rate_limited``.
+    """
+
+    status_code: int
+    run_id: str | None
+    status: RunStatus | None
+    queue: str | None = None
+    created_at: datetime | None = None
+    error: dict[str, Any] | None = None
+
+    @property
+    def is_accepted(self) -> bool:
+        """Whether the item has a queued (new or earlier) run: a 202 or a 200."""
+        return self.error is None
+
+
+class BatchAnswer(Result):
+    """A batch trigger's answer: every item's, in order, and how many of each kind."""
+
+    workflow: str
+    created: int
+    existing: int
+    refused: int
+    results: list[BatchItem]
+
+
 class Step(Result):
     """One checkpointed step of a run."""
 

@@ -14,8 +14,8 @@ Example::
 """
 
 import time
-from collections.abc import Iterator
-from typing import Literal, overload
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal, overload
 
 import httpx
 
@@ -31,6 +31,7 @@ from moorline.client.errors import ServerUnreachable, error_from_response
 from moorline.client.results import (
     ApiKey,
     ApiKeyIssued,
+    BatchItem,
     CancelAccepted,
     Event,
     Lane,
@@ -194,6 +195,14 @@ class SyncClient:
         if not wait:
             return accepted
         return self.wait(accepted.run_id, timeout=timeout)
+
+    def trigger_many(self, workflow: str, items: Iterable[Mapping[str, Any]]) -> list[BatchItem]:
+        """Start many runs of ``workflow``, each answered on its own (see ``Client``'s)."""
+        bodies = [calls.batch_item(item) for item in items]
+        answers: list[BatchItem] = []
+        for chunk in calls.chunks(bodies, calls.MAX_BATCH):
+            answers += self._call(calls.trigger_batch(workflow, chunk)).results
+        return answers
 
     def wait(self, run_id: str, *, timeout: float | None = None) -> Run:
         """The run once it has ended (a terminal status), following its event stream.

@@ -5,21 +5,26 @@ app and its routes. The registry lives on that instance, never in a module-level
 apps in one process (tests) never see each other's workflows.
 """
 
+import asyncio
+import functools
 import inspect
 import math
 import re
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from moorline.errors import ConfigError, InvalidInput, WorkflowNotFound
+from moorline.engine.submitting import Submission, Submissions, Submitted, SyncPortal
+from moorline.errors import ConfigError, InvalidInput, MoorlineError, WorkflowNotFound
 from moorline.settings import Settings, load_settings
 from moorline.types import JSONObject
 
 WorkflowFn = Callable[..., Coroutine[Any, Any, Any]]
 F = TypeVar("F", bound=WorkflowFn)
+T = TypeVar("T")
 
 DEFAULT_MAX_ATTEMPTS = 3
 # Workflow names are persisted and appear in URLs: keep them to a safe, stable alphabet.
@@ -115,6 +120,11 @@ class Moorline:
     def __init__(self, settings: Settings | None = None) -> None:
         self._settings = settings
         self._workflows: dict[str, WorkflowDefinition] = {}
+        # Built on the first submit, for the event loop it ran in (see _submissions_here).
+        self._submissions: Submissions | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._portal: SyncPortal | None = None
+        self._portal_lock = threading.Lock()  # sync callers may come from many threads
 
     @property
     def settings(self) -> Settings:
@@ -189,6 +199,8 @@ class Moorline:
                 deadline_s=deadline,
                 max_children=max_children,
             )
+            # ``review_pr.submit(input, tenant=...)``: the app's submit, this workflow named.
+            registered.submit = functools.partial(self.submit, name)  # type: ignore[attr-defined]
             return registered
 
         return register
@@ -205,3 +217,147 @@ class Moorline:
 
     def __contains__(self, name: object) -> bool:
         return name in self._workflows
+
+    # --- submitting from Python, in process ---------------------------------------------------
+
+    async def submit(
+        self,
+        workflow: str,
+        input: Mapping[str, Any] | None = None,
+        *,
+        tenant: str,
+        idempotency_key: str | None = None,
+        conversation_id: str | None = None,
+        delay: float = 0.0,
+    ) -> Submitted:
+        """Start a run of ``workflow`` for ``tenant``, as ``POST /v1/workflows/{workflow}/runs``.
+
+        The same admission as the HTTP route (rate limit, input, idempotency key,
+        conversation, daily quota) and the same group commit; the run is durable when this
+        returns. Needs only the database (and Redis, if configured): the connections open on
+        the first call, in the running event loop, and :meth:`close` (or ``async with app``)
+        closes them. The plan's rate limit counts the tenant's in-process submissions under
+        an identity of their own (``app:<tenant id>``), apart from any API key's.
+
+        Args:
+            workflow: The registered workflow's name.
+            input: Its arguments by parameter name.
+            tenant: The tenant's id (``moorline tenants create`` prints it).
+            idempotency_key: The same key and input again returns the first run.
+            conversation_id: At most one active run per conversation.
+            delay: Seconds before the run may be claimed.
+
+        Returns:
+            The run; ``created`` is False for a repeated idempotency key.
+
+        Raises:
+            MoorlineError: the HTTP route's refusal, as the class of its code:
+                ``WorkflowNotFound``, ``InvalidInput``, ``InvalidRequest`` (a bad key,
+                conversation id or delay), ``IdempotencyConflict``, ``ConversationBusy``,
+                ``QuotaExceeded`` (the run is stored ``rate_limited``), ``RateLimited``,
+                ``TenantNotFound``, ``BackendUnavailable``.
+        """
+        submission = Submission(
+            workflow=workflow,
+            input={} if input is None else input,
+            idempotency_key=idempotency_key,
+            conversation_id=conversation_id,
+            delay=delay,
+        )
+        return await self._submissions_here().submit(submission, tenant=tenant)
+
+    async def submit_many(
+        self, submissions: Iterable[Submission], *, tenant: str
+    ) -> list[Submitted | MoorlineError]:
+        """Start many runs for ``tenant``: each admitted on its own, as the HTTP batch's items.
+
+        They go through admission concurrently, so the Submitter stores them in few
+        transactions. Not all-or-nothing: each item's answer is its run or its refusal (the
+        exception :meth:`submit` would raise), in the order given.
+        """
+        return await self._submissions_here().submit_many(list(submissions), tenant=tenant)
+
+    async def close(self) -> None:
+        """Finish submissions in flight and close the connections :meth:`submit` opened."""
+        submissions, self._submissions, self._loop = self._submissions, None, None
+        if submissions is not None:
+            await submissions.close()
+
+    async def __aenter__(self) -> "Moorline":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def submit_sync(
+        self,
+        workflow: str,
+        input: Mapping[str, Any] | None = None,
+        *,
+        tenant: str,
+        idempotency_key: str | None = None,
+        conversation_id: str | None = None,
+        delay: float = 0.0,
+    ) -> Submitted:
+        """:meth:`submit` for sync code: run on the app's own event loop thread.
+
+        Blocks the calling thread until the run is stored; call :meth:`close_sync` when done.
+        """
+        return self._through_portal(
+            self.submit(
+                workflow,
+                input,
+                tenant=tenant,
+                idempotency_key=idempotency_key,
+                conversation_id=conversation_id,
+                delay=delay,
+            )
+        )
+
+    def submit_many_sync(
+        self, submissions: Iterable[Submission], *, tenant: str
+    ) -> list[Submitted | MoorlineError]:
+        """:meth:`submit_many` for sync code (see :meth:`submit_sync`)."""
+        return self._through_portal(self.submit_many(list(submissions), tenant=tenant))
+
+    def close_sync(self) -> None:
+        """Close what :meth:`submit_sync` opened, and stop its thread."""
+        with self._portal_lock:
+            portal, self._portal = self._portal, None
+        if portal is not None:
+            try:
+                portal.run(self.close())
+            finally:
+                portal.close()
+
+    def _through_portal(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        with self._portal_lock:
+            if self._portal is None:
+                self._portal = SyncPortal("moorline-submit")
+            portal = self._portal
+        return portal.run(coroutine)
+
+    def _submissions_here(self) -> Submissions:
+        """The submissions of the running event loop, built on first use.
+
+        Connections, locks and the Submitter's writer belong to the loop that made them. A
+        loop that has ended (``asyncio.run`` called again) left nothing usable, so the app
+        starts afresh; another loop still running is a mistake, refused.
+        """
+        loop = asyncio.get_running_loop()
+        if self._submissions is not None and self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed():
+                raise RuntimeError(
+                    "this app submits from another running event loop; await app.close() there "
+                    "first, or use one loop (submit_sync has a loop of its own)"
+                )
+            self._submissions = None
+        if self._submissions is None:
+            # Admission sits above the engine (it validates against this registry), so the
+            # app reaches it here, on first use: the one import pyproject's layers contract
+            # lets through (ignore_imports), and no module-level wiring.
+            from moorline.admission.local import LocalSubmissions
+
+            self._submissions = LocalSubmissions(self)
+            self._loop = loop
+        return self._submissions

@@ -164,6 +164,21 @@ async def probe_trigger(api: Api, world: World) -> None:
     assert run.json()["tenant_id"] == world.b.tenant_id
 
 
+async def probe_trigger_batch(api: Api, world: World) -> None:
+    # As the trigger: B's items are B's. A's conversation (busy with A's run) is not B's, so
+    # B's item joining a conversation of that id is admitted, and A's run id never shows.
+    response = await api.client.post(
+        "/v1/workflows/echo/runs/batch",
+        json={"runs": [{"input": {}, "conversation_id": "secret-room"}]},
+        headers=world.b.headers,
+    )
+    assert response.status_code == 200
+    [item] = response.json()["results"]
+    assert item["status_code"] == 202 and world.run_id not in response.text
+    run = await api.client.get(f"/v1/runs/{item['run_id']}", headers=world.b.headers)
+    assert run.json()["tenant_id"] == world.b.tenant_id
+
+
 ADMIN_RUN_BODIES: dict[str, dict[str, object] | None] = {
     "": None,
     "/events": None,
@@ -245,6 +260,7 @@ PROBES: dict[tuple[str, str], Probe] = {
     ),
     ("POST", "/v1/workflows/{workflow}/runs"): probe_trigger,
     ("GET", "/v1/admin/workers/{worker_id}"): probe_worker_route,
+    ("POST", "/v1/workflows/{workflow}/runs/batch"): probe_trigger_batch,
 }
 
 

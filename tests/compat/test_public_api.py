@@ -19,6 +19,8 @@ EXPECTED = {
     "RunStatus",
     "Settings",
     "SoftTimeLimitExceeded",
+    "Submission",
+    "Submitted",
     "SyncClient",
     "__version__",
 }

@@ -1,10 +1,13 @@
 """``SyncClient`` is ``Client`` without ``await``: the same methods with the same parameters."""
 
 import inspect
+import json
 
+import httpx
 import pytest
 
 from moorline import Client, SyncClient
+from moorline.errors import InvalidInput
 
 ASYNC_ONLY = {"aclose"}
 SYNC_ONLY = {"close"}
@@ -37,3 +40,35 @@ def test_url_and_key_default_to_the_environment(monkeypatch: pytest.MonkeyPatch)
         assert configured.url == "http://moorline.example:9000"
     with SyncClient("http://given:1") as given:
         assert given.url == "http://given:1"
+
+
+def test_trigger_many_sends_1000_items_a_request_in_order() -> None:
+    sent: list[list[dict[str, object]]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/workflows/add/runs/batch"
+        items = json.loads(request.content)["runs"]
+        sent.append(items)
+        results = [
+            {"status_code": 202, "run_id": f"r-{item['input']['n']}", "status": "queued"}
+            for item in items
+        ]
+        return httpx.Response(
+            200,
+            json={
+                "workflow": "add",
+                "created": len(items),
+                "existing": 0,
+                "refused": 0,
+                "results": results,
+            },
+        )
+
+    items = [{"input": {"n": n}, "idempotency_key": None} for n in range(1_500)]
+    with SyncClient("http://x", "ml_key", transport=httpx.MockTransport(answer)) as client:
+        answers = client.trigger_many("add", items)
+        with pytest.raises(InvalidInput, match="inptu"):
+            client.trigger_many("add", [{"inptu": {}}])
+    assert [len(batch) for batch in sent] == [1_000, 500]
+    assert sent[0][0] == {"input": {"n": 0}}  # unset options are left out
+    assert [a.run_id for a in answers] == [f"r-{n}" for n in range(1_500)]

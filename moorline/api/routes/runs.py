@@ -34,9 +34,11 @@ from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from moorline import fastpaths
-from moorline.admission.admit import Admitted, Trigger
+from moorline.admission.admit import Admitted
+from moorline.admission.submission import Origin, admit_submission
 from moorline.api.deps import (
     RUN_ID_PATTERN,
+    Caller,
     CallerDep,
     RateKind,
     Services,
@@ -75,6 +77,7 @@ from moorline.db.repos.listing import RunCursor, RunFilter, RunPage
 from moorline.db.repos.records import DecisionReason, Event, Run
 from moorline.dispatch.cancel import cancel_run
 from moorline.engine.streams import EventStream
+from moorline.engine.submitting import Submission
 from moorline.errors import (
     ConversationBusy,
     IdempotencyConflict,
@@ -207,20 +210,26 @@ async def trigger_run(
     Its arguments are solved by :func:`solve_trigger`, not by FastAPI (:data:`TriggerRoute`).
     """
     services: Services = request.app.state.services
-    definition = services.workflows.get(workflow)
-    admitted = await services.admission.admit(
-        Trigger(
-            tenant_id=caller.tenant.tenant_id,
-            plan=caller.plan,
-            rate_identity=caller.rate_identity,
-            workflow=definition,
+    admitted = await admit_submission(
+        services.admission,
+        services.workflows,
+        origin_of(caller),
+        Submission(
+            workflow=workflow,
             input=body.input,
             idempotency_key=body.idempotency_key,
             conversation_id=body.conversation_id,
-            delay_s=body.delay_seconds,
-        )
+            delay=body.delay_seconds,
+        ),
     )
     return answer_trigger(admitted, fast=services.settings.fast_paths)
+
+
+def origin_of(caller: Caller) -> Origin:
+    """Who submits, for admission: the key's tenant, its plan, and the key's rate window."""
+    return Origin(
+        tenant_id=caller.tenant.tenant_id, plan=caller.plan, rate_identity=caller.rate_identity
+    )
 
 
 _WORKFLOW_PATH: TypeAdapter[str] = TypeAdapter(WorkflowPath)
