@@ -57,6 +57,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_index("ix_schedules_paused_next_at", table_name="schedules")
-    op.drop_index("ix_schedules_tenant_id_created_at", table_name="schedules")
+    # Its indexes go with it (MySQL refuses to drop the tenant index first: the foreign key
+    # needs it).
     op.drop_table("schedules")
