@@ -41,6 +41,7 @@ from moorline.api.routes import (
     keys,
     metrics,
     runs,
+    schedules,
     usage,
     webhook_admin,
     webhooks,
@@ -119,7 +120,18 @@ def create_app(
     # The runs routes first: a request is matched against the routes in order, and triggers are
     # the hot path. No two routers share a path, so the order changes nothing else.
     runs.install(app)
-    modules = (health, admin, admin_runs, keys, webhooks, webhook_admin, usage, metrics, catalogue)
+    modules = (
+        health,
+        admin,
+        admin_runs,
+        keys,
+        webhooks,
+        webhook_admin,
+        schedules,
+        usage,
+        metrics,
+        catalogue,
+    )
     for module in modules:
         app.include_router(module.build_router())
     install_docs(app)

@@ -136,10 +136,11 @@ def every(tenant_id: TenantId, seconds: int, first: datetime, **fields: object) 
     return NewSchedule(**values)  # type: ignore[arg-type]
 
 
-async def keys_of(db: DatabaseManager, tenant_id: TenantId) -> list[str | None]:
+async def keys_of(db: DatabaseManager, tenant_id: TenantId) -> list[str]:
+    """The idempotency keys of the tenant's runs ("-" for a run without one)."""
     stmt = select(runs.c.idempotency_key).where(runs.c.tenant_id == tenant_id)
     async with db.connect() as conn:
-        return [row[0] for row in (await conn.execute(stmt)).all()]
+        return [row[0] or "-" for row in (await conn.execute(stmt)).all()]
 
 
 async def test_schedules_are_the_tenants_own_and_advance_once(
@@ -272,7 +273,7 @@ async def test_refused_ticks_are_counted_on_the_schedule(
     assert invalid.last_error is not None and invalid.last_error["code"] == "invalid_input"
     stmt = select(runs.c.status, func.count()).where(runs.c.tenant_id == tenant)
     async with db.connect() as conn:
-        counts = dict((await conn.execute(stmt.group_by(runs.c.status))).all())
+        counts: dict[str, int] = dict((await conn.execute(stmt.group_by(runs.c.status))).all())
     assert counts == {RunStatus.QUEUED.value: 2, RunStatus.RATE_LIMITED.value: 2}
 
 

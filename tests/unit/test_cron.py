@@ -12,8 +12,10 @@ from moorline.errors import InvalidRequest
 BERLIN = ZoneInfo("Europe/Berlin")
 
 
-def utc(*parts: int) -> datetime:
-    return datetime(*parts, tzinfo=UTC)  # type: ignore[misc]
+def utc(
+    year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0
+) -> datetime:
+    return datetime(year, month, day, hour, minute, second, tzinfo=UTC)
 
 
 def ticks(expression: str, after: datetime, count: int) -> list[datetime]:
