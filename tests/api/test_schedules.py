@@ -2,9 +2,13 @@
 bad input is a 4xx with a code and a sentence; another tenant's schedule is 404."""
 
 from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
 
+import httpx
 import pytest
 
+from moorline.client import Client
+from moorline.errors import ScheduleNotFound
 from tests.api.conftest import Api
 
 
@@ -161,3 +165,21 @@ async def test_a_bad_edit_changes_nothing(api: Api) -> None:
     assert (await api.client.get(url, headers=caller.headers)).json() == created.json()
     missing = await api.client.get("/v1/schedules/not-a-uuid", headers=caller.headers)
     assert missing.status_code == 404
+
+
+async def test_the_client_manages_schedules(api: Api) -> None:
+    caller = await api.tenant()
+    transport = httpx.ASGITransport(app=api.app)
+    async with Client("http://moorline.test", caller.api_key, transport=transport) as client:
+        made = await client.create_schedule("echo", {"message": "hi"}, cron="0 9 * * MON")
+        assert (made.cron, made.timezone, made.catch_up) == ("0 9 * * MON", "UTC", "skip")
+        assert [s.schedule_id for s in await client.list_schedules()] == [made.schedule_id]
+        moved = await client.update_schedule(made.schedule_id, timezone="Asia/Tokyo")
+        assert moved.timezone == "Asia/Tokyo" and moved.next_at != made.next_at
+        assert moved.next_at.astimezone(ZoneInfo("Asia/Tokyo")).hour == 9
+        assert (await client.pause_schedule(made.schedule_id)).paused
+        assert not (await client.resume_schedule(made.schedule_id)).paused
+        assert (await client.get_schedule(made.schedule_id)).input == {"message": "hi"}
+        await client.delete_schedule(made.schedule_id)
+        with pytest.raises(ScheduleNotFound):
+            await client.get_schedule(made.schedule_id)
