@@ -147,7 +147,7 @@ class Scheduler(LeaderChore):
         for tick in ticks:
             try:
                 run_id = await self._submit(schedule, tick)
-            except (BackendUnavailable, asyncio.CancelledError):
+            except BackendUnavailable:
                 raise  # nothing advances: the next pass (or leader) submits these ticks again
             except MoorlineError as exc:
                 refused += 1
