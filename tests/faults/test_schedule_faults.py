@@ -168,6 +168,7 @@ async def test_three_api_processes_and_two_workers_fire_every_tick_once_across_t
     deployment.terminate_all()
 
     found = await tick_runs(db, tenant)
+    print(f"drill: {len(found)} tick runs, each once; scheduler leaders killed: {killed}")
     assert "-" not in found
     assert not any(key.startswith(f"schedule:{paused.schedule_id}:") for key in found)
     for schedule, cadence in ((by_minute, cron), (by_ten, every)):
