@@ -27,6 +27,7 @@ from moorline.observability.metrics import Metrics
 from moorline.plans import PlansProvider
 from moorline.settings import Settings
 from moorline.types import JSONObject, RunStatus, TenantId
+from moorline.worker.process import run_worker_process
 from tests.contract.queue_helpers import Tenants, unique
 from tests.helpers import wait_for
 
@@ -280,8 +281,6 @@ async def test_refused_ticks_are_counted_on_the_schedule(
 async def test_a_run_worker_process_runs_the_scheduler_chore(
     db: DatabaseManager, plan_settings: Settings, admission: Admission, tenants: Tenants
 ) -> None:
-    from moorline.worker.process import run_worker_process
-
     tenant = await tenants.new("wide")
     repo = SchedulesRepo(db)
     first = Cadence(every_s=1).next_after(datetime.now(UTC))
@@ -299,3 +298,26 @@ async def test_a_run_worker_process_runs_the_scheduler_chore(
         stop.set()
         await task
     assert (await keys_of(db, tenant))[0] == tick_key(created.schedule_id, first)
+
+
+async def test_missed_ticks_are_skipped_or_caught_up_once(
+    db: DatabaseManager, plan_settings: Settings, admission: Admission, tenants: Tenants
+) -> None:
+    tenant = await tenants.new("wide")
+    repo = SchedulesRepo(db)
+    now = datetime(2032, 1, 1, 12, 0, 30, tzinfo=UTC)
+    hour_ago = datetime(2032, 1, 1, 11, 0, tzinfo=UTC)
+    skip = await repo.create(every(tenant, 60, hour_ago))
+    one = await repo.create(every(tenant, 60, hour_ago, catch_up="one"))
+    passes = scheduler(db, plan_settings, admission, holder=unique("h"), clock=now)
+    await passes.tick()  # the grace is 60 s: 12:00:00 is on time, 11:59:00 and before missed
+    on_time = [datetime(2032, 1, 1, 12, tzinfo=UTC)]
+    keys = set(await keys_of(db, tenant))
+    assert keys == {
+        *(tick_key(skip.schedule_id, tick) for tick in on_time),
+        *(tick_key(one.schedule_id, tick) for tick in on_time),
+        tick_key(one.schedule_id, datetime(2032, 1, 1, 11, 59, tzinfo=UTC)),  # the latest missed
+    }
+    for schedule in (skip, one):
+        after = await repo.get(schedule.schedule_id, tenant_id=tenant)
+        assert after is not None and after.next_at == datetime(2032, 1, 1, 12, 1, tzinfo=UTC)
