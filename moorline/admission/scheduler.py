@@ -45,6 +45,7 @@ from moorline.dispatch.leader import LeaderElector, new_holder_id
 from moorline.dispatch.reaper import leader_ttl_s
 from moorline.engine.registry import Moorline
 from moorline.errors import BackendUnavailable, MoorlineError
+from moorline.observability.metrics import Metrics
 from moorline.plans import PlansProvider
 from moorline.settings import Settings
 from moorline.types import JSONObject
@@ -88,6 +89,7 @@ class Scheduler(LeaderChore):
         interval_s: float,
         grace_s: float,
         clock: Callable[[], datetime] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """Create a scheduler; see :func:`make_scheduler` for one built from the settings.
 
@@ -101,6 +103,7 @@ class Scheduler(LeaderChore):
             interval_s: Seconds between passes.
             grace_s: Seconds late a tick may still fire (``MOORLINE_SCHEDULE_GRACE``).
             clock: Aware UTC now, replaceable in tests.
+            metrics: Where ticks are counted (``moorline_schedule_ticks_total``).
         """
         super().__init__(elector, interval_s=interval_s)
         self._schedules = schedules
@@ -110,6 +113,7 @@ class Scheduler(LeaderChore):
         self._plans = plans
         self._grace_s = grace_s
         self._clock = clock or (lambda: datetime.now(UTC))
+        self._ticks = (metrics or Metrics()).schedule_ticks
 
     async def tick(self) -> list[Outcome]:
         """One pass: nothing unless this process leads, else fire every due tick."""
@@ -126,6 +130,9 @@ class Scheduler(LeaderChore):
                 outcome = await self._fire(schedule, now)
                 if await self._schedules.advance(schedule, outcome):
                     outcomes.append(outcome)
+                    # Counted once, by the pass whose advance won (as on the schedule).
+                    self._ticks.labels(outcome="fired").inc(outcome.fired)
+                    self._ticks.labels(outcome="refused").inc(outcome.refused)
             if len(batch) < DUE_BATCH:
                 break
         return outcomes
@@ -200,6 +207,7 @@ def make_scheduler(
     admission: Admission,
     workflows: Moorline,
     holder: str | None = None,
+    metrics: Metrics | None = None,
 ) -> Scheduler:
     """A scheduler for this process, with its interval, grace and a leader lease to match."""
     interval_s = settings.scheduler_interval
@@ -218,4 +226,5 @@ def make_scheduler(
         plans=PlansProvider(settings),
         interval_s=interval_s,
         grace_s=settings.schedule_grace,
+        metrics=metrics,
     )

@@ -218,7 +218,11 @@ def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, l
                     metrics=services.metrics,
                     chores=[
                         make_scheduler(
-                            settings, services.db, admission=services.admission, workflows=app
+                            settings,
+                            services.db,
+                            admission=services.admission,
+                            workflows=app,
+                            metrics=services.metrics,
                         )
                     ],
                 ),

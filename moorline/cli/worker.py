@@ -83,7 +83,9 @@ async def _work(settings: Settings, app: Moorline, lanes: dict[str, int], grace_
         admission, closing = build_admission(settings, db, notifier=notifier, metrics=metrics)
         try:
             async with closing:
-                scheduler = make_scheduler(settings, db, admission=admission, workflows=app)
+                scheduler = make_scheduler(
+                    settings, db, admission=admission, workflows=app, metrics=metrics
+                )
                 await run_worker_process(
                     settings,
                     app,

@@ -29,7 +29,7 @@ from moorline.settings import Settings
 from moorline.types import JSONObject, RunStatus, TenantId
 from moorline.worker.process import run_worker_process
 from tests.contract.queue_helpers import Tenants, unique
-from tests.helpers import wait_for
+from tests.helpers import sampled, wait_for
 
 PLANS = """
 plans:
@@ -106,6 +106,7 @@ def scheduler(
     repo: SchedulesRepo | None = None,
     clock: datetime | None = None,
     ttl_s: float = 1.0,
+    metrics: Metrics | None = None,
 ) -> Scheduler:
     elector = LeaderElector(QueueRepo(db), name=unique("sched"), holder=holder, ttl_s=ttl_s)
     return Scheduler(
@@ -118,6 +119,7 @@ def scheduler(
         interval_s=0.05,
         grace_s=60,
         clock=None if clock is None else (lambda: clock),
+        metrics=metrics,
     )
 
 
@@ -262,8 +264,12 @@ async def test_refused_ticks_are_counted_on_the_schedule(
     now = datetime.now(UTC).replace(microsecond=0)
     created = await repo.create(every(tenant, 1, now - timedelta(seconds=3)))
     bad = await repo.create(every(tenant, 60, now, input={"n": "not a number"}))
-    passes = scheduler(db, plan_settings, admission, holder=unique("h"), clock=now)
+    counted = Metrics()
+    passes = scheduler(db, plan_settings, admission, holder=unique("h"), clock=now, metrics=counted)
     await passes.tick()
+    ticks = counted.schedule_ticks
+    assert sampled(ticks, "moorline_schedule_ticks_total", outcome="fired") == 2
+    assert sampled(ticks, "moorline_schedule_ticks_total", outcome="refused") == 3
     quota = await repo.get(created.schedule_id, tenant_id=tenant)
     assert quota is not None
     assert (quota.fired, quota.refused) == (2, 2)
