@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 RUN_STAMP := $(VENV)/.installed-run-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-full fuzz lint format bench soak clean chromium
+.PHONY: install run test test-full test-schedules-drill fuzz lint format bench soak clean chromium
 
 # constraints.txt: the tested versions (see its header), so CI and users install those.
 $(RUN_STAMP): pyproject.toml constraints.txt
@@ -46,6 +46,12 @@ test: install chromium
 test-full: install chromium
 	$(BIN)/python -m compileall -q moorline tests
 	MOORLINE_FULL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Issue 20's schedules drill: 3 API processes and 2 workers for 3 minutes on each backend, the
+# scheduler's leader killed twice; every tick must run exactly once (part of test-full too).
+test-schedules-drill: install
+	MOORLINE_FULL=1 $(BIN)/python -m pytest tests/faults/test_schedule_faults.py --timeout=900 \
+		$(PYTEST_ARGS)
 
 # Schemathesis against a live `moorline serve` with tenant and admin credentials, every operation
 # of the served OpenAPI document: no 5xx, every answer as documented. `make test` runs the same

@@ -19,6 +19,7 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     │   ├── WorkflowNotFound   workflow_not_found
     │   ├── TenantNotFound     tenant_not_found
     │   ├── WebhookNotFound    webhook_not_found
+    │   ├── ScheduleNotFound   schedule_not_found
     │   ├── InterruptNotFound  interrupt_not_found
     │   ├── ApiKeyNotFound     api_key_not_found
     │   └── WorkerNotFound     worker_not_found
@@ -182,6 +183,12 @@ class WebhookNotFound(NotFound):
     """No webhook with that id."""
 
     code = "webhook_not_found"
+
+
+class ScheduleNotFound(NotFound):
+    """No schedule with that id for that tenant."""
+
+    code = "schedule_not_found"
 
 
 class ApiKeyNotFound(NotFound):

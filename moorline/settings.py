@@ -148,6 +148,14 @@ class Settings(BaseSettings):
     """Seconds between two passes of the timer sweep, which re-queues waiting runs whose
     timer (a sleep's end, a permission's or a message wait's timeout) is due."""
 
+    scheduler_interval: float = Field(default=1.0, gt=0)
+    """Seconds between two passes of the scheduler, which fires the schedules' due ticks:
+    a tick fires within about this long after its time."""
+
+    schedule_grace: float = Field(default=60.0, gt=0)
+    """Seconds after its time a schedule's tick still fires; an older one is *missed* and
+    its schedule's ``catch_up`` decides (``skip``: nothing, ``one``: the latest once)."""
+
     sse_ping_interval: float = Field(default=15.0, gt=0)
     """Seconds between two keep-alive comments on an event stream."""
 

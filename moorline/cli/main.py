@@ -47,6 +47,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "runs": "moorline.cli.client_commands",
     "workflows": "moorline.cli.catalogue",
     "webhooks": "moorline.cli.management",
+    "schedules": "moorline.cli.schedules",
 }
 """Each command's module, imported only when the command runs (or help lists it), by name.
 
@@ -75,6 +76,7 @@ HELP_ORDER = (
     "runs",
     "workflows",
     "webhooks",
+    "schedules",
 )
 """The order ``moorline --help`` lists the commands in (as before they were lazy)."""
 

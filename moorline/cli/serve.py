@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from rich.console import Console
 from starlette.types import ASGIApp
 
+from moorline.admission.scheduler import make_scheduler
 from moorline.api.access import ErrorAccessLog
 from moorline.api.app import create_app
 from moorline.api.deps import Services
@@ -215,6 +216,15 @@ def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, l
                     store=services.store,
                     loops=loops,
                     metrics=services.metrics,
+                    chores=[
+                        make_scheduler(
+                            settings,
+                            services.db,
+                            admission=services.admission,
+                            workflows=app,
+                            metrics=services.metrics,
+                        )
+                    ],
                 ),
                 name="workers",
             )

@@ -6,6 +6,8 @@ from typing import Annotated
 
 import typer
 
+from moorline.admission.factory import build_admission
+from moorline.admission.scheduler import make_scheduler
 from moorline.cli.banner import workflow_lines
 from moorline.cli.main import configure_logging
 from moorline.db.manager import DatabaseManager
@@ -13,6 +15,7 @@ from moorline.dispatch.lanes import resolve_lanes
 from moorline.dispatch.wakeups import make_wakeups
 from moorline.engine.loader import DEFAULT_APP, load_app
 from moorline.engine.registry import Moorline
+from moorline.observability.metrics import Metrics
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import Settings, load_settings
 from moorline.worker.process import (
@@ -75,17 +78,26 @@ async def _work(settings: Settings, app: Moorline, lanes: dict[str, int], grace_
         install_stop_signals(stop)
         notifier, waiter = make_wakeups(settings, db)
         await waiter.start()
+        metrics = Metrics()
+        # The scheduler submits ticks through admission, as the API submits triggers.
+        admission, closing = build_admission(settings, db, notifier=notifier, metrics=metrics)
         try:
-            await run_worker_process(
-                settings,
-                app,
-                db,
-                lanes=lanes,
-                stop=stop,
-                notifier=notifier,
-                waiter=waiter,
-                grace_s=grace_s,
-            )
+            async with closing:
+                scheduler = make_scheduler(
+                    settings, db, admission=admission, workflows=app, metrics=metrics
+                )
+                await run_worker_process(
+                    settings,
+                    app,
+                    db,
+                    lanes=lanes,
+                    stop=stop,
+                    notifier=notifier,
+                    waiter=waiter,
+                    grace_s=grace_s,
+                    metrics=metrics,
+                    chores=[scheduler],
+                )
         finally:
             await waiter.close()
     finally:

@@ -54,6 +54,7 @@ from moorline.client.results import (
     RunAccepted,
     RunPage,
     RunSummary,
+    Schedule,
     Step,
     Tenant,
     TenantCreated,
@@ -69,7 +70,7 @@ from moorline.client.results import (
 )
 from moorline.client.sse import parse_sse
 from moorline.client.sync import SyncClient
-from moorline.types import JSONObject, RunStatus
+from moorline.types import JSONObject, JSONValue, RunStatus
 
 
 class Client:
@@ -397,6 +398,55 @@ class Client:
         finally:
             await response.aclose()
 
+    # --- schedules -------------------------------------------------------------------------------
+
+    async def create_schedule(
+        self,
+        workflow: str,
+        input: JSONObject | None = None,
+        *,
+        cron: str | None = None,
+        every_seconds: int | None = None,
+        timezone: str | None = None,
+        catch_up: str | None = None,
+        paused: bool | None = None,
+    ) -> Schedule:
+        """A schedule that triggers ``workflow`` at every tick of ``cron`` or ``every_seconds``."""
+        body = {
+            "workflow": workflow,
+            "input": input,
+            "cron": cron,
+            "every_seconds": every_seconds,
+            "timezone": timezone,
+            "catch_up": catch_up,
+            "paused": paused,
+        }
+        return await self._call(calls.create_schedule(body))
+
+    async def list_schedules(self) -> list[Schedule]:
+        """The tenant's schedules, oldest first."""
+        return (await self._call(calls.list_schedules())).schedules
+
+    async def get_schedule(self, schedule_id: str) -> Schedule:
+        """One of the tenant's schedules."""
+        return await self._call(calls.schedule_call("GET", schedule_id))
+
+    async def update_schedule(self, schedule_id: str, **changes: JSONValue) -> Schedule:
+        """Change a schedule's fields (``cron=``, ``every_seconds=``, ``input=``, ``paused=``…)."""
+        return await self._call(calls.edit_schedule(schedule_id, changes))
+
+    async def pause_schedule(self, schedule_id: str) -> Schedule:
+        """Stop the schedule's ticks until it is resumed."""
+        return await self._call(calls.schedule_call("POST", schedule_id, "/pause"))
+
+    async def resume_schedule(self, schedule_id: str) -> Schedule:
+        """Fire the schedule again from its next tick after now."""
+        return await self._call(calls.schedule_call("POST", schedule_id, "/resume"))
+
+    async def delete_schedule(self, schedule_id: str) -> None:
+        """Delete one of the tenant's schedules (the runs it started are kept)."""
+        await self._call(calls.delete_schedule(schedule_id))
+
     # --- webhooks, usage, health ----------------------------------------------------------------
 
     async def create_webhook(self, workflow: str, *, secret: str | None = None) -> Webhook:
@@ -462,6 +512,7 @@ __all__ = [
     "RunAccepted",
     "RunPage",
     "RunSummary",
+    "Schedule",
     "ServerUnreachable",
     "Step",
     "SyncClient",

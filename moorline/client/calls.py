@@ -27,6 +27,8 @@ from moorline.client.results import (
     Run,
     RunAccepted,
     RunPage,
+    Schedule,
+    Schedules,
     Tenant,
     TenantCreated,
     TenantPage,
@@ -315,6 +317,34 @@ def create_webhook(workflow: str, secret: str | None) -> Call[Webhook]:
     """``POST /v1/webhooks``."""
     body = {"workflow": workflow} if secret is None else {"workflow": workflow, "secret": secret}
     return Call(model=Webhook, method="POST", path="/v1/webhooks", json=body)
+
+
+def create_schedule(body: Mapping[str, Any]) -> Call[Schedule]:
+    """``POST /v1/schedules``; fields left None are not sent (the server's defaults apply)."""
+    sent = {name: value for name, value in body.items() if value is not None}
+    return Call(model=Schedule, method="POST", path="/v1/schedules", json=sent)
+
+
+def list_schedules() -> Call[Schedules]:
+    """``GET /v1/schedules``."""
+    return Call(model=Schedules, method="GET", path="/v1/schedules")
+
+
+def schedule_call(method: str, schedule_id: str, action: str = "") -> Call[Schedule]:
+    """``GET``/``POST /v1/schedules/{schedule_id}[/pause|/resume]``."""
+    path = f"/v1/schedules/{segment(schedule_id)}{action}"
+    return Call(model=Schedule, method=method, path=path)
+
+
+def edit_schedule(schedule_id: str, changes: Mapping[str, Any]) -> Call[Schedule]:
+    """``PATCH /v1/schedules/{schedule_id}``."""
+    path = f"/v1/schedules/{segment(schedule_id)}"
+    return Call(model=Schedule, method="PATCH", path=path, json=dict(changes))
+
+
+def delete_schedule(schedule_id: str) -> Call[NoContent]:
+    """``DELETE /v1/schedules/{schedule_id}``."""
+    return Call(model=NoContent, method="DELETE", path=f"/v1/schedules/{segment(schedule_id)}")
 
 
 def usage() -> Call[Usage]:

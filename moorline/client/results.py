@@ -294,6 +294,41 @@ class Webhooks(Result):
     webhooks: list[WebhookListed]
 
 
+class TickError(Result):
+    """The last tick of a schedule that admission refused."""
+
+    code: str
+    message: str
+    tick: str
+
+
+class Schedule(Result):
+    """A schedule: what it triggers, when (``cron`` or ``every_seconds``), and how it went."""
+
+    schedule_id: str
+    workflow: str
+    input: dict[str, Any]
+    cron: str | None
+    every_seconds: int | None
+    timezone: str
+    catch_up: str
+    paused: bool
+    next_at: datetime
+    last_fired_at: datetime | None
+    last_run_id: str | None
+    last_error: TickError | None
+    fired_count: int
+    refused_count: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class Schedules(Result):
+    """The tenant's schedules, oldest first."""
+
+    schedules: list[Schedule]
+
+
 class Usage(Result):
     """The tenant's daily quota."""
 

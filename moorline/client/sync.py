@@ -42,6 +42,7 @@ from moorline.client.results import (
     RunAccepted,
     RunPage,
     RunSummary,
+    Schedule,
     Tenant,
     TenantCreated,
     TenantPage,
@@ -53,7 +54,7 @@ from moorline.client.results import (
     WorkflowInfo,
 )
 from moorline.client.sse import parse_sse_sync
-from moorline.types import JSONObject, RunStatus
+from moorline.types import JSONObject, JSONValue, RunStatus
 
 
 class SyncClient:
@@ -350,6 +351,55 @@ class SyncClient:
             yield from parse_sse_sync(response.iter_lines())
         finally:
             response.close()
+
+    # --- schedules -------------------------------------------------------------------------------
+
+    def create_schedule(
+        self,
+        workflow: str,
+        input: JSONObject | None = None,
+        *,
+        cron: str | None = None,
+        every_seconds: int | None = None,
+        timezone: str | None = None,
+        catch_up: str | None = None,
+        paused: bool | None = None,
+    ) -> Schedule:
+        """A schedule that triggers ``workflow`` at every tick of ``cron`` or ``every_seconds``."""
+        body = {
+            "workflow": workflow,
+            "input": input,
+            "cron": cron,
+            "every_seconds": every_seconds,
+            "timezone": timezone,
+            "catch_up": catch_up,
+            "paused": paused,
+        }
+        return self._call(calls.create_schedule(body))
+
+    def list_schedules(self) -> list[Schedule]:
+        """The tenant's schedules, oldest first."""
+        return (self._call(calls.list_schedules())).schedules
+
+    def get_schedule(self, schedule_id: str) -> Schedule:
+        """One of the tenant's schedules."""
+        return self._call(calls.schedule_call("GET", schedule_id))
+
+    def update_schedule(self, schedule_id: str, **changes: JSONValue) -> Schedule:
+        """Change a schedule's fields (``cron=``, ``every_seconds=``, ``input=``, ``paused=``…)."""
+        return self._call(calls.edit_schedule(schedule_id, changes))
+
+    def pause_schedule(self, schedule_id: str) -> Schedule:
+        """Stop the schedule's ticks until it is resumed."""
+        return self._call(calls.schedule_call("POST", schedule_id, "/pause"))
+
+    def resume_schedule(self, schedule_id: str) -> Schedule:
+        """Fire the schedule again from its next tick after now."""
+        return self._call(calls.schedule_call("POST", schedule_id, "/resume"))
+
+    def delete_schedule(self, schedule_id: str) -> None:
+        """Delete one of the tenant's schedules (the runs it started are kept)."""
+        self._call(calls.delete_schedule(schedule_id))
 
     # --- webhooks, usage, health ----------------------------------------------------------------
 

@@ -237,6 +237,35 @@ webhooks = Table(
     Index(None, "tenant_id"),
 )
 
+# A tenant's recurring trigger of one workflow: a cron expression in a time zone, or an
+# interval. ``next_at`` is the first tick not yet fired; the scheduler moves it forward only
+# after the tick's run is stored (see moorline.admission.scheduler), with the counts and the
+# last outcome in the same statement.
+schedules = Table(
+    "schedules",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("tenant_id", String(ID), ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    Column("workflow", String(NAME), nullable=False),
+    Column("input", JSONDocument(), nullable=False),
+    Column("cron", String(NAME), nullable=True),
+    Column("every_s", Integer, nullable=True),
+    Column("timezone", String(64), nullable=False),
+    Column("catch_up", String(8), nullable=False),
+    Column("paused", Integer, nullable=False, default=0, server_default="0"),
+    Column("next_at", UTCDateTime(), nullable=False),
+    Column("last_fired_at", UTCDateTime(), nullable=True),
+    Column("last_run_id", String(ID), nullable=True),
+    Column("last_error", JSONDocument(), nullable=True),
+    Column("fired", Integer, nullable=False, default=0, server_default="0"),
+    Column("refused", Integer, nullable=False, default=0, server_default="0"),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+    Index(None, "tenant_id", "created_at"),
+    # The scheduler's pass: the unpaused schedules whose next tick is due.
+    Index(None, "paused", "next_at"),
+)
+
 leader_leases = Table(
     "leader_leases",
     metadata,

@@ -111,6 +111,13 @@ class Metrics:
             ["reason"],
             registry=None,
         )
+        self.schedule_ticks = Counter(
+            "moorline_schedule_ticks",
+            "Schedule ticks the scheduler submitted, by outcome (fired: the run is stored; "
+            "refused: admission refused it).",
+            ["outcome"],
+            registry=None,
+        )
 
     def collectors(self) -> list[Collector]:
         """The metric objects, to register in a scrape's registry."""
@@ -123,6 +130,7 @@ class Metrics:
             self.parks,
             self.resumes,
             self.rejections,
+            self.schedule_ticks,
         ]
 
 

@@ -9,9 +9,10 @@ import ctypes
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from moorline.db.manager import DatabaseManager
+from moorline.dispatch.chores import LeaderChore
 from moorline.dispatch.reaper import make_reaper
 from moorline.dispatch.timers import make_timer_sweep
 from moorline.dispatch.wakeups import Notifier, Waiter
@@ -47,6 +48,7 @@ async def run_worker_process(
     store: RuntimeStore | None = None,
     loops: int = 1,
     metrics: Metrics | None = None,
+    chores: Sequence[LeaderChore] = (),
 ) -> None:
     """Run the reaper loop and ``loops`` workers over ``lanes`` until ``stop`` is set.
 
@@ -65,6 +67,8 @@ async def run_worker_process(
             and the timer sweep alone.
         metrics: Where the reaper and the workers count their events (``moorline serve``
             passes its API's, so ``/metrics`` shows them); None makes a set for this process.
+        chores: More leader-elected loops to run beside the reaper and the timer sweep (the
+            scheduler, which needs admission: the CLI builds it, this layer cannot).
 
     Raises:
         WorkerCrashed: a long-lived loop died (the process should exit non-zero).
@@ -102,6 +106,8 @@ async def run_worker_process(
         async with asyncio.TaskGroup() as group:
             group.create_task(reaper.run(stop), name="reaper")
             group.create_task(timers.run(stop), name="timers")
+            for chore in chores:
+                group.create_task(chore.run(stop), name=chore.name)
             for index, worker in enumerate(workers):
                 group.create_task(worker.run(stop), name=f"worker:{index}")
     finally:

@@ -38,6 +38,7 @@ class World:
     webhook_id: str
     webhook_secret: str
     b_webhook_secret: str
+    schedule_id: str = ""
 
 
 Probe = Callable[[Api, World], Awaitable[None]]
@@ -234,7 +235,37 @@ async def probe_worker_route(api: Api, world: World) -> None:
         await repo.leave(entry.worker_id)
 
 
+def probe_schedule_route(method: str, suffix: str) -> Probe:
+    """B's call on A's schedule is answered as for no schedule, and leaves it as it was."""
+
+    async def probe(api: Api, world: World) -> None:
+        url = f"/v1/schedules/{world.schedule_id}"
+        before = (await api.client.get(url, headers=world.a.headers)).json()
+        body = {"paused": True} if method == "PATCH" else None
+        foreign = await api.client.request(
+            method, f"{url}{suffix}", headers=world.b.headers, json=body
+        )
+        missing = await api.client.request(
+            method, f"/v1/schedules/{uuid.uuid4()}{suffix}", headers=world.b.headers, json=body
+        )
+        same_not_found(foreign, missing, world.schedule_id)
+        assert foreign.json()["error"]["code"] == "schedule_not_found"
+        assert (await api.client.get(url, headers=world.a.headers)).json() == before
+
+    return probe
+
+
 PROBES: dict[tuple[str, str], Probe] = {
+    **{
+        (method, f"/v1/schedules/{{schedule_id}}{suffix}"): probe_schedule_route(method, suffix)
+        for method, suffix in (
+            ("GET", ""),
+            ("PATCH", ""),
+            ("DELETE", ""),
+            ("POST", "/pause"),
+            ("POST", "/resume"),
+        )
+    },
     **{
         (method, f"/v1/admin/runs/{{run_id}}{suffix}"): probe_admin_run_route(method, suffix)
         for method, suffix in (
@@ -287,6 +318,10 @@ async def build_world(api: Api) -> World:
         )
         assert created.status_code == 201
         hooks.append(created.json())
+    schedule = await api.client.post(
+        "/v1/schedules", json={"workflow": "echo", "every_seconds": 3600}, headers=a.headers
+    )
+    assert schedule.status_code == 201, schedule.text
     return World(
         a=a,
         b=b,
@@ -295,6 +330,7 @@ async def build_world(api: Api) -> World:
         webhook_id=hooks[0]["webhook_id"],
         webhook_secret=hooks[0]["secret"],
         b_webhook_secret=hooks[1]["secret"],
+        schedule_id=schedule.json()["schedule_id"],
     )
 
 

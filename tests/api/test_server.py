@@ -122,6 +122,10 @@ def _wait_until_serving(url: str, process: subprocess.Popen[bytes]) -> tuple[str
         tenant = {"Authorization": f"Bearer {key}"}
         run = client.post("/v1/workflows/echo/runs", json={"input": {}}, headers=tenant)
         hook = client.post("/v1/webhooks", json={"workflow": "review"}, headers=tenant)
+        schedule = client.post(
+            "/v1/schedules", json={"workflow": "echo", "every_seconds": 3600}, headers=tenant
+        )
+        assert schedule.status_code == 201, schedule.text
         # A second key for the key routes: revoking it leaves the tests' own key working.
         spare = client.post(f"/v1/admin/tenants/{created.json()['tenant_id']}/keys", headers=ADMIN)
         assert (run.status_code, hook.status_code, spare.status_code) == (202, 201, 201)
@@ -130,6 +134,7 @@ def _wait_until_serving(url: str, process: subprocess.Popen[bytes]) -> tuple[str
             "tenant_id": created.json()["tenant_id"],
             "run_id": run.json()["run_id"],
             "webhook_id": hook.json()["webhook_id"],
+            "schedule_id": schedule.json()["schedule_id"],
             "workflow": "echo",
         }
 

@@ -12,6 +12,7 @@ PINNED: dict[type[errors.MoorlineError], tuple[str, int]] = {
     errors.WorkflowNotFound: ("workflow_not_found", 404),
     errors.TenantNotFound: ("tenant_not_found", 404),
     errors.WebhookNotFound: ("webhook_not_found", 404),
+    errors.ScheduleNotFound: ("schedule_not_found", 404),
     errors.InterruptNotFound: ("interrupt_not_found", 404),
     errors.ApiKeyNotFound: ("api_key_not_found", 404),
     errors.WorkerNotFound: ("worker_not_found", 404),

@@ -79,8 +79,8 @@ def pg_database_url() -> Iterator[str]:
 
 @pytest.mark.parametrize(
     "command",
-    [[], ["serve"], ["db"], ["db", "upgrade"], ["workers"]],
-    ids=["moorline", "serve", "db", "upgrade", "workers"],
+    [[], ["serve"], ["db"], ["db", "upgrade"], ["workers"], ["schedules", "create"]],
+    ids=["moorline", "serve", "db", "upgrade", "workers", "schedules-create"],
 )
 def test_every_command_has_help(command: list[str], tmp_path: Path) -> None:
     result = run_cli(*command, "--help", cwd=tmp_path)

@@ -590,6 +590,46 @@ function viewUsage() {
   });
 }
 
+// Schedules (a tenant's own): when each fires next, what its ticks did; pause, resume, delete.
+function viewSchedules() {
+  const body = h("tbody", { id: "schedules-body" });
+  main.replaceChildren(h("h1", {}, "Schedules"),
+    h("table", { id: "schedules" }, h("thead", {}, h("tr", {},
+      ["schedule", "workflow", "when", "next tick", "last fired", "fired", "refused",
+        "last refusal", ""].map((c) => h("th", {}, c)))),
+    body));
+  async function act(schedule, action) {
+    try {
+      if (action === "delete") {
+        await api(`/v1/schedules/${encodeURIComponent(schedule.schedule_id)}`, { method: "DELETE" });
+      } else {
+        await api(`/v1/schedules/${encodeURIComponent(schedule.schedule_id)}/${action}`,
+          { method: "POST" });
+      }
+      await refresh();
+    } catch (error) { showError(error); }
+  }
+  async function refresh() {
+    const { schedules } = await api("/v1/schedules");
+    body.replaceChildren(...schedules.map((s) => h("tr", { "data-schedule-id": s.schedule_id },
+      h("td", {}, h("code", {}, s.schedule_id.slice(0, 8))),
+      h("td", {}, s.workflow),
+      h("td", {}, s.cron ? `${s.cron} (${s.timezone})` : `every ${s.every_seconds} s`),
+      h("td", { class: "state" }, s.paused ? "paused" : new Date(s.next_at).toLocaleString()),
+      h("td", {}, s.last_run_id
+        ? h("a", { href: `#/runs/${encodeURIComponent(s.last_run_id)}` }, `${age(s.last_fired_at)} ago`)
+        : "—"),
+      h("td", { class: "num" }, String(s.fired_count)),
+      h("td", { class: "num" }, String(s.refused_count)),
+      h("td", {}, s.last_error ? `${s.last_error.code}: ${s.last_error.message}` : "—"),
+      h("td", {},
+        h("button", { type: "button", onclick: () => act(s, s.paused ? "resume" : "pause") },
+          s.paused ? "Resume" : "Pause"),
+        h("button", { type: "button", onclick: () => act(s, "delete") }, "Delete")))));
+  }
+  every(POLL_MS * 2, refresh);
+}
+
 // ---- routing ----------------------------------------------------------------------------
 
 function route() {
@@ -615,6 +655,7 @@ function route() {
   } else if (parts[0] === "workers" && session.isAdmin) viewWorkers();
   else if (parts[0] === "tenants" && session.isAdmin) viewTenants();
   else if (parts[0] === "usage" && !session.isAdmin) viewUsage();
+  else if (parts[0] === "schedules" && !session.isAdmin) viewSchedules();
   else viewRuns(params);
 }
 
