@@ -65,6 +65,7 @@ from moorline.client.results import (
 )
 from moorline.client.sse import parse_sse
 from moorline.client.sync import SyncClient
+from moorline.client.transport import KeepAliveTransport
 from moorline.types import JSONObject, RunStatus
 
 
@@ -97,7 +98,7 @@ class Client:
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s),
-            transport=transport,
+            transport=transport if transport is not None else KeepAliveTransport(),
             headers={"Accept": "application/json"},
         )
 

@@ -50,6 +50,7 @@ from moorline.client.results import (
     WorkflowInfo,
 )
 from moorline.client.sse import parse_sse_sync
+from moorline.client.transport import IDLE_EXPIRY_S, MAX_CONNECTIONS
 from moorline.types import JSONObject, RunStatus
 
 
@@ -82,6 +83,13 @@ class SyncClient:
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s),
             transport=transport,
+            # The async client's pool sizes (moorline.client.transport), for threads sharing
+            # one client: every connection kept alive, none reused past the server's timeout.
+            limits=httpx.Limits(
+                max_connections=MAX_CONNECTIONS,
+                max_keepalive_connections=MAX_CONNECTIONS,
+                keepalive_expiry=IDLE_EXPIRY_S,
+            ),
             headers={"Accept": "application/json"},
         )
 
