@@ -157,6 +157,16 @@ class _Connection(asyncio.Protocol):
         if self._error is not None:
             raise self._error
 
+    def _is_framed(self) -> bool:
+        """Whether the answer says where it ends (a length, or chunks)."""
+        for name, value in self._headers:
+            lowered = name.lower()
+            if lowered == b"content-length" or (
+                lowered == b"transfer-encoding" and b"chunked" in value.lower()
+            ):
+                return True
+        return False
+
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -172,11 +182,11 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         parser = self._parser
         if parser is not None:
-            # An answer without a length ends with the connection; anything else was cut off.
-            try:
-                parser.feed_data(b"")
-            except httptools.HttpParserError:
-                pass
+            # An answer without a length ends with the connection (httptools has no call for
+            # the end of input); anything else was cut off.
+            if self._head_done and not self._is_framed():
+                self.complete = True
+                self._parser = None
             if not self.complete:
                 reason = str(exc) if exc else "the server closed the connection"
                 self._fail(httpx.RemoteProtocolError(f"incomplete answer: {reason}"))
