@@ -46,6 +46,10 @@ PAUSE_S = (0.005, 0.03)
 """Random pause between a run's start and the next trigger."""
 
 
+def _log_text(log: Path) -> str:
+    return log.read_text(errors="replace")
+
+
 async def start_worker(
     settings: dict[str, str], source: Path, log: Path
 ) -> "asyncio.subprocess.Process":
