@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from moorline import Client, SyncClient
+from moorline.client.calls import RequestBuilder, get_run
 from moorline.client.transport import KeepAliveTransport
 
 
@@ -130,3 +132,24 @@ class socket_closed:
 
     def __exit__(self, *exc_info: object) -> None:
         return None
+
+
+def test_requests_keep_the_base_url_path_and_quote_ids() -> None:
+    built = RequestBuilder("http://h:1/prefix/", 5.0).build(get_run("a/b"), {"X": "y"})
+    assert str(built.url) == "http://h:1/prefix/v1/runs/a%2Fb"
+    assert built.headers["x"] == "y" and built.headers["accept"] == "application/json"
+    assert str(RequestBuilder("http://h:1", 5.0).build(get_run("r"), {}).url) == (
+        "http://h:1/v1/runs/r"
+    )
+
+
+async def test_a_proxy_in_the_environment_leaves_the_requests_to_httpx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with Client("http://127.0.0.1:1", "key") as direct:
+        assert isinstance(direct._transport, KeepAliveTransport)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    async with Client("http://127.0.0.1:1", "key") as proxied:
+        assert proxied._transport is None
+    with SyncClient("http://127.0.0.1:1", "key") as sync:
+        assert sync._transport is None
