@@ -27,8 +27,10 @@ under a listener is noticed at its next ping and bound again.
 
 import asyncio
 import logging
+import math
 import os
 import socket
+import time
 from pathlib import Path
 
 from moorline.dispatch.wakeups import (
@@ -51,6 +53,9 @@ MAX_SOCKET_PATH_BYTES = 107
 
 RECEIVE_BYTES = 4096
 """Largest datagram read: a line of an origin id and a lane name per lane."""
+
+RELIST_S = 1.0
+"""Longest a producer uses one listing of the directory, even if its mtime has not changed."""
 
 QUEUE_LENGTH_FILE = "/proc/sys/net/unix/max_dgram_qlen"
 DEFAULT_QUEUE_LENGTH = 10
@@ -75,10 +80,11 @@ class DatagramWakeups(ListeningWakeups):
     """Wake-ups across the processes of one host through Unix datagram sockets in a directory.
 
     ``notify`` wakes this process's waiters, then sends to every other process's socket;
-    ``start`` binds this process's socket (only processes that wait for work start, so an API
-    process without workers gets no datagrams). The directory listing is re-read only when the
-    directory's modification time changed, so a notify costs one ``stat`` and one ``sendto``
-    per peer.
+    ``start`` binds this process's socket (``moorline worker`` and ``moorline serve`` start it,
+    the latter even with ``--workers 0``, where a datagram wakes nothing; a process that only
+    submits does not). The directory listing is re-read only when the
+    directory's modification time changed (or a second has passed), so a notify costs one
+    ``stat`` and one ``sendto`` per peer.
     """
 
     transport = "datagram"
@@ -114,6 +120,7 @@ class DatagramWakeups(ListeningWakeups):
         self._sender: socket.socket | None = None  # made by the first notify
         self._queue_length = queue_length()
         self._listing_mtime_ns: int | None = None
+        self._listed_at = -math.inf
         self._peers: list[str] = []
 
     # --- the producer side ----------------------------------------------------------------------
@@ -141,7 +148,11 @@ class DatagramWakeups(ListeningWakeups):
             mtime_ns = os.stat(self.directory).st_mtime_ns
         except FileNotFoundError:
             return []
-        if mtime_ns != self._listing_mtime_ns:
+        now = time.monotonic()
+        # Re-read at least every second too: on a file system with coarse timestamps two
+        # changes within one tick leave the same mtime.
+        if mtime_ns != self._listing_mtime_ns or now - self._listed_at > RELIST_S:
+            self._listed_at = now
             with os.scandir(self.directory) as entries:
                 self._peers = [
                     entry.path
