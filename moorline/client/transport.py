@@ -32,6 +32,9 @@ IDLE_EXPIRY_S = 4.0
 timeout of uvicorn (``moorline serve``), so a request is not written to a socket the server is
 closing at that moment."""
 
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+"""Requests sent again when a kept-alive connection turns out closed before any answer."""
+
 HIGH_WATER_BYTES = 256 * 1024
 """Unread body bytes after which the connection stops reading until the caller catches up."""
 
@@ -43,6 +46,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.key: tuple[bytes, bytes, int] | None = None
         self.closed = False
+        self.answered = False
+        """Whether any byte of the current exchange's answer arrived."""
         self.idle_since = 0.0
         self._parser: Any = None
         self._status = 0
@@ -62,6 +67,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self.answered = True
         if self._parser is None:  # bytes nobody asked for: the connection is unusable
             self._fail(httpx.RemoteProtocolError("the server sent data without a request"))
             return
@@ -108,6 +114,7 @@ class _Connection(asyncio.Protocol):
         """Send one request (head and body) and get ready for its answer."""
         assert self.transport is not None
         self._parser = httptools.HttpResponseParser(self)
+        self.answered = False
         self._status, self._headers = 0, []
         self._head_done = self.complete = False
         self.transport.write(data)
@@ -232,20 +239,32 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         url = request.url
         port = url.port or (443 if url.scheme == "https" else 80)
         key = (url.raw_scheme, url.raw_host, port)
-        connection = self._take_idle(key)
-        if connection is None:
-            connection = await self._connect(request, key, timeouts)
         content = await request.aread()
         head = [request.method.encode(), b" ", url.raw_path, b" HTTP/1.1\r\n"]
         for name, value in request.headers.raw:
             head += (name, b": ", value, b"\r\n")
         head.append(b"\r\n")
-        try:
-            connection.start(b"".join(head) + content)
-            status, headers = await connection.head(timeouts.get("read"))
-        except BaseException:
-            self._discard(connection)
-            raise
+        data = b"".join(head) + content
+        while True:
+            connection = self._take_idle(key)
+            reused = connection is not None
+            if connection is None:
+                connection = await self._connect(request, key, timeouts)
+            try:
+                connection.start(data)
+                status, headers = await connection.head(timeouts.get("read"))
+                break
+            except httpx.RemoteProtocolError:
+                self._discard(connection)
+                # A kept-alive connection the server closed as the request went out (its idle
+                # timeout): nothing was answered, so a request that may be repeated is sent
+                # again on a fresh connection. Others (a trigger) raise: they may have landed.
+                if reused and not connection.answered and request.method in IDEMPOTENT_METHODS:
+                    continue
+                raise
+            except BaseException:
+                self._discard(connection)
+                raise
         return httpx.Response(
             status,
             headers=headers,

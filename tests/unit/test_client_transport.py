@@ -23,6 +23,8 @@ class Server:
     connections: int = 0
     requests: list[bytes] = field(default_factory=list)
     writers: list[asyncio.StreamWriter] = field(default_factory=list)
+    drop_next_reused: bool = False
+    """Close the next request on a kept-alive connection unanswered (its idle timeout, say)."""
 
 
 async def _answer(path: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
@@ -50,9 +52,14 @@ async def server() -> AsyncIterator[Server]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         state.connections += 1
         state.writers.append(writer)
+        served = 0
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                if served and state.drop_next_reused:
+                    state.drop_next_reused = False
+                    break
+                served += 1
                 lines = head.split(b"\r\n")
                 path = lines[0].split(b" ")[1]
                 length = 0
@@ -110,6 +117,19 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused(server: S
         await asyncio.sleep(0.05)  # let the client's loop read the end of the connection
         assert (await http.post("/runs", content=b"two")).json() == {"echo": "two"}
     assert server.connections == 2
+
+
+async def test_a_request_the_server_dropped_on_a_reused_connection(server: Server) -> None:
+    async with httpx.AsyncClient(base_url=server.url, transport=KeepAliveTransport()) as http:
+        assert (await http.post("/runs", content=b"one")).status_code == 202
+        server.drop_next_reused = True
+        # A GET may be repeated: sent again on a fresh connection, answered.
+        assert (await http.get("/runs")).status_code == 202
+        server.drop_next_reused = True
+        # A POST may have landed: the error is the caller's to handle.
+        with pytest.raises(httpx.RemoteProtocolError):
+            await http.post("/runs", content=b"three")
+    assert server.requests == [b"/runs", b"/runs"]
 
 
 async def test_an_unreachable_server_is_a_connect_error() -> None:
