@@ -84,6 +84,8 @@ bench: install
 	$(BIN)/python bench/metrics_scrape.py
 	$(BIN)/python bench/dashboard.py
 	$(BIN)/python bench/api.py
+	$(BIN)/python bench/client_cpu.py --sync
+	$(BIN)/python bench/latency.py
 
 # The chaos soak at full size (PostgreSQL + Redis, real processes, faults); `make soak MINUTES=60`.
 # The CI-sized version is tests/soak (about two and a half minutes, part of `make test`).

@@ -123,8 +123,10 @@ async def serving(
     *,
     floor: bool = False,
     source: Path = SOURCE_ROOT,
+    workers: int = 0,
 ) -> AsyncIterator[Server]:
-    """A ``moorline serve --workers 0`` process with ``settings``: its URL and pid.
+    """A ``moorline serve --workers 0`` process with ``settings``: its URL and pid
+    (``workers``: worker loops in the process, none by default).
 
     With ``floor``, uvicorn serving :func:`floor_app` instead, with uvicorn's own defaults:
     uvloop, httptools, and an access-log line per request. ``serve`` writes no line for an
@@ -141,7 +143,7 @@ async def serving(
         command += ["--app-dir", str(source / "bench")]
         command += ["--loop", "uvloop", "--http", "httptools", "--port", str(port)]
     else:
-        command += ["-m", "moorline", "serve", "--port", str(port), "--workers", "0"]
+        command += ["-m", "moorline", "serve", "--port", str(port), "--workers", str(workers)]
     # The server's log goes to a file: a pipe nobody reads fills up (64 KiB of access log
     # lines) and then blocks the server's event loop on its next log write.
     log = tempfile.TemporaryFile()

@@ -144,6 +144,10 @@ class Settings(BaseSettings):
     """Seconds a wait (a decision, a sleep, a message) is awaited in memory before the run
     parks: ``waiting``, holding no lease, slot or cap unit. 0 parks at once."""
 
+    poll_interval: float = Field(default=1.0, gt=0)
+    """Seconds a worker's lane waits for a wake-up before it looks for work anyway (the slow
+    poll): how late a worker finds a run whose wake-up was lost."""
+
     timer_interval: float = Field(default=1.0, gt=0)
     """Seconds between two passes of the timer sweep, which re-queues waiting runs whose
     timer (a sleep's end, a permission's or a message wait's timeout) is due."""

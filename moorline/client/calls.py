@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
+from urllib.request import getproxies
 
 import httpx
 from pydantic import BaseModel
@@ -39,6 +40,7 @@ from moorline.client.results import (
     Workers,
     Workflows,
 )
+from moorline.client.transport import IDLE_EXPIRY_S, MAX_CONNECTIONS
 from moorline.errors import InvalidInput, Unauthorized
 from moorline.types import JSONObject, RunStatus
 
@@ -54,6 +56,19 @@ MAX_RECONNECTS = 8
 """Reconnects of an event stream in a row, without an event in between, before giving up."""
 
 M = TypeVar("M", bound=BaseModel)
+
+POOL_LIMITS = httpx.Limits(
+    max_connections=MAX_CONNECTIONS,
+    max_keepalive_connections=MAX_CONNECTIONS,
+    keepalive_expiry=IDLE_EXPIRY_S,
+)
+"""httpx's pool where httpx's pool is used (the sync client, a proxy): sized as the async
+client's own transport, every connection kept alive, none reused past the server's timeout."""
+
+
+def has_environment_proxy() -> bool:
+    """Whether ``HTTP_PROXY``, ``HTTPS_PROXY`` or ``ALL_PROXY`` (any case) names a proxy."""
+    return any(scheme in getproxies() for scheme in ("http", "https", "all"))
 
 
 class NoContent(BaseModel):
@@ -95,13 +110,41 @@ def authorization(secret: str | None, *, admin: bool) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
 
 
+class RequestBuilder:
+    """Builds the ``httpx.Request`` of a :class:`Call` against one server, for the transport.
+
+    What ``httpx.AsyncClient.build_request`` does for API v1's requests, without merging every
+    path into the base URL through a full parse: the base's path is split off once here.
+    """
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        base = httpx.URL(url)
+        self._base = base
+        # httpx joins a relative path to the base's path as if it ended in "/"; so do we.
+        self._prefix = base.raw_path.rstrip(b"/")
+        self._timeouts = httpx.Timeout(timeout_s).as_dict()
+
+    def build(self, call: Call[Any], headers: dict[str, str]) -> httpx.Request:
+        """The request of ``call`` with ``headers`` (its authorization)."""
+        url = self._base.copy_with(raw_path=self._prefix + call.path.encode("ascii"))
+        return httpx.Request(
+            call.method,
+            url,
+            params=call.params or None,
+            json=call.json,
+            headers={"Accept": "application/json", **headers},
+            extensions={"timeout": self._timeouts},
+        )
+
+
 def result(call: Call[M], response: httpx.Response) -> M:
     """The answer of ``call`` as its model, or the error the answer carries, raised."""
     if response.status_code >= 400:
         raise error_from_response(response)
     if response.status_code == 204:
         return call.model.model_validate({})
-    return call.model.model_validate(response.json())
+    # From the bytes: pydantic-core parses and validates in one pass, with no dicts between.
+    return call.model.model_validate_json(response.content)
 
 
 def readiness(response: httpx.Response) -> Readiness:

@@ -82,12 +82,19 @@ class SyncClient:
         self.url = calls.resolve_url(url)
         self._api_key = calls.resolve_api_key(api_key)
         self._admin_token = admin_token
+        # httpx's pool, sized as the async client's; requests go straight to it (see _call),
+        # unless a proxy from the environment is httpx's to honour.
+        if transport is None and not calls.has_environment_proxy():
+            transport = httpx.HTTPTransport(limits=calls.POOL_LIMITS)
+        self._transport = transport
         self._http = httpx.Client(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s),
             transport=transport,
             headers={"Accept": "application/json"},
+            limits=calls.POOL_LIMITS,
         )
+        self._requests = calls.RequestBuilder(self.url, timeout_s)
 
     def __enter__(self) -> "SyncClient":
         return self
@@ -433,14 +440,19 @@ class SyncClient:
         return calls.authorization(self._admin_token if admin else self._api_key, admin=admin)
 
     def _call(self, call: Call[M]) -> M:
-        request = self._http.build_request(
-            call.method,
-            call.path,
-            json=call.json,
-            params=call.params,
-            headers=self._auth(admin=call.admin),
-        )
-        return calls.result(call, self._send(request))
+        # Straight to the transport, as the async client does (see Client._call).
+        request = self._requests.build(call, self._auth(admin=call.admin))
+        if self._transport is None:  # through a proxy
+            return calls.result(call, self._send(request))
+        try:
+            response = self._transport.handle_request(request)
+            try:
+                response.read()
+            finally:
+                response.close()
+        except httpx.TransportError as exc:
+            raise calls.unreachable(self.url, exc) from exc
+        return calls.result(call, response)
 
     def _send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         try:

@@ -5,7 +5,7 @@ after every timeout of its wait, so a lost notification (Redis Pub/Sub and LISTE
 at-most-once, and nothing is delivered while a listener reconnects) costs latency, never a run:
 the timeout is the slow poll.
 
-Three transports behind one pair of Protocols, :class:`Notifier` (producers: enqueue, retry,
+Four transports behind one pair of Protocols, :class:`Notifier` (producers: enqueue, retry,
 the reaper) and :class:`Waiter` (worker loops):
 
 - :class:`LocalWakeups`: one :class:`asyncio.Event` per lane, for producers and workers that
@@ -13,8 +13,10 @@ the reaper) and :class:`Waiter` (worker loops):
 - :class:`PostgresWakeups`: ``SELECT pg_notify(channel, payload)`` through the pool, and
   ``LISTEN`` on a dedicated asyncpg connection that is not part of the pool.
 - :class:`RedisWakeups`: ``PUBLISH`` and ``SUBSCRIBE`` on ``<redis_prefix>:wakeups``.
+- :class:`~moorline.dispatch.datagrams.DatagramWakeups`: Unix datagram sockets in a directory
+  next to a SQLite file, for the processes of one host without Redis.
 
-The two remote ones fan out: ``notify`` wakes this process's waiters directly, then tells the
+The remote ones fan out: ``notify`` wakes this process's waiters directly, then tells the
 other processes. Each payload carries the sender's origin id, so a listener skips what its own
 process sent and a local waiter is not woken twice. A listener that (re)connects wakes every
 lane of its process, because anything sent while it was away was lost; it reconnects after a
@@ -22,7 +24,7 @@ lost connection (``pg_terminate_backend``, ``CLIENT KILL``, a server restart) wi
 backoff and notices a silently dead one by pinging it.
 
 :func:`make_wakeups` picks the transport from the settings: Redis when ``redis_url`` is set,
-else LISTEN/NOTIFY on PostgreSQL, else in-process only.
+else LISTEN/NOTIFY on PostgreSQL, else datagrams on a SQLite file, else in-process only.
 """
 
 import asyncio
@@ -567,10 +569,11 @@ class BackgroundNotifier:
 
 
 def make_wakeups(settings: Settings, db: DatabaseManager) -> tuple[Notifier, Waiter]:
-    """The wake-ups this deployment should use: Redis, else LISTEN/NOTIFY, else in-process.
+    """The wake-ups to use: Redis, LISTEN/NOTIFY, datagrams (SQLite), else in-process only.
 
-    Both halves are one object that fans out to the in-process waiters as well. ``start`` the
-    waiter in processes that wait for work; ``close`` it on shutdown in every process, since
+    Datagrams go between the processes of the host that share a SQLite file. Both halves
+    are one object that fans out to the in-process waiters as well. ``start`` the waiter in
+    processes that wait for work; ``close`` it on shutdown in every process, since
     it also releases the notifier's connections.
 
     The database's backend says whether it offers LISTEN/NOTIFY
@@ -578,12 +581,17 @@ def make_wakeups(settings: Settings, db: DatabaseManager) -> tuple[Notifier, Wai
     because ``moorline.db`` sits below ``dispatch`` and may not import the :class:`Notifier`
     seam it implements. The backend states the capability, this factory chooses from it.
     """
-    wakeups: LocalWakeups | ListeningWakeups
+    # Imported here: datagrams builds on ListeningWakeups, defined in this module.
+    from moorline.dispatch.datagrams import datagram_wakeups_or_none
+
+    wakeups: LocalWakeups | ListeningWakeups | None = None
     if settings.redis_url:
         wakeups = RedisWakeups(settings.redis_url, prefix=settings.redis_prefix)
     elif db.backend.capabilities.listen_notify:
         wakeups = PostgresWakeups(db)
-    else:
+    elif db.backend.shared_file is not None:
+        wakeups = datagram_wakeups_or_none(db.backend.shared_file)
+    if wakeups is None:
         wakeups = LocalWakeups()
     return wakeups, wakeups
 

@@ -92,6 +92,7 @@ async def run_worker_process(
                 WorkflowRunner(app, db=db, store=runtime, settings=settings),
                 lanes=lanes,
                 lease_ttl_s=settings.lease_ttl,
+                poll_interval_s=settings.poll_interval,
                 tenant_caps=plans.tenant_caps,
                 waiter=waiter,
                 owner=owner,

@@ -1,4 +1,5 @@
-"""Wake-ups on real transports: in-process, PostgreSQL LISTEN/NOTIFY, Redis Pub/Sub.
+"""Wake-ups on real transports: in-process, PostgreSQL LISTEN/NOTIFY, Redis Pub/Sub (datagrams
+between the processes on a SQLite file: tests/integration/test_datagram_wakeups.py).
 
 Two "processes" are two DatabaseManagers (or two Redis clients) with wake-ups of their own, so
 a wake-up can only cross between them through the server. Connections are killed for real
@@ -18,6 +19,7 @@ import redis.asyncio as aioredis
 from sqlalchemy import func, select
 
 from moorline.db.manager import DatabaseManager
+from moorline.dispatch.datagrams import DatagramWakeups
 from moorline.dispatch.wakeups import (
     LocalWakeups,
     PostgresWakeups,
@@ -382,8 +384,12 @@ async def test_make_wakeups_picks_the_transport(
     db: DatabaseManager, settings: Settings, redis_prefix: str
 ) -> None:
     notifier, waiter = make_wakeups(settings, db)
-    expected = PostgresWakeups if db.backend.capabilities.listen_notify else LocalWakeups
-    assert type(notifier) is expected and notifier is waiter
+    expected: type = LocalWakeups
+    if db.backend.capabilities.listen_notify:
+        expected = PostgresWakeups
+    elif db.backend.shared_file is not None:
+        expected = DatagramWakeups  # a SQLite file (tests/integration/test_datagram_wakeups.py)
+    assert type(notifier) is expected and id(notifier) == id(waiter)
     await waiter.close()
 
     with_redis = Settings(

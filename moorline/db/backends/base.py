@@ -90,6 +90,16 @@ class Backend(abc.ABC):
     name: ClassVar[DialectName]
     capabilities: ClassVar[Capabilities]
 
+    @property
+    def shared_file(self) -> str | None:
+        """The database file that every process on this host opens (SQLite), else None.
+
+        None for a server, and for an in-memory database (one process). Processes that share
+        the file can reach each other through the file system next to it (the datagram
+        wake-ups of ``moorline.dispatch.datagrams``).
+        """
+        return None
+
     # --- SQL fragments ------------------------------------------------------------------------
 
     @property

@@ -76,6 +76,11 @@ class SQLiteBackend(Backend):
     write lock at once cost the second one tens of milliseconds. ``busy_timeout`` still
     covers writers in other processes."""
     _checkpointer: sqlite_checkpoint.WalCheckpointer | None = None
+    _file: str | None = None
+
+    @property
+    def shared_file(self) -> str | None:
+        return self._file
 
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
@@ -106,6 +111,7 @@ class SQLiteBackend(Backend):
             kwargs = {"async_creator": creator}
             assert parsed.database is not None  # not in memory
             self._checkpointer = sqlite_checkpoint.WalCheckpointer(parsed.database)
+            self._file = parsed.database
         engine = create_async_engine(parsed, **kwargs)
         event.listen(engine.sync_engine, "connect", _configure)
         event.listen(engine.sync_engine, "begin", _begin)
