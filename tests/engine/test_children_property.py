@@ -155,7 +155,7 @@ async def take_back(engine: EngineHarness, reaper: Reaper, run_id: str, attempt:
             row = (
                 await conn.execute(select(runs.c.status, runs.c.attempt).where(runs.c.id == run_id))
             ).one()
-        return row.status != RunStatus.RUNNING.value or row.attempt != attempt
+        return bool(row.status != RunStatus.RUNNING.value or row.attempt != attempt)
 
     await wait_for(taken, timeout_s=10.0, interval_s=0.01, message="the reaper took it back")
 

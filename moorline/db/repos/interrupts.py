@@ -132,8 +132,9 @@ class InterruptsRepo:
         return await self._db.with_retry(attempt)
 
     async def _decided(self, fence: Fence, key: str, action: str) -> Interrupt | None:
-        """The decided interrupt ``key``, read without a lock, when the fence holds and no
-        cancel is recorded; else None, and :meth:`open`'s fenced transaction decides.
+        """The decided interrupt ``key`` when the fence holds and no cancel is recorded.
+
+        None otherwise, and :meth:`open`'s fenced transaction decides.
 
         A resumed run's replay opens the interrupt it parked on, already decided: one read
         instead of a write transaction. A decision never changes once recorded, and the fence
