@@ -35,17 +35,20 @@ from moorline.api.openapi import complete_openapi
 from moorline.api.routes import (
     admin,
     admin_runs,
+    bulk,
     catalogue,
     dashboard,
     health,
     keys,
     metrics,
+    run_actions,
     runs,
     usage,
     webhook_admin,
     webhooks,
 )
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.bulk_jobs import BulkJobsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.listing import RunListing
 from moorline.db.repos.runs import RunsRepo
@@ -116,9 +119,14 @@ def create_app(
     app.state.services = services
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
-    # The runs routes first: a request is matched against the routes in order, and triggers are
-    # the hot path. No two routers share a path, so the order changes nothing else.
+    # The bulk routes ahead of every route with a run id: ``/v1/runs/bulk/cancel`` would match
+    # ``/v1/runs/{run_id}/cancel`` too. Then the runs routes: a request is matched against the
+    # routes in order, and triggers are the hot path (runs.install puts the trigger first).
+    app.include_router(bulk.build_router())
+    app.include_router(bulk.build_admin_router())
     runs.install(app)
+    app.include_router(run_actions.build_router())
+    app.include_router(run_actions.build_admin_router())
     modules = (health, admin, admin_runs, keys, webhooks, webhook_admin, usage, metrics, catalogue)
     for module in modules:
         app.include_router(module.build_router())
@@ -181,5 +189,6 @@ def _build_services(
         streams=EventStreams(db, store),
         stream_slots=StreamSlots(settings.max_streams_per_tenant),
         metrics=counted,
+        bulk_jobs=BulkJobsRepo(db),
     )
     return services, closing
