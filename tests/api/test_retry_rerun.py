@@ -5,6 +5,7 @@ must get right is the transition, its event, its refusals and who may ask.
 """
 
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from sqlalchemy import update
@@ -28,7 +29,7 @@ async def stored_run(api: Api, run_id: str) -> Run:
     return run
 
 
-async def failed_run(api: Api, caller: Caller, **body: object) -> str:
+async def failed_run(api: Api, caller: Caller, **body: Any) -> str:
     """A run of ``caller`` that ended ``failed`` after one attempt."""
     response = await api.trigger(caller, **body)
     assert response.status_code == 202, response.text
