@@ -43,6 +43,9 @@ LAZY_COMMANDS: dict[str, str] = {
     "deny": "moorline.cli.client_commands",
     "inject": "moorline.cli.client_commands",
     "runs": "moorline.cli.client_commands",
+    "retry": "moorline.cli.run_actions",
+    "rerun": "moorline.cli.run_actions",
+    "bulk": "moorline.cli.run_actions",
     "workflows": "moorline.cli.catalogue",
     "webhooks": "moorline.cli.management",
 }
@@ -69,6 +72,9 @@ HELP_ORDER = (
     "deny",
     "inject",
     "runs",
+    "retry",
+    "rerun",
+    "bulk",
     "workflows",
     "webhooks",
 )

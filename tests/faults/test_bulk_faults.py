@@ -87,6 +87,7 @@ async def test_a_bulk_retry_survives_its_processor_killed_mid_job(
             return found if found.done >= RUNS // 10 else None
 
         at_kill = await wait_for(under_way, timeout_s=60, message="the job to be under way")
+        assert at_kill is not None
         first.kill()  # SIGKILL, mid-job: its lease and its open batch are left behind
         first.wait()
         killed = await jobs.get(job.job_id)
@@ -99,6 +100,7 @@ async def test_a_bulk_retry_survives_its_processor_killed_mid_job(
             return found if found.state is BulkState.FINISHED else None
 
         done = await wait_for(finished, timeout_s=120, message="the job to finish")
+        assert done is not None
         assert (done.done, done.failed) == (RUNS, 0)
         retried = (
             select(events.c.run_id, func.count().label("n"))
