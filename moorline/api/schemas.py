@@ -6,10 +6,10 @@ up in keys or URLs have a pattern; free text refuses control characters, which n
 database stores.
 """
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, WithJsonSchema
 
 from moorline.types import RunStatus
 
@@ -367,6 +367,22 @@ MAX_BULK_IDS = 1000
 """The most run ids one bulk request may name (the filters reach more)."""
 
 
+def _storable_time(value: datetime | None) -> datetime | None:
+    """``value`` in UTC, if every database can compare with it (1970 to 9999)."""
+    if value is None:
+        return None
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("the time is out of range") from None
+    if not 1970 <= utc.year <= 9998:
+        raise ValueError("a time between 1970 and 9998 (UTC)")
+    return utc
+
+
+StorableTime = Annotated[AwareDatetime | None, AfterValidator(_storable_time)]
+
+
 class BulkRequest(RequestBody):
     """Which runs a bulk action acts on: the list's filters, all of which must match."""
 
@@ -377,10 +393,10 @@ class BulkRequest(RequestBody):
     )
     workflow: WorkflowName | None = None
     conversation_id: ConversationId | None = None
-    created_after: AwareDatetime | None = Field(
+    created_after: StorableTime = Field(
         default=None, description="Runs created at or after this instant."
     )
-    created_before: AwareDatetime | None = Field(
+    created_before: StorableTime = Field(
         default=None, description="Runs created before this instant."
     )
     ids: list[RunIdText] | None = Field(

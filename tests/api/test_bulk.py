@@ -169,6 +169,8 @@ async def test_bad_bulk_requests_are_refused_and_store_nothing(api: Api) -> None
     assert await post("cancel", {"status": "failed"}) == (422, "invalid_request")
     assert await post("retry", {"ids": ["not a run id!"]}) == (422, "invalid_request")
     assert await post("retry", {"created_after": "2026-01-01T00:00:00"}) == (422, "invalid_request")
+    far = {"created_before": "0001-01-01T00:00:00+01:00"}  # no database compares with it
+    assert await post("retry", far) == (422, "invalid_request")
     accepted = await api.client.post(
         "/v1/runs/bulk/retry",
         json={"status": "failed", "idempotency_key": "k"},
@@ -191,6 +193,8 @@ async def test_bad_bulk_requests_are_refused_and_store_nothing(api: Api) -> None
         assert (await conn.execute(count)).scalar_one() == 1  # the one accepted above
     listed = await api.client.get("/v1/runs/bulk/no-such-job", headers=caller.headers)
     assert listed.status_code == 404 and listed.json()["error"]["code"] == "bulk_job_not_found"
+    odd = await api.client.get("/v1/runs/bulk/no%00job", headers=caller.headers)
+    assert odd.status_code == 422 and odd.json()["error"]["code"] == "invalid_request"
 
 
 async def test_admin_bulk_jobs_act_on_a_chosen_tenant(api: Api) -> None:

@@ -44,7 +44,9 @@ from moorline.errors import (
 )
 from moorline.types import JSONObject, TenantId
 
-JobIdPath = Annotated[str, Path(max_length=36, description="The bulk job's id.")]
+JobIdPath = Annotated[
+    str, Path(max_length=36, pattern=r"^[A-Za-z0-9-]+$", description="The bulk job's id.")
+]
 
 
 def job_out(job: BulkJob) -> BulkJobOut:
