@@ -4,7 +4,7 @@ Real ``moorline worker`` processes run the bulk processor (leader-elected). The 
 killed once the job is under way; the second takes the leadership when the first's lease
 expires and finishes the job from the last committed batch. The runs sit in a lane no worker
 serves, so a retried run stays ``queued`` and its ``retried`` events count its retries.
-300 runs at CI size, 10,000 with ``MOORLINE_FULL=1``.
+300 runs on SQLite and PostgreSQL at CI size, 10,000 on every backend with ``MOORLINE_FULL=1``.
 """
 
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +20,7 @@ from moorline.db.repos.listing import RunFilter
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.schema import bulk_jobs, events, runs
 from moorline.types import RunStatus
+from tests.conftest import BACKENDS
 from tests.contract.queue_helpers import Tenants
 from tests.faults.harness import Workers
 from tests.helpers import FULL_SIZE, wait_for
@@ -27,8 +28,16 @@ from tests.helpers import FULL_SIZE, wait_for
 pytestmark = pytest.mark.faults
 
 RUNS = 10_000 if FULL_SIZE else 300
+CI_BACKENDS = ["sqlite", "postgresql"]
+"""MariaDB too at full size: its batches are tested beside each other in api/test_bulk.py."""
 BATCH = 200 if FULL_SIZE else 10
 UNSERVED_LANE = "bulk_unserved"
+
+
+@pytest.fixture(scope="module", params=BACKENDS if FULL_SIZE else CI_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
 
 
 @pytest.fixture
