@@ -316,7 +316,7 @@ class BulkJobsRepo:
                     results = await retry_runs_txn(conn, self._backend, ids, job_id=job_id)
                 else:
                     results = await _cancel_runs_txn(conn, self._backend, ids)
-                await _record_txn(conn, job_id, results)
+                await _record_txn(conn, job_id, ids, results)
                 return Batch(
                     job=await self._count_txn(conn, job, results, finished=len(ids) < size),
                     acted=[result for result in results.values() if isinstance(result, Run)],
@@ -351,23 +351,40 @@ class BulkJobsRepo:
 
 
 async def _record_txn(
-    conn: AsyncConnection, job_id: str, results: dict[RunId, Run | MoorlineError]
+    conn: AsyncConnection,
+    job_id: str,
+    batch: Sequence[RunId],
+    results: dict[RunId, Run | MoorlineError],
 ) -> None:
-    """Write each run's outcome in its job: ``done``, or ``failed`` with the error code."""
-    groups: dict[tuple[str, str | None], list[str]] = {}
+    """Write each run's outcome in its job: ``done``, or ``failed`` with the error code.
+
+    ``batch`` is the batch's runs in the database's ``run_id`` order: the first of the job's
+    runs without an outcome. Every statement is bounded to that range of
+    ``ix_bulk_job_runs_todo``, so a batch reads its own rows only, never the job's others (an
+    ``IN`` list alone let PostgreSQL, without statistics on a young table, read every row of
+    the job in each batch: quadratic in the job's size).
+    """
+    if not batch:
+        return
+    in_batch = (
+        bulk_job_runs.c.job_id == job_id,
+        bulk_job_runs.c.outcome.is_(None),
+        bulk_job_runs.c.run_id >= batch[0],
+        bulk_job_runs.c.run_id <= batch[-1],
+    )
+    refused: dict[str, list[str]] = {}
     for run_id, result in results.items():
-        key = (DONE, None) if isinstance(result, Run) else (FAILED, result.code)
-        groups.setdefault(key, []).append(run_id)
-    for (outcome, reason), ids in sorted(groups.items(), key=lambda item: item[0][0]):
+        if not isinstance(result, Run):
+            refused.setdefault(result.code, []).append(run_id)
+    for reason, ids in sorted(refused.items()):
         for offset in range(0, len(ids), IN_CHUNK):
             await conn.execute(
                 update(bulk_job_runs)
-                .where(
-                    bulk_job_runs.c.job_id == job_id,
-                    bulk_job_runs.c.run_id.in_(ids[offset : offset + IN_CHUNK]),
-                )
-                .values(outcome=outcome, reason=reason)
+                .where(*in_batch, bulk_job_runs.c.run_id.in_(ids[offset : offset + IN_CHUNK]))
+                .values(outcome=FAILED, reason=reason)
             )
+    # The rest of the range is what was acted on.
+    await conn.execute(update(bulk_job_runs).where(*in_batch).values(outcome=DONE))
 
 
 async def _cancel_runs_txn(

@@ -132,6 +132,8 @@ async def retry_runs_txn(
                 continue
             results.update(await _requeue_txn(conn, backend, [run], now, job_id))
     results.update(await _requeue_txn(conn, backend, plain, now, job_id))
+    for run_id in wanted:  # deleted since its head was read (a retention pass)
+        results.setdefault(run_id, RunNotFound(f"no run {run_id!r}"))
     return results
 
 
