@@ -17,6 +17,7 @@ sweep's orphan pass).
 """
 
 import asyncio
+import contextlib
 import logging
 
 from moorline.db.manager import DatabaseManager
@@ -29,6 +30,7 @@ from moorline.dispatch.chores import LeaderChore
 from moorline.dispatch.leader import LeaderElector, new_holder_id
 from moorline.dispatch.reaper import leader_ttl_s
 from moorline.dispatch.wakeups import Notifier
+from moorline.errors import BulkJobNotFound
 from moorline.runtime.base import RuntimeStore
 from moorline.settings import Settings
 
@@ -71,13 +73,18 @@ class BulkProcessor(LeaderChore):
 
     async def _pass(self, stop: asyncio.Event | None) -> int:
         batches = 0
-        for job_id in await self._jobs.unfinished() if await self.elector.tick() else []:
+        if not await self.elector.tick():
+            return batches
+        for job_id in await self._jobs.unfinished():
             while stop is None or not stop.is_set():
                 # Checked before every batch: a leader that lost its lease stops (the next
                 # leader's batches would be correct beside it, only slower).
                 if not await self.elector.tick():
                     return batches
-                batch = await self._jobs.process_batch(job_id, size=self._batch_size)
+                try:
+                    batch = await self._jobs.process_batch(job_id, size=self._batch_size)
+                except BulkJobNotFound:
+                    break  # deleted meanwhile (by an operator, a retention pass): nothing to do
                 batches += 1
                 await self._after(batch)
                 if batch.job.state is BulkState.FINISHED:
@@ -91,8 +98,17 @@ class BulkProcessor(LeaderChore):
                     )
                     break
                 if self._pause_s:
-                    await asyncio.sleep(self._pause_s)  # leave the database to the hot path
+                    await self._rest(stop)  # leave the database to the hot path
         return batches
+
+    async def _rest(self, stop: asyncio.Event | None) -> None:
+        """The pause between two batches, cut short by ``stop``."""
+        if stop is None:
+            await asyncio.sleep(self._pause_s)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._pause_s):
+                await stop.wait()
 
     async def _after(self, batch: Batch) -> None:
         """What follows a committed batch and needs no durability (see the module docstring)."""
