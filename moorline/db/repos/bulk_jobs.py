@@ -168,6 +168,10 @@ class BulkJobsRepo:
         if tenant_id is not None:
             conditions.append(runs.c.tenant_id == tenant_id)
         job_id = str(uuid.uuid4())
+        too_many = TooManyRuns(
+            f"the filters match more than {max_runs} runs; one request acts on at most that "
+            "many: narrow the filters (created range, workflow, ids)"
+        )
 
         async def write() -> BulkJob:
             async with self._db.write_transaction() as conn:
@@ -175,13 +179,13 @@ class BulkJobsRepo:
                 if (await conn.execute(stored)).first() is not None:
                     # Our first try committed unanswered (the id is fixed above).
                     return await self._read_txn(conn, job_id)
+                # Counted first, so that a request over the bound copies nothing; checked
+                # again on the copy, which a READ COMMITTED statement may see grown.
                 matched = select(runs.c.id).where(*conditions).limit(max_runs + 1).subquery()
                 count = (await conn.execute(select(func.count()).select_from(matched))).scalar()
                 if int(count or 0) > max_runs:
-                    raise TooManyRuns(
-                        f"the filters match more than {max_runs} runs; one request acts on at "
-                        "most that many: narrow the filters (created range, workflow, ids)"
-                    )
+                    raise too_many
+
                 now = await db_now_txn(conn, self._backend)
                 await conn.execute(
                     insert(bulk_jobs).values(
@@ -203,6 +207,8 @@ class BulkJobsRepo:
                     insert(bulk_job_runs).from_select(["job_id", "run_id"], chosen)
                 )
                 total = int(copied.rowcount)
+                if total > max_runs:
+                    raise too_many
                 state = BulkState.RUNNING if total else BulkState.FINISHED
                 await conn.execute(
                     update(bulk_jobs)
