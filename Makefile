@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 RUN_STAMP := $(VENV)/.installed-run-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-full test-schedules-drill fuzz lint format bench soak clean chromium
+.PHONY: install run test test-full test-schedules-drill test-bulk-full fuzz lint format bench soak clean chromium
 
 # constraints.txt: the tested versions (see its header), so CI and users install those.
 $(RUN_STAMP): pyproject.toml constraints.txt
@@ -52,6 +52,12 @@ test-full: install chromium
 test-schedules-drill: install
 	MOORLINE_FULL=1 $(BIN)/python -m pytest tests/faults/test_schedule_faults.py --timeout=900 \
 		$(PYTEST_ARGS)
+
+# Retry, re-run and bulk jobs at the issue's size: bulk retries of 10,000 failed runs, sent
+# twice and with their processor killed mid-job (kill -9), on every backend: a few minutes.
+test-bulk-full: install
+	MOORLINE_FULL=1 $(BIN)/python -m pytest tests/engine/test_retry.py tests/api/test_bulk.py \
+		tests/faults/test_bulk_faults.py --durations=0 $(PYTEST_ARGS)
 
 # Schemathesis against a live `moorline serve` with tenant and admin credentials, every operation
 # of the served OpenAPI document: no 5xx, every answer as documented. `make test` runs the same

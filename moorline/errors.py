@@ -14,6 +14,7 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     ├── Forbidden              403 forbidden: a tenant key on an admin route
     ├── InvalidInput           422 invalid_input: a workflow's input does not fit its parameters
     ├── InvalidRequest         422 invalid_request: a body or parameter does not fit the schema
+    │   └── TooManyRuns        too_many_runs: a bulk action's filters match more runs than allowed
     ├── NotFound               404: an object that does not exist (or belongs to another tenant)
     │   ├── RunNotFound        run_not_found
     │   ├── WorkflowNotFound   workflow_not_found
@@ -23,13 +24,15 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     │   ├── InterruptNotFound  interrupt_not_found
     │   ├── ApiKeyNotFound     api_key_not_found
     │   └── WorkerNotFound     worker_not_found
+    │   └── BulkJobNotFound    bulk_job_not_found
     ├── Conflict               409: the request contradicts the current state
     │   ├── TransitionRejected a fenced or conditional transition matched no row
     │   ├── IdempotencyConflict idempotency_conflict
     │   ├── RunFinished        run_finished: the run already ended (a cancel came too late)
     │   ├── ConversationBusy   conversation_busy: the conversation has an active run
     │   ├── RunNotInteractive  run_not_interactive: the run's workflow is not executing
-    │   └── NoPendingInterrupt no_pending_interrupt
+    │   ├── NoPendingInterrupt no_pending_interrupt
+    │   └── RunNotRetryable    run_not_retryable: retry of a run that is not failed or timed out
     ├── LimitExceeded          429: a quota or rate limit refused the request
     │   ├── RateLimited        rate_limited: the key's API rate limit; nothing was stored
     │   ├── QuotaExceeded      quota_exceeded: the daily quota; the run is stored rate_limited
@@ -147,6 +150,12 @@ class InvalidRequest(MoorlineError):
     status = 422
 
 
+class TooManyRuns(InvalidRequest):
+    """A bulk action's filters match more runs than one request may act on."""
+
+    code = "too_many_runs"
+
+
 class InvalidInput(MoorlineError):
     """A workflow's input does not fit the workflow's parameters; nothing was stored."""
 
@@ -209,6 +218,12 @@ class WorkerNotFound(NotFound):
     code = "worker_not_found"
 
 
+class BulkJobNotFound(NotFound):
+    """No bulk job with that id for this caller."""
+
+    code = "bulk_job_not_found"
+
+
 class Conflict(MoorlineError):
     """The request contradicts the object's current state."""
 
@@ -265,6 +280,12 @@ class NoPendingInterrupt(Conflict):
     """The run waits for no decision."""
 
     code = "no_pending_interrupt"
+
+
+class RunNotRetryable(Conflict):
+    """Only a ``failed`` or ``timed_out`` run can be retried; this one is in another status."""
+
+    code = "run_not_retryable"
 
 
 class LimitExceeded(MoorlineError):

@@ -160,6 +160,17 @@ class Settings(BaseSettings):
     """Seconds after its time a schedule's tick still fires; an older one is *missed* and
     its schedule's ``catch_up`` decides (``skip``: nothing, ``one``: the latest once)."""
 
+    bulk_interval: float = Field(default=1.0, gt=0)
+    """Seconds between two looks for unfinished bulk jobs (``POST /v1/runs/bulk/…``) by the
+    process leading their processing: a new job starts within about this long."""
+
+    bulk_batch_size: int = Field(default=200, ge=1, le=1000)
+    """Runs one bulk-job transaction acts on (their rows stay locked until it commits)."""
+
+    bulk_pause: float = Field(default=0.02, ge=0)
+    """Seconds between two batches of a bulk job, so that a large one leaves the database to
+    the hot path (claims, triggers) between its transactions."""
+
     sse_ping_interval: float = Field(default=15.0, gt=0)
     """Seconds between two keep-alive comments on an event stream."""
 

@@ -71,7 +71,7 @@ from moorline.errors import (
 )
 from moorline.observability.metrics import Metrics
 from moorline.plans import Plan
-from moorline.types import JSONObject, RunStatus, TenantId
+from moorline.types import JSONObject, RunId, RunStatus, TenantId
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class Trigger:
         idempotency_key: Makes a repeated trigger return the first one's run.
         conversation_id: The conversation the run joins; one active run per conversation.
         delay_s: Seconds before the run may be claimed.
+        rerun_of: The run this one re-runs (``POST …/rerun``), recorded on the new run.
     """
 
     tenant_id: TenantId
@@ -102,6 +103,7 @@ class Trigger:
     idempotency_key: str | None = None
     conversation_id: str | None = None
     delay_s: float = 0.0
+    rerun_of: RunId | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -300,6 +302,7 @@ class Admission:
             conversation_id=trigger.conversation_id,
             timeout_s=trigger.workflow.timeout_s,
             delay_s=trigger.delay_s,
+            rerun_of=trigger.rerun_of,
         )
         retry_after_s = seconds_until(now, next_reset(now))
         message = (

@@ -34,11 +34,13 @@ from moorline.api.routes import (
     admin_runs,
     admin_workers,
     batch,
+    bulk,
     catalogue,
     dashboard,
     health,
     keys,
     metrics,
+    run_actions,
     runs,
     schedules,
     usage,
@@ -46,6 +48,7 @@ from moorline.api.routes import (
     webhooks,
 )
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.bulk_jobs import BulkJobsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.steps import StepsRepo
 from moorline.db.repos.tenants import AUTH_CACHE_TTL_S, TenantsRepo
@@ -112,9 +115,14 @@ def create_app(
     app.state.services = services
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
-    # The runs routes first: a request is matched against the routes in order, and triggers are
-    # the hot path. No two routers share a path, so the order changes nothing else.
+    # The bulk routes ahead of every route with a run id: ``/v1/runs/bulk/cancel`` would match
+    # ``/v1/runs/{run_id}/cancel`` too. Then the runs routes: a request is matched against the
+    # routes in order, and triggers are the hot path (runs.install puts the trigger first).
+    app.include_router(bulk.build_router())
+    app.include_router(bulk.build_admin_router())
     runs.install(app)
+    app.include_router(run_actions.build_router())
+    app.include_router(run_actions.build_admin_router())
     modules = (
         batch,
         health,
@@ -169,5 +177,6 @@ def _build_services(
         streams=EventStreams(db, store),
         stream_slots=StreamSlots(settings.max_streams_per_tenant),
         metrics=counted,
+        bulk_jobs=BulkJobsRepo(db),
     )
     return services, closing

@@ -38,6 +38,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from moorline.admission.admit import Admission
 from moorline.admission.ratelimit import RateLimiter
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.bulk_jobs import BulkJobsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.listing import RunListing
 from moorline.db.repos.records import Run, Tenant
@@ -143,6 +144,8 @@ class Services:
     metrics: Metrics
     """This process's event metrics (admission counts its refusals; ``serve``'s worker loops
     count theirs)."""
+    bulk_jobs: BulkJobsRepo
+    """Bulk cancels and retries: stored here, processed by the worker processes."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,10 +6,10 @@ up in keys or URLs have a pattern; free text refuses control characters, which n
 database stores.
 """
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, WithJsonSchema
 
 from moorline.admission.submission import (
     CONVERSATION_PATTERN,
@@ -357,6 +357,8 @@ class RunSummary(BaseModel):
     """What a ``waiting`` run waits for; null for every other status."""
     parent_run_id: str | None = None
     """The run that started this one with ``ctx.start_child``; null for a top-level run."""
+    rerun_of: str | None = None
+    """The run whose input this one was started with (``POST …/rerun``); null otherwise."""
 
 
 class ChildOut(BaseModel):
@@ -453,3 +455,85 @@ class UsageOut(BaseModel):
     used_today: int
     remaining: int
     resets_at: datetime
+
+
+# --- retry, re-run and bulk actions ---------------------------------------------------------
+
+
+class RerunAccepted(RunAccepted):
+    """The new run of a re-run, and the run it re-runs."""
+
+    rerun_of: str
+
+
+RunIdText = Annotated[str, Field(min_length=1, max_length=36, pattern=r"^[A-Za-z0-9-]+$")]
+
+MAX_BULK_IDS = 1000
+"""The most run ids one bulk request may name (the filters reach more)."""
+
+
+def _storable_time(value: datetime | None) -> datetime | None:
+    """``value`` in UTC, if every database can compare with it (1970 to 9999)."""
+    if value is None:
+        return None
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("the time is out of range") from None
+    if not 1970 <= utc.year <= 9998:
+        raise ValueError("a time between 1970 and 9998 (UTC)")
+    return utc
+
+
+StorableTime = Annotated[AwareDatetime | None, AfterValidator(_storable_time)]
+
+
+class BulkRequest(RequestBody):
+    """Which runs a bulk action acts on: the list's filters, all of which must match."""
+
+    status: RunStatus | None = Field(
+        default=None,
+        description="Retry: `failed` or `timed_out` (default both); cancel: a status that has "
+        "not ended (default all of them).",
+    )
+    workflow: WorkflowName | None = None
+    conversation_id: ConversationId | None = None
+    created_after: StorableTime = Field(
+        default=None, description="Runs created at or after this instant."
+    )
+    created_before: StorableTime = Field(
+        default=None, description="Runs created before this instant."
+    )
+    ids: list[RunIdText] | None = Field(
+        default=None, min_length=1, max_length=MAX_BULK_IDS, description="Only these runs."
+    )
+    idempotency_key: IdempotencyKey | None = Field(
+        default=None,
+        description="The same key and filters again return the first request's job.",
+    )
+
+
+class AdminBulkRequest(BulkRequest):
+    """A bulk action of the admin: over every tenant's runs, or one tenant's."""
+
+    tenant_id: str | None = Field(
+        default=None, min_length=1, max_length=36, pattern=r"^[A-Za-z0-9-]+$"
+    )
+
+
+class BulkJobOut(BaseModel):
+    """A bulk job and its progress: ``done + failed`` of ``total`` runs have an outcome."""
+
+    job_id: str
+    action: Literal["cancel", "retry"]
+    state: Literal["running", "finished"]
+    total: int
+    """The runs the filters matched when the job was created (those the action applies to)."""
+    done: int
+    """Runs acted on: retried, or cancelled (a running one: its cancel requested)."""
+    failed: int
+    """Runs the action no longer applied to when their turn came (they had changed)."""
+    filters: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None

@@ -43,12 +43,14 @@ from moorline.client.results import (
     ApiKeyIssued,
     BatchAnswer,
     BatchItem,
+    BulkJob,
     CancelAccepted,
     Event,
     Lane,
     MessageAccepted,
     PendingInterrupt,
     Readiness,
+    RerunAccepted,
     Resumed,
     Run,
     RunAccepted,
@@ -320,6 +322,52 @@ class Client:
         """Cancel a run: a queued one ends at once, a running one at its next check."""
         return await self._call(calls.cancel(run_id))
 
+    async def retry(self, run_id: str, *, admin: bool = False) -> RunAccepted:
+        """Put a failed or timed-out run back to ``queued``; it resumes at its failed step.
+
+        With ``admin``, through the admin route (any tenant's run; needs ``admin_token``).
+        """
+        return await self._call(calls.retry(run_id, admin=admin))
+
+    async def rerun(self, run_id: str, *, admin: bool = False) -> RerunAccepted:
+        """Start a new run with the run's workflow and input, linked to it (``rerun_of``)."""
+        return await self._call(calls.rerun(run_id, admin=admin))
+
+    async def bulk_cancel(
+        self,
+        *,
+        idempotency_key: str | None = None,
+        admin: bool = False,
+        **filters: Any,
+    ) -> BulkJob:
+        """Cancel every run the filters match, as a job (see :func:`calls.bulk_filters`).
+
+        Filters: ``status``, ``workflow``, ``conversation_id``, ``created_after``,
+        ``created_before``, ``ids``, and ``tenant_id`` with ``admin``. The same
+        ``idempotency_key`` again returns the first request's job.
+        """
+        call = calls.start_bulk(
+            "cancel", calls.bulk_filters(**filters), idempotency_key=idempotency_key, admin=admin
+        )
+        return await self._call(call)
+
+    async def bulk_retry(
+        self,
+        *,
+        idempotency_key: str | None = None,
+        admin: bool = False,
+        **filters: Any,
+    ) -> BulkJob:
+        """Retry every failed or timed-out run the filters match (as :meth:`bulk_cancel`)."""
+        call = calls.start_bulk(
+            "retry", calls.bulk_filters(**filters), idempotency_key=idempotency_key, admin=admin
+        )
+        return await self._call(call)
+
+    async def bulk_job(self, job_id: str, *, admin: bool = False) -> BulkJob:
+        """A bulk job's progress: ``total``, ``done``, ``failed``, ``state``."""
+        return await self._call(calls.bulk_job(job_id, admin=admin))
+
     async def resume(
         self,
         run_id: str,
@@ -515,6 +563,7 @@ __all__ = [
     "ApiError",
     "BatchAnswer",
     "BatchItem",
+    "BulkJob",
     "CancelAccepted",
     "Client",
     "Event",
@@ -522,6 +571,7 @@ __all__ = [
     "MessageAccepted",
     "PendingInterrupt",
     "Readiness",
+    "RerunAccepted",
     "Resumed",
     "Run",
     "RunAccepted",

@@ -6,8 +6,9 @@ request, so the async and the sync client differ only in how they send it (httpx
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 from urllib.request import getproxies
@@ -20,10 +21,12 @@ from moorline.client.results import (
     ApiKeyIssued,
     ApiKeys,
     BatchAnswer,
+    BulkJob,
     CancelAccepted,
     MessageAccepted,
     Queues,
     Readiness,
+    RerunAccepted,
     Resumed,
     Run,
     RunAccepted,
@@ -336,6 +339,75 @@ def list_runs(
 def cancel(run_id: str) -> Call[CancelAccepted]:
     """``POST /v1/runs/{run_id}/cancel``."""
     return Call(model=CancelAccepted, method="POST", path=f"/v1/runs/{segment(run_id)}/cancel")
+
+
+def retry(run_id: str, *, admin: bool = False) -> Call[RunAccepted]:
+    """``POST /v1[/admin]/runs/{run_id}/retry``."""
+    return Call(
+        model=RunAccepted,
+        method="POST",
+        path=f"{_runs(admin)}/{segment(run_id)}/retry",
+        admin=admin,
+    )
+
+
+def rerun(run_id: str, *, admin: bool = False) -> Call[RerunAccepted]:
+    """``POST /v1[/admin]/runs/{run_id}/rerun``."""
+    return Call(
+        model=RerunAccepted,
+        method="POST",
+        path=f"{_runs(admin)}/{segment(run_id)}/rerun",
+        admin=admin,
+    )
+
+
+def start_bulk(
+    action: str, filters: Mapping[str, Any], *, idempotency_key: str | None, admin: bool
+) -> Call[BulkJob]:
+    """``POST /v1[/admin]/runs/bulk/{cancel|retry}`` with the filters that are set."""
+    body = {name: value for name, value in filters.items() if value is not None}
+    if idempotency_key is not None:
+        body["idempotency_key"] = idempotency_key
+    return Call(
+        model=BulkJob,
+        method="POST",
+        path=f"{_runs(admin)}/bulk/{segment(action)}",
+        json=body,
+        admin=admin,
+    )
+
+
+def bulk_filters(
+    *,
+    status: RunStatus | str | None = None,
+    workflow: str | None = None,
+    conversation_id: str | None = None,
+    created_after: datetime | None = None,
+    created_before: datetime | None = None,
+    ids: Sequence[str] | None = None,
+    tenant_id: str | None = None,
+) -> dict[str, Any]:
+    """A bulk request's filters as sent (those that are None are left out)."""
+    return {
+        "status": None if status is None else str(status),
+        "workflow": workflow,
+        "conversation_id": conversation_id,
+        "created_after": None if created_after is None else created_after.isoformat(),
+        "created_before": None if created_before is None else created_before.isoformat(),
+        "ids": None if ids is None else list(ids),
+        "tenant_id": tenant_id,
+    }
+
+
+def bulk_job(job_id: str, *, admin: bool = False) -> Call[BulkJob]:
+    """``GET /v1[/admin]/runs/bulk/{job_id}``."""
+    return Call(
+        model=BulkJob, method="GET", path=f"{_runs(admin)}/bulk/{segment(job_id)}", admin=admin
+    )
+
+
+def _runs(admin: bool) -> str:
+    return "/v1/admin/runs" if admin else "/v1/runs"
 
 
 def resume(

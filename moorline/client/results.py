@@ -176,6 +176,32 @@ class BatchAnswer(Result):
     results: list[BatchItem]
 
 
+class RerunAccepted(RunAccepted):
+    """The new run of a re-run, and the run it re-runs."""
+
+    rerun_of: str
+
+
+class BulkJob(Result):
+    """A bulk cancel or retry and its progress: ``done + failed`` of ``total`` runs."""
+
+    job_id: str
+    action: Literal["cancel", "retry"]
+    state: Literal["running", "finished"]
+    total: int
+    done: int
+    failed: int
+    filters: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether every run of the job has its outcome."""
+        return self.state == "finished"
+
+
 class Step(Result):
     """One checkpointed step of a run."""
 
@@ -222,6 +248,7 @@ class RunSummary(Result):
     elapsed_time: float | None
     waiting_for: WaitingFor | None = None
     parent_run_id: str | None = None
+    rerun_of: str | None = None
 
 
 class Child(Result):

@@ -131,9 +131,11 @@ ADDED_SQLITE_COLUMNS = (
     ("runs", "awaited", "INTEGER NOT NULL DEFAULT 0"),
     ("runs", "emits", "INTEGER NOT NULL DEFAULT 0"),
     ("workers", "version", "VARCHAR(64)"),
+    ("runs", "rerun_of", "VARCHAR(36)"),
 )
 """Columns added since the first version (table, column, SQLite type), as the server
-migrations add them (0004, 0005, 0008, 0011): ``create_all`` never alters a table that exists."""
+migrations add them (0004, 0005, 0008, 0010, 0011): ``create_all`` never alters a table that
+exists."""
 
 
 def _create_all_sqlite(conn: Connection) -> None:

@@ -116,6 +116,8 @@ runs = Table(
     # ``ctx.emit`` calls outside steps the workflow had made when it last parked: its replay
     # skips that many, since they are recorded already (a step's emits replay with the step).
     Column("emits", Integer, nullable=False, default=0, server_default="0"),
+    # A re-run: the run whose input this one was started with (``POST …/rerun``).
+    Column("rerun_of", String(ID), nullable=True),
     UniqueConstraint("tenant_id", "idempotency_key"),
     # A unique index, not a constraint: SQLite files made before it can get an index.
     Index("ix_runs_parent_key", "parent_run_id", "child_key", unique=True),
@@ -292,6 +294,44 @@ workers = Table(
     Column("expires_at", UTCDateTime(), nullable=False),
     # The Moorline version the process runs (null: a worker older than revision 0011).
     Column("version", String(64), nullable=True),
+)
+
+# A bulk action (``POST /v1/runs/bulk/cancel|retry``): the runs it acts on are fixed when it
+# is created (``bulk_job_runs``), and a processor works through them in batches, each batch
+# one transaction that acts on its runs and records their outcome together, so a processor
+# killed mid-job leaves no run acted on without its outcome, and none acted on twice.
+bulk_jobs = Table(
+    "bulk_jobs",
+    metadata,
+    Column("id", String(ID), primary_key=True),
+    # The tenant whose runs it acts on, or "(admin)" for a job of the admin token: the scope
+    # of the idempotency key (a NULL would make every admin key unique).
+    Column("scope", String(ID), nullable=False),
+    Column("action", String(16), nullable=False),  # cancel | retry
+    Column("filters", JSONDocument(), nullable=False),  # as asked, for display
+    Column("idempotency_key", String(KEY), nullable=True),
+    Column("state", String(16), nullable=False),  # running | finished
+    Column("total", Integer, nullable=False),
+    Column("done", Integer, nullable=False, default=0, server_default="0"),
+    Column("failed", Integer, nullable=False, default=0, server_default="0"),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+    Column("finished_at", UTCDateTime(), nullable=True),
+    UniqueConstraint("scope", "idempotency_key"),
+    # The processors' read: the unfinished jobs, oldest first.
+    Index("ix_bulk_jobs_state", "state", "created_at"),
+)
+
+bulk_job_runs = Table(
+    "bulk_job_runs",
+    metadata,
+    Column("job_id", String(ID), ForeignKey("bulk_jobs.id", ondelete="CASCADE"), primary_key=True),
+    Column("run_id", String(ID), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    # NULL until the job acted on the run: ``done``, or ``failed`` with the error code why.
+    Column("outcome", String(16), nullable=True),
+    Column("reason", String(64), nullable=True),
+    # A job's runs still to do, in run id order (the batches' read).
+    Index("ix_bulk_job_runs_todo", "job_id", "outcome", "run_id"),
 )
 
 for _table in metadata.tables.values():

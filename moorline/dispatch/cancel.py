@@ -52,14 +52,28 @@ async def cancel_run(
         RunFinished: The run already ended; nothing changed.
     """
     run = await runs.request_cancel(tenant_id, run_id)
+    await after_cancel(runs, store, run, children)
+    return run
+
+
+async def after_cancel(
+    runs: RunsRepo, store: RuntimeStore, run: Run, children: ChildrenRepo | None = None
+) -> None:
+    """What follows a recorded cancel: signal its worker, cancel its unfinished descendants.
+
+    Args:
+        runs: The runs repository.
+        store: The RuntimeStore the workers listen on.
+        run: The run as the cancel left it (``cancelled``, or ``running`` with the request).
+        children: Where its child runs are found; None to leave them.
+    """
     await _signal(store, run)
     if children is not None:
-        for child in await children.unfinished_descendants(run_id):
+        for child in await children.unfinished_descendants(run.run_id):
             try:
-                await _signal(store, await runs.request_cancel(tenant_id, child.run_id))
+                await _signal(store, await runs.request_cancel(run.tenant_id, child.run_id))
             except RunFinished:
                 pass  # it ended meanwhile
-    return run
 
 
 async def _signal(store: RuntimeStore, run: Run) -> None:

@@ -461,6 +461,7 @@ def new_run_for_plan(
     timeout_s: float | None = None,
     delay_s: float = 0.0,
     run_id: RunId | None = None,
+    rerun_of: RunId | None = None,
 ) -> NewRun:
     """A :class:`NewRun` routed by the tenant's plan: the plan's lane and priority.
 
@@ -478,6 +479,7 @@ def new_run_for_plan(
         timeout_s: See :class:`NewRun`.
         delay_s: See :class:`NewRun`.
         run_id: See :class:`NewRun`.
+        rerun_of: See :class:`NewRun`.
     """
     return NewRun(
         tenant_id=tenant_id,
@@ -491,4 +493,5 @@ def new_run_for_plan(
         timeout_s=timeout_s,
         delay_s=delay_s,
         run_id=run_id,
+        rerun_of=rerun_of,
     )

@@ -1,7 +1,8 @@
 """A worker process: database, plans, wake-ups, the reaper loop and the :class:`Worker`.
 
 ``moorline worker`` runs this on its own; ``moorline serve`` runs it beside the API in one
-process. Every worker process also runs the reaper loop, of which only the leader acts.
+process. Every worker process also runs the reaper loop, the timer sweep and the bulk-job
+processor, of each of which only the leader acts.
 """
 
 import asyncio
@@ -12,6 +13,7 @@ import signal
 from collections.abc import Mapping, Sequence
 
 from moorline.db.manager import DatabaseManager
+from moorline.dispatch.bulk import make_bulk_processor
 from moorline.dispatch.chores import LeaderChore
 from moorline.dispatch.reaper import make_reaper
 from moorline.dispatch.timers import make_timer_sweep
@@ -85,6 +87,7 @@ async def run_worker_process(
         if secret is not None
     ]
     runtime = make_runtime_store(settings) if store is None else store
+    bulk = make_bulk_processor(settings, db, holder=owners[0], notifier=notifier, store=runtime)
     try:
         workers = [
             Worker(
@@ -109,6 +112,7 @@ async def run_worker_process(
             group.create_task(timers.run(stop), name="timers")
             for chore in chores:
                 group.create_task(chore.run(stop), name=chore.name)
+            group.create_task(bulk.run(stop), name="bulk")
             for index, worker in enumerate(workers):
                 group.create_task(worker.run(stop), name=f"worker:{index}")
     finally:

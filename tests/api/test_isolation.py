@@ -180,12 +180,56 @@ async def probe_trigger_batch(api: Api, world: World) -> None:
     assert run.json()["tenant_id"] == world.b.tenant_id
 
 
+async def probe_retry_run(api: Api, world: World) -> None:
+    foreign = await api.client.post(f"/v1/runs/{world.run_id}/retry", headers=world.b.headers)
+    missing = await api.client.post(f"/v1/runs/{uuid.uuid4()}/retry", headers=world.b.headers)
+    same_not_found(foreign, missing, world.run_id)
+    run = await RunsRepo(api.db).get(RunId(world.run_id))
+    assert run is not None and run.status is RunStatus.RUNNING  # B moved nothing
+
+
+async def probe_rerun_run(api: Api, world: World) -> None:
+    before = await api.count_runs(world.a)
+    foreign = await api.client.post(f"/v1/runs/{world.run_id}/rerun", headers=world.b.headers)
+    missing = await api.client.post(f"/v1/runs/{uuid.uuid4()}/rerun", headers=world.b.headers)
+    same_not_found(foreign, missing, world.run_id)
+    assert await api.count_runs(world.a) == before and await api.count_runs(world.b) == 0
+
+
+async def a_bulk_job(api: Api, world: World) -> str:
+    created = await api.client.post(
+        "/v1/runs/bulk/cancel", json={"ids": [world.run_id]}, headers=world.a.headers
+    )
+    assert created.status_code == 202, created.text
+    job_id: str = created.json()["job_id"]
+    return job_id
+
+
+async def probe_bulk_job(api: Api, world: World) -> None:
+    job_id = await a_bulk_job(api, world)
+    foreign = await api.client.get(f"/v1/runs/bulk/{job_id}", headers=world.b.headers)
+    missing = await api.client.get(f"/v1/runs/bulk/{uuid.uuid4()}", headers=world.b.headers)
+    assert foreign.json()["error"]["code"] == "bulk_job_not_found"
+    same_not_found(foreign, missing, job_id)
+    assert (await api.client.get(f"/v1/runs/bulk/{job_id}", headers=world.a.headers)).is_success
+
+
+async def probe_admin_bulk_job(api: Api, world: World) -> None:
+    job_id = await a_bulk_job(api, world)
+    for caller in (world.b, world.a):
+        response = await api.client.get(f"/v1/admin/runs/bulk/{job_id}", headers=caller.headers)
+        assert response.status_code == 403
+        assert response.json()["error"]["code"] == "forbidden"
+
+
 ADMIN_RUN_BODIES: dict[str, dict[str, object] | None] = {
     "": None,
     "/events": None,
     "/resume": {"approved": True},
     "/cancel": None,
     "/messages": {"content": "from a tenant"},
+    "/retry": None,
+    "/rerun": None,
 }
 
 
@@ -274,8 +318,14 @@ PROBES: dict[tuple[str, str], Probe] = {
             ("POST", "/resume"),
             ("POST", "/cancel"),
             ("POST", "/messages"),
+            ("POST", "/retry"),
+            ("POST", "/rerun"),
         )
     },
+    ("POST", "/v1/runs/{run_id}/retry"): probe_retry_run,
+    ("POST", "/v1/runs/{run_id}/rerun"): probe_rerun_run,
+    ("GET", "/v1/runs/bulk/{job_id}"): probe_bulk_job,
+    ("GET", "/v1/admin/runs/bulk/{job_id}"): probe_admin_bulk_job,
     ("GET", "/v1/runs/{run_id}"): probe_get_run,
     ("POST", "/v1/runs/{run_id}/resume"): probe_resume_run,
     ("POST", "/v1/runs/{run_id}/cancel"): probe_cancel_run,

@@ -129,7 +129,13 @@ def _wait_until_serving(url: str, process: subprocess.Popen[bytes]) -> tuple[str
         # A second key for the key routes: revoking it leaves the tests' own key working.
         spare = client.post(f"/v1/admin/tenants/{created.json()['tenant_id']}/keys", headers=ADMIN)
         assert (run.status_code, hook.status_code, spare.status_code) == (202, 201, 201)
+        # A bulk job for the job routes; the run is not failed, so it acts on nothing.
+        job = client.post(
+            "/v1/runs/bulk/retry", json={"ids": [run.json()["run_id"]]}, headers=tenant
+        )
+        assert job.status_code == 202, job.text
         return key, {
+            "job_id": job.json()["job_id"],
             "key_id": spare.json()["key_id"],
             "tenant_id": created.json()["tenant_id"],
             "run_id": run.json()["run_id"],

@@ -32,6 +32,9 @@ PINNED: dict[type[errors.MoorlineError], tuple[str, int]] = {
     errors.HeadersTooLarge: ("headers_too_large", 431),
     errors.RequestTimeout: ("request_timeout", 408),
     errors.ServerBusy: ("server_busy", 503),
+    errors.RunNotRetryable: ("run_not_retryable", 409),
+    errors.BulkJobNotFound: ("bulk_job_not_found", 404),
+    errors.TooManyRuns: ("too_many_runs", 422),
 }
 
 

@@ -7,6 +7,7 @@ because the sync client needs one).
 """
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ import pytest
 
 from moorline import Client, SyncClient
 from moorline.client import Event, Run, ServerUnreachable
-from moorline.errors import Unauthorized, WorkflowNotFound
+from moorline.errors import RunNotRetryable, Unauthorized, WorkflowNotFound
 from moorline.types import RunStatus
 from tests.api.conftest import ADMIN_TOKEN
 from tests.e2e.conftest import Cluster
@@ -166,3 +167,74 @@ async def test_keys_are_rotated_and_webhooks_managed(cluster: Cluster, make: Any
     assert [listed.webhook_id for listed in await client("list_webhooks")] == [hook.webhook_id]
     await client("delete_webhook", hook.webhook_id)
     assert await client("list_webhooks") == []
+
+
+# --- retry, re-run and bulk retry (both clients, then the CLI) ------------------------------
+
+
+async def failed(client: Any) -> Run:
+    run: Run = await client("trigger", "explode", {}, wait=True, timeout=TIMEOUT_S)
+    assert run.status == RunStatus.FAILED
+    return run
+
+
+async def test_retry_rerun_and_bulk_retry_through_the_clients(cluster: Cluster, make: Any) -> None:
+    client = make(cluster.url, await tenant_key(make, cluster))
+    run = await failed(client)
+
+    retried = await client("retry", run.run_id)
+    assert retried.run_id == run.run_id
+    again: Run = await client("wait", run.run_id, timeout=TIMEOUT_S)
+    assert (again.status, again.attempt) == (RunStatus.FAILED, 2)  # one more: a fresh budget
+    try:
+        await client("retry", (await client("trigger", "greet", {"name": "x"})).run_id)
+    except RunNotRetryable as exc:
+        assert exc.code == "run_not_retryable"
+    else:  # pragma: no cover - the assertion's message
+        raise AssertionError("a queued run was retried")
+    rerun = await client("rerun", run.run_id)
+    assert rerun.rerun_of == run.run_id
+    assert (await client("get_run", rerun.run_id)).rerun_of == run.run_id
+
+    others = list(await asyncio.gather(*(failed(client) for _ in range(2))))
+    key = uuid.uuid4().hex
+    job = await client("bulk_retry", idempotency_key=key, ids=[r.run_id for r in others])
+    twice = await client("bulk_retry", idempotency_key=key, ids=[r.run_id for r in others])
+    assert twice.job_id == job.job_id and job.total == 2
+
+    async def finished() -> Any:
+        found = await client("bulk_job", job.job_id)
+        return found if found.is_finished else None
+
+    done = await wait_for(finished, timeout_s=TIMEOUT_S, message="the bulk job")
+    assert (done.done, done.failed) == (2, 0)
+    for other in others:
+        ended: Run = await client("wait", other.run_id, timeout=TIMEOUT_S)
+        assert ended.attempt == 2  # retried once, though asked twice
+
+
+async def test_the_cli_retries_reruns_and_follows_a_bulk_retry(cluster: Cluster) -> None:
+    async with Client(cluster.url, admin_token=ADMIN_TOKEN) as admin:
+        key = (await admin.create_tenant(f"cli-{uuid.uuid4().hex[:8]}", "team")).api_key
+    client = Driver(Client(cluster.url, key))
+    try:
+        await cli_retry_rerun_and_bulk(cluster, client, key)
+    finally:
+        await client.close()
+
+
+async def cli_retry_rerun_and_bulk(cluster: Cluster, client: Driver, key: str) -> None:
+    run = await failed(client)
+
+    retried = cluster.cli("retry", run.run_id, "--json", MOORLINE_API_KEY=key)
+    assert retried.returncode == 0, retried.stderr
+    assert json.loads(retried.stdout)["status"] == "queued"
+    rerun = cluster.cli("rerun", run.run_id, MOORLINE_API_KEY=key)
+    assert rerun.returncode == 0 and f"re-run of {run.run_id}" in rerun.stdout
+    await client("wait", run.run_id, timeout=TIMEOUT_S)
+    bulk = cluster.cli("bulk", "retry", "--id", run.run_id, MOORLINE_API_KEY=key)
+    assert bulk.returncode == 0, bulk.stderr
+    assert "finished, 1 done, 0 failed of 1" in bulk.stdout  # after the progress bar
+    refused = cluster.cli("bulk", "cancel", MOORLINE_API_KEY=key)
+    assert refused.returncode == 1 and refused.stderr.startswith("error: invalid_request:")
+    assert len(refused.stderr.strip().splitlines()) == 1

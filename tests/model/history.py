@@ -12,6 +12,7 @@ from moorline.db.repos.events import (
     EVENT_RECLAIMED,
     EVENT_RELEASED,
     EVENT_RESUMED,
+    EVENT_RETRIED,
     EVENT_RETRYING,
     EVENT_STARTED,
     EVENT_SUCCEEDED,
@@ -40,6 +41,10 @@ ALLOWED_EDGES = frozenset(
         (S.WAITING, S.QUEUED),
         (S.WAITING, S.CANCELLED),
         (S.WAITING, S.TIMED_OUT),
+        # A retry (RunsRepo.retry, a bulk retry) queues a failed or timed-out run again: the
+        # only edges out of a terminal status.
+        (S.FAILED, S.QUEUED),
+        (S.TIMED_OUT, S.QUEUED),
     }
 )
 """The lifecycle's edges (docs/design.md); every other change of status is a bug."""
@@ -56,6 +61,7 @@ EVENT_STATUS: dict[str, RunStatus] = {
     EVENT_TIMED_OUT: S.TIMED_OUT,
     EVENT_WAITING: S.WAITING,
     EVENT_RESUMED: S.QUEUED,
+    EVENT_RETRIED: S.QUEUED,
 }
 """The status each lifecycle event records a move to."""
 
@@ -67,7 +73,7 @@ def check_history(
 
     Every ``started`` event carries the attempt after the previous one's (each claim takes the
     next fencing token), every other event the attempt current when it was written, and no
-    event follows a terminal one.
+    event follows a terminal one but a ``retried`` (``ALLOWED_EDGES`` has its two edges).
     """
     current = S.PENDING
     last_started = 0

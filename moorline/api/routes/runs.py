@@ -169,7 +169,13 @@ def summary(run: Run) -> RunSummary:
         elapsed_time=run.elapsed_time,
         waiting_for=None if run.waiting_for is None else WaitingFor.model_validate(run.waiting_for),
         parent_run_id=run.parent_run_id,
+        rerun_of=run.rerun_of,
     )
+
+
+def location_of(run: Run) -> str:
+    """A new run's address (RFC 9110's ``Location`` of a 202): where to follow it."""
+    return f"/v1/runs/{quote(run.run_id, safe='')}"
 
 
 def encode_cursor(cursor: RunCursor) -> str:
@@ -291,8 +297,7 @@ def answer_trigger(admitted: Admitted, *, fast: bool = True) -> Response:
     body = accepted(admitted.run).model_dump_json().encode()
     status_code = 202 if admitted.created else 200
     rate = admitted.rate
-    # A new run's address (RFC 9110's Location of a 202): where to follow it.
-    location = f"/v1/runs/{quote(admitted.run.run_id, safe='')}" if admitted.created else None
+    location = location_of(admitted.run) if admitted.created else None
     if not fast:
         headers = (
             {} if rate is None else rate_limit_headers(rate.limit, rate.remaining, rate.reset_s)

@@ -37,6 +37,9 @@ EVENT_WAITING = "waiting"
 """The run parked: ``data`` is its ``waiting_for`` (``kind``, ``until``, ``interrupt_id``?)."""
 EVENT_RESUMED = "resumed"
 """The run left ``waiting`` and is queued again: ``{"reason", "waited_for"}``."""
+EVENT_RETRIED = "retried"
+"""A ``failed`` or ``timed_out`` run was put back to ``queued`` with a fresh attempt budget:
+``{"previous_status", "error", "job_id"?}``."""
 """The workflow took an injected message (``ctx.drain_messages``); data ``{"seq", "content"}``."""
 
 TERMINAL_EVENT_TYPES = frozenset({EVENT_SUCCEEDED, EVENT_FAILED, EVENT_CANCELLED, EVENT_TIMED_OUT})

@@ -46,6 +46,12 @@ class RunFilter:
     conversation_id: str | None = None
     lane: str | None = None
     parent_run_id: str | None = None
+    created_after: datetime | None = None
+    """Only runs created at or after this instant."""
+    created_before: datetime | None = None
+    """Only runs created before this instant."""
+    run_ids: tuple[str, ...] | None = None
+    """Only these runs (a bulk action's ``ids``; at most a few thousand)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,7 +121,7 @@ class RunListing:
     ) -> RunPage:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
-        conditions = [*scope, *_matching(where)]
+        conditions = [*scope, *filter_conditions(where)]
         if after is not None:
             # ``created_at <= …`` is a range every planner can start the index walk from;
             # the OR alone would make some of them read the skipped pages again.
@@ -235,7 +241,8 @@ class RunListing:
         return await self._db.with_retry(read)
 
 
-def _matching(where: RunFilter) -> builtins.list[ColumnElement[bool]]:
+def filter_conditions(where: RunFilter) -> builtins.list[ColumnElement[bool]]:
+    """The conditions on ``runs`` a run meeting ``where`` satisfies."""
     conditions: builtins.list[ColumnElement[bool]] = []
     if where.status is not None:
         conditions.append(runs.c.status == where.status.value)
@@ -247,4 +254,10 @@ def _matching(where: RunFilter) -> builtins.list[ColumnElement[bool]]:
         conditions.append(runs.c.lane == where.lane)
     if where.parent_run_id is not None:
         conditions.append(runs.c.parent_run_id == where.parent_run_id)
+    if where.created_after is not None:
+        conditions.append(runs.c.created_at >= where.created_after)
+    if where.created_before is not None:
+        conditions.append(runs.c.created_at < where.created_before)
+    if where.run_ids is not None:
+        conditions.append(runs.c.id.in_(list(where.run_ids)))
     return conditions

@@ -29,6 +29,7 @@ class NewRun:
         timeout_s: Hard time limit of the run in seconds; None for the workflow's default.
         delay_s: Seconds after the database's current time before the run may be claimed.
         run_id: The id to store it under; a new uuid4 when None.
+        rerun_of: The run whose input this one re-runs, if any.
     """
 
     tenant_id: TenantId
@@ -42,6 +43,7 @@ class NewRun:
     timeout_s: float | None = None
     delay_s: float = 0.0
     run_id: RunId | None = None
+    rerun_of: RunId | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -89,5 +91,6 @@ def row_of(new: NewRun) -> dict[str, Any]:
         "timeout_s": new.timeout_s,
         "prompt_tokens": 0,
         "completion_tokens": 0,
+        "rerun_of": new.rerun_of,
         "delay_s": new.delay_s,
     }

@@ -93,6 +93,8 @@ class Run:
     """A child that outlives its parent's failure (never cancelled with it)."""
     emits: int = 0
     """``ctx.emit`` calls outside steps made before the run last parked (its replay skips)."""
+    rerun_of: RunId | None = None
+    """The run whose input this one was started with (``POST …/rerun``; None: not a re-run)."""
 
 
 def run_from_row(row: Mapping[Any, Any]) -> Run:
@@ -139,6 +141,7 @@ def run_from_row(row: Mapping[Any, Any]) -> Run:
         depth=row.get("depth") or 0,
         detached=bool(row.get("detached")),
         emits=row.get("emits") or 0,
+        rerun_of=row.get("rerun_of"),
     )
 
 

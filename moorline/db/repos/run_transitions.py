@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from moorline.db.backends import Backend
 from moorline.db.repos.events import EVENT_CANCELLED, EVENT_QUEUED, append_events_txn
 from moorline.db.repos.parking import deny_pending_txn
 from moorline.db.repos.records import DecisionReason, Run, run_from_row
@@ -160,54 +161,61 @@ class RunTransitions(RunRepoBase):
                 if run.cancel_requested_at is not None:
                     return run
                 now = await db_now_txn(conn, self._backend)
-                return await self._cancel_txn(conn, run, now)
+                return await cancel_locked_txn(conn, self._backend, run, now)
 
         return await self._db.with_retry(write)
 
-    async def _cancel_txn(self, conn: AsyncConnection, run: Run, now: datetime) -> Run:
-        """Cancel the locked, unfinished ``run`` at ``now``: at once unless it is running."""
-        if run.status is RunStatus.RUNNING:
-            values: dict[str, Any] = {"cancel_requested_at": now, "updated_at": now}
-            changed = replace(run, cancel_requested_at=now, updated_at=now)
-        else:
-            elapsed_s = None if run.started_at is None else (now - run.started_at).total_seconds()
-            values = {
-                "lease_owner": None,
-                "lease_expires_at": None,
-                "status": RunStatus.CANCELLED.value,
-                "cancel_requested_at": now,
-                "finished_at": now,
-                "updated_at": now,
-                "elapsed_time": None if elapsed_s is None else max(0.0, elapsed_s),
-                "waiting_for": None,
-                "wake_at": None,
-            }
-            changed = replace(
-                run,
-                status=RunStatus.CANCELLED,
-                waiting_for=None,
-                wake_at=None,
-                lease_owner=None,
-                lease_expires_at=None,
-                cancel_requested_at=now,
-                finished_at=now,
-                updated_at=now,
-                elapsed_time=values["elapsed_time"],
-            )
-        result = await conn.execute(
-            update(runs)
-            .where(runs.c.id == run.run_id, runs.c.status == run.status.value)
-            .values(**values)
+
+async def cancel_locked_txn(
+    conn: AsyncConnection, backend: Backend, run: Run, now: datetime
+) -> Run:
+    """Cancel the locked, unfinished ``run`` at ``now``: at once unless it is running.
+
+    The caller holds the run's row lock and checked that it has not ended and has no cancel
+    request yet (:meth:`RunTransitions.request_cancel`, a bulk cancel's batch).
+    """
+    if run.status is RunStatus.RUNNING:
+        values: dict[str, Any] = {"cancel_requested_at": now, "updated_at": now}
+        changed = replace(run, cancel_requested_at=now, updated_at=now)
+    else:
+        elapsed_s = None if run.started_at is None else (now - run.started_at).total_seconds()
+        values = {
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "status": RunStatus.CANCELLED.value,
+            "cancel_requested_at": now,
+            "finished_at": now,
+            "updated_at": now,
+            "elapsed_time": None if elapsed_s is None else max(0.0, elapsed_s),
+            "waiting_for": None,
+            "wake_at": None,
+        }
+        changed = replace(
+            run,
+            status=RunStatus.CANCELLED,
+            waiting_for=None,
+            wake_at=None,
+            lease_owner=None,
+            lease_expires_at=None,
+            cancel_requested_at=now,
+            finished_at=now,
+            updated_at=now,
+            elapsed_time=values["elapsed_time"],
         )
-        # The row is locked (or, on SQLite, the whole database is): it cannot have moved.
-        if result.rowcount != 1:  # pragma: no cover - would be a locking bug
-            raise AssertionError(f"cancel of locked run {run.run_id} changed {result.rowcount}")
-        if run.status is RunStatus.WAITING:
-            # A waiting run's open question is closed too: nobody will act on its answer.
-            await deny_pending_txn(conn, run.run_id, DecisionReason.CANCELLED, now)
-        if changed.status is RunStatus.CANCELLED:
-            cancelled: list[_EventItem] = [
-                (run.run_id, run.attempt, EVENT_CANCELLED, {"reason": "cancelled"})
-            ]
-            await append_events_txn(conn, self._backend.name, cancelled, now=now)
-        return changed
+    result = await conn.execute(
+        update(runs)
+        .where(runs.c.id == run.run_id, runs.c.status == run.status.value)
+        .values(**values)
+    )
+    # The row is locked (or, on SQLite, the whole database is): it cannot have moved.
+    if result.rowcount != 1:  # pragma: no cover - would be a locking bug
+        raise AssertionError(f"cancel of locked run {run.run_id} changed {result.rowcount}")
+    if run.status is RunStatus.WAITING:
+        # A waiting run's open question is closed too: nobody will act on its answer.
+        await deny_pending_txn(conn, run.run_id, DecisionReason.CANCELLED, now)
+    if changed.status is RunStatus.CANCELLED:
+        cancelled: list[_EventItem] = [
+            (run.run_id, run.attempt, EVENT_CANCELLED, {"reason": "cancelled"})
+        ]
+        await append_events_txn(conn, backend.name, cancelled, now=now)
+    return changed

@@ -46,6 +46,7 @@ _SUBMITTED = (
     "timeout_s",
     "prompt_tokens",
     "completion_tokens",
+    "rerun_of",
 )
 """The columns :func:`submit_in_one_statement` binds per run (``row_of``'s)."""
 

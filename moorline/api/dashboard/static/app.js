@@ -12,6 +12,8 @@ const ROLE_KEY = "moorline.role";
 const POLL_MS = 2000;
 const MAX_EVENT_LINES = 500;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled", "timed_out", "rate_limited"]);
+// What POST …/retry takes back to queued; every other status answers 409 run_not_retryable.
+const RETRYABLE = new Set(["failed", "timed_out"]);
 const STATUSES = ["pending", "queued", "running", "waiting", "succeeded", "failed",
   "cancelled", "timed_out", "rate_limited"];
 
@@ -408,8 +410,18 @@ function viewRun(runId) {
   async function act(path, body, done) {
     try {
       await api(`${base}/${path}`, { method: "POST", body });
-      if (done) done();
       await refresh();
+      if (done) done();
+    } catch (error) {
+      showError(error);
+    }
+  }
+
+  // A re-run is a new run: its page is where to follow it.
+  async function rerun() {
+    try {
+      const started = await api(`${base}/rerun`, { method: "POST" });
+      location.hash = `#/runs/${started.run_id}`;
     } catch (error) {
       showError(error);
     }
@@ -420,6 +432,12 @@ function viewRun(runId) {
     controls.replaceChildren(
       h("button", { id: "cancel", class: "danger", type: "button",
         disabled: TERMINAL.has(run.status), onclick: () => act("cancel") }, "Cancel"),
+      // Retry resumes this run at its failed step (its stream reopens: it has not ended now).
+      h("button", { id: "retry", type: "button", disabled: !RETRYABLE.has(run.status),
+        title: "Queue this run again from the step that failed",
+        onclick: () => act("retry", undefined, () => { if (!streaming) streamEvents(); }) }, "Retry"),
+      h("button", { id: "rerun", type: "button", title: "Start a new run with the same input",
+        onclick: rerun }, "Re-run"),
       h("form", { class: "row", onsubmit: (e) => {
         e.preventDefault();
         if (message.value) act("messages", { content: message.value }, () => { message.value = ""; });
@@ -488,6 +506,10 @@ function viewRun(runId) {
       parts.push(h("p", { id: "parent" }, "Child of ",
         h("a", { href: `#/runs/${run.parent_run_id}` }, h("code", {}, run.parent_run_id))));
     }
+    if (run.rerun_of) {
+      parts.push(h("p", { id: "rerun-of" }, "Re-run of ",
+        h("a", { href: `#/runs/${run.rerun_of}` }, h("code", {}, run.rerun_of))));
+    }
     if (run.children && run.children.length) {
       parts.push(h("h2", {}, `Children (${run.children.length})`),
         h("table", { class: "runs", id: "children" },
@@ -503,9 +525,14 @@ function viewRun(runId) {
   const stop = new AbortController();
   onLeave(() => stop.abort());
   let lastId = null;
+  let streaming = false;
   const streamEvents = async () => {
+    streaming = true;
+    try { await followEvents(); } finally { streaming = false; }
+  };
+  const followEvents = async () => {
     // The stream closes after the terminal event; it is reopened after the last event seen
-    // while the run has not ended (a server restart, a proxy timeout).
+    // while the run has not ended (a server restart, a proxy timeout, a retry).
     while (!stop.signal.aborted) {
       try {
         await readEvents(`${base}/events`, lastId, (event) => {

@@ -1,0 +1,171 @@
+"""Retry and re-run of one run, for its tenant and for the admin.
+
+- ``POST /v1/runs/{run_id}/retry``: a ``failed`` or ``timed_out`` run back to ``queued`` with
+  a fresh attempt budget and its checkpoints kept, so it resumes at the step that failed
+  (:mod:`moorline.db.repos.run_retries`); any other status is 409 ``run_not_retryable``. It
+  is the same run: no quota unit is taken again.
+- ``POST /v1/runs/{run_id}/rerun``: a new run of the same workflow with the same input (and
+  conversation), through admission like any trigger (rate limit, quota, conversation), with
+  ``rerun_of`` naming the original.
+
+The admin's routes (``/v1/admin/runs/{run_id}/retry|rerun``) call the same functions on any
+tenant's run; the admin's re-run counts against the run's tenant's plan, quota included.
+"""
+
+from fastapi import APIRouter, Depends, Response
+from fastapi.routing import APIRoute
+
+from moorline.admission.admit import Trigger
+from moorline.api.deps import (
+    CallerDep,
+    Services,
+    ServicesDep,
+    any_run,
+    authenticate_admin,
+    owned_run,
+    require_admin,
+)
+from moorline.api.errors import responses
+from moorline.api.guards import authenticated_by
+from moorline.api.routes.admin_runs import ADMIN_ERRORS
+from moorline.api.routes.runs import RunIdPath, TenantRoute, accepted, location_of
+from moorline.api.schemas import RerunAccepted, RunAccepted
+from moorline.db.repos.records import Run
+from moorline.errors import (
+    ConversationBusy,
+    InvalidRequest,
+    QuotaExceeded,
+    RateLimited,
+    RunNotFound,
+    RunNotRetryable,
+    TenantNotFound,
+    Unauthorized,
+    WorkflowNotFound,
+)
+from moorline.plans import Plan
+
+ADMIN_RATE_IDENTITY = "admin"
+"""The rate-limit credential of the admin's re-runs (with the run's tenant's plan rate)."""
+
+
+async def retry_run(run_id: RunIdPath, caller: CallerDep, services: ServicesDep) -> RunAccepted:
+    """Put a failed or timed-out run back to queued; it resumes at the step that failed."""
+    return await retry(services, await owned_run(services, caller, run_id))
+
+
+async def retry_any_run(run_id: RunIdPath, services: ServicesDep) -> RunAccepted:
+    """Retry any tenant's failed or timed-out run."""
+    return await retry(services, await any_run(services, run_id))
+
+
+async def retry(services: Services, run: Run) -> RunAccepted:
+    """Retry ``run`` and wake its lane's workers.
+
+    Raises:
+        RunNotRetryable: ``run`` is not ``failed`` or ``timed_out``.
+        ConversationBusy: its conversation has another active run now.
+    """
+    retried = await services.runs.retry(run.run_id, tenant_id=run.tenant_id)
+    await services.notifier.notify({retried.lane})
+    return accepted(retried)
+
+
+async def rerun_run(
+    run_id: RunIdPath, caller: CallerDep, services: ServicesDep, response: Response
+) -> RerunAccepted:
+    """Start a new run with the run's workflow and input, linked to it (``rerun_of``)."""
+    run = await owned_run(services, caller, run_id)
+    return await rerun(services, run, caller.plan, caller.rate_identity, response)
+
+
+async def rerun_any_run(
+    run_id: RunIdPath, services: ServicesDep, response: Response
+) -> RerunAccepted:
+    """Re-run any tenant's run, against that tenant's plan and quota."""
+    run = await any_run(services, run_id)
+    tenant = await services.tenants.get(run.tenant_id)
+    if tenant is None:  # pragma: no cover - a run's tenant is deleted with its runs
+        raise TenantNotFound(f"no tenant {run.tenant_id}")
+    plan = await services.plans.get(tenant.plan)
+    return await rerun(services, run, plan, f"{ADMIN_RATE_IDENTITY}:{run.tenant_id}", response)
+
+
+async def rerun(
+    services: Services, run: Run, plan: Plan, rate_identity: str, response: Response
+) -> RerunAccepted:
+    """Admit a new run of ``run``'s workflow with its input and conversation.
+
+    Raises:
+        WorkflowNotFound: the served app no longer has the workflow.
+        InvalidInput: the input no longer fits the workflow's parameters.
+        ConversationBusy, QuotaExceeded, RateLimited: as for a trigger.
+    """
+    if not isinstance(run.input, dict):  # pragma: no cover - inputs are stored as objects
+        raise InvalidRequest(f"run {run.run_id} has no input object to re-run")
+    admitted = await services.admission.admit(
+        Trigger(
+            tenant_id=run.tenant_id,
+            plan=plan,
+            rate_identity=rate_identity,
+            workflow=services.workflows.get(run.workflow),
+            input=run.input,
+            conversation_id=run.conversation_id,
+            rerun_of=run.run_id,
+        )
+    )
+    response.headers["location"] = location_of(admitted.run)
+    return RerunAccepted(**accepted(admitted.run).model_dump(), rerun_of=run.run_id)
+
+
+def _add_routes(router: APIRouter, *, admin: bool) -> None:
+    """The retry and re-run routes on ``router`` (under ``/v1`` or ``/v1/admin``)."""
+    errors = ADMIN_ERRORS if admin else (Unauthorized, RateLimited)
+    whose = "any tenant's" if admin else "a"
+    router.add_api_route(
+        "/runs/{run_id}/retry",
+        retry_any_run if admin else retry_run,
+        methods=["POST"],
+        status_code=202,
+        response_model=RunAccepted,
+        responses=responses(
+            *errors, InvalidRequest, RunNotFound, RunNotRetryable, ConversationBusy
+        ),
+        summary=f"Retry {whose} failed or timed-out run from its failed step",
+    )
+    router.add_api_route(
+        "/runs/{run_id}/rerun",
+        rerun_any_run if admin else rerun_run,
+        methods=["POST"],
+        status_code=202,
+        response_model=RerunAccepted,
+        responses=responses(
+            *errors,
+            InvalidRequest,
+            RunNotFound,
+            WorkflowNotFound,
+            ConversationBusy,
+            QuotaExceeded,
+            RateLimited,
+        ),
+        summary=f"Start a new run with {whose} run's input",
+    )
+
+
+def build_router() -> APIRouter:
+    """A new router with the tenant's retry and re-run routes."""
+    router = APIRouter(prefix="/v1", tags=["runs"], route_class=TenantRoute)
+    _add_routes(router, admin=False)
+    return router
+
+
+def build_admin_router() -> APIRouter:
+    """A new router with the admin's retry and re-run routes."""
+    route_class: type[APIRoute] = authenticated_by(authenticate_admin)
+    router = APIRouter(
+        prefix="/v1/admin",
+        tags=["admin"],
+        route_class=route_class,
+        dependencies=[Depends(require_admin)],
+    )
+    _add_routes(router, admin=True)
+    return router
