@@ -134,7 +134,12 @@ def _wait_until_serving(url: str, process: subprocess.Popen[bytes]) -> tuple[str
             "/v1/runs/bulk/retry", json={"ids": [run.json()["run_id"]]}, headers=tenant
         )
         assert job.status_code == 202, job.text
+        # The server's own worker loop, for the worker routes (it registers as it starts).
+        while not (workers := client.get("/v1/admin/workers", headers=ADMIN).json()["workers"]):
+            assert time.monotonic() < deadline + STARTUP_S, "no worker registered"
+            time.sleep(0.05)
         return key, {
+            "worker_id": workers[0]["worker_id"],
             "job_id": job.json()["job_id"],
             "key_id": spare.json()["key_id"],
             "tenant_id": created.json()["tenant_id"],

@@ -21,6 +21,7 @@ from moorline.db.repos.records import DecisionReason, Interrupt, Run
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.repos.steps import StepsRepo
 from moorline.dispatch.cancel import cancel_run
+from moorline.engine.events import PROGRESS_EVENT_TYPES
 from moorline.engine.inbox import Inbox
 from moorline.engine.runner import WorkflowRunner
 from moorline.runtime.base import RuntimeStore
@@ -189,7 +190,9 @@ async def test_a_run_cancelled_mid_step_ends_cancelled_and_its_next_step_never_s
     assert seen == [True]
     # The step in flight kept its result; the next one never started.
     assert await bench.step_keys(run_id) == [("one", "succeeded"), ("two", "succeeded")]
-    assert await event_types(bench.db, run_id) == ["queued", "started", "cancelled"]
+    # Step progress events are buffered and may or may not be written before the outcome.
+    written = [t for t in await event_types(bench.db, run_id) if t not in PROGRESS_EVENT_TYPES]
+    assert written == ["queued", "started", "cancelled"]
     assert run.cancel_requested_at == requested.cancel_requested_at
 
 

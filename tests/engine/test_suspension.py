@@ -94,7 +94,11 @@ async def test_a_slow_approval_parks_the_run_frees_its_slot_and_resumes_on_the_d
         # The only slot is free: another run of the lane runs while the first one waits.
         other = await engine.new_run("echo")
         await engine.until_status(other, RunStatus.SUCCEEDED)
-        assert worker.in_flight == 0
+
+        async def slot_free() -> bool:
+            return worker.in_flight == 0  # released just after the outcome's commit
+
+        await wait_for(slot_free, message="the slot to be released")
         await InterruptsRepo(engine.db).resolve(
             parked,
             str(described["interrupt_id"]),
