@@ -1,7 +1,8 @@
-"""A worker process: database, plans, wake-ups, the reaper loop and the :class:`Worker`.
+"""A worker process: database, plans, wake-ups, the chores and the :class:`Worker`.
 
 ``moorline worker`` runs this on its own; ``moorline serve`` runs it beside the API in one
-process. Every worker process also runs the reaper loop, of which only the leader acts.
+process. Every worker process also runs the loops of the leader-elected chores (the reaper,
+the timer sweep, the retention cleaner), of which only each chore's leader acts.
 """
 
 import asyncio
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 
 from moorline.db.manager import DatabaseManager
 from moorline.dispatch.reaper import make_reaper
+from moorline.dispatch.retention import make_retention_cleaner
 from moorline.dispatch.timers import make_timer_sweep
 from moorline.dispatch.wakeups import Notifier, Waiter
 from moorline.engine.registry import Moorline
@@ -74,6 +76,7 @@ async def run_worker_process(
     counted = metrics if metrics is not None else Metrics()
     reaper = make_reaper(settings, db, holder=owners[0], notifier=notifier, metrics=counted)
     timers = make_timer_sweep(settings, db, holder=owners[0], notifier=notifier, metrics=counted)
+    cleaner = make_retention_cleaner(settings, db, plans, holder=owners[0])
     own_store = store is None
     secrets = [
         secret.get_secret_value()
@@ -102,6 +105,7 @@ async def run_worker_process(
         async with asyncio.TaskGroup() as group:
             group.create_task(reaper.run(stop), name="reaper")
             group.create_task(timers.run(stop), name="timers")
+            group.create_task(cleaner.run(stop), name="retention")
             for index, worker in enumerate(workers):
                 group.create_task(worker.run(stop), name=f"worker:{index}")
     finally:

@@ -228,6 +228,14 @@ class Backend(abc.ABC):
     ) -> list[Row[Any]]:
         """As :meth:`write_statement`, for a statement with ``RETURNING``: its rows."""
 
+    async def reclaim_space(self, pools: Pools, max_pages: int) -> int:
+        """Give up to ``max_pages`` pages freed by deletions back to the file system.
+
+        Returns the pages given back. Nothing on the servers, whose own background work
+        (PostgreSQL's autovacuum, InnoDB's purge) makes the space of deleted rows reusable.
+        """
+        return 0
+
     def wal_bytes(self) -> int | None:
         """Size of the write-ahead log file where the backend watches one; else None."""
         return None

@@ -11,6 +11,8 @@ statement and ``COMMIT`` to the connection's thread in one crossing
 
 import asyncio
 import functools
+import logging
+import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -32,8 +34,14 @@ from moorline.db.dsn import ConnectTarget
 from moorline.db.types import UTCDateTime
 from moorline.settings import Settings
 
+logger = logging.getLogger(__name__)
+
 BUSY_TIMEOUT_MS = 5000
 PRAGMAS = (
+    # Before anything writes the file: a new database keeps the pages that deletions free in
+    # a list that ``reclaim_space`` returns to the file system a few at a time. It cannot
+    # change for a file that has tables (only a full VACUUM converts one; docs/design.md).
+    ("auto_vacuum", "INCREMENTAL"),
     ("journal_mode", "WAL"),
     ("synchronous", "NORMAL"),
     ("cache_size", "-64000"),
@@ -43,6 +51,9 @@ PRAGMAS = (
     ("wal_autocheckpoint", "0"),
     ("journal_size_limit", str(sqlite_checkpoint.WAL_KEPT_BYTES)),
 )
+
+_AUTO_VACUUM_INCREMENTAL = 2
+"""``PRAGMA auto_vacuum``'s answer for INCREMENTAL."""
 
 # SQLite keeps UTCDateTime as text in SQLAlchemy's format; '%f' gives SS.SSS, so three literal
 # zeros make it the same six-digit microsecond text and comparisons stay lexical-correct.
@@ -76,6 +87,7 @@ class SQLiteBackend(Backend):
     write lock at once cost the second one tens of milliseconds. ``busy_timeout`` still
     covers writers in other processes."""
     _checkpointer: sqlite_checkpoint.WalCheckpointer | None = None
+    _warned_no_vacuum = False
 
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
@@ -144,6 +156,34 @@ class SQLiteBackend(Backend):
         """Not on SQLite: its one-crossing path reports the rowcount alone."""
         raise NotImplementedError("write_statement_rows: not on SQLite")
 
+    async def reclaim_space(self, pools: Pools, max_pages: int) -> int:
+        """``PRAGMA incremental_vacuum``: up to ``max_pages`` free pages cut off the file.
+
+        On a connection of its own, on a thread, inside this process's writer queue: it waits
+        its turn like any write and the loop goes on meanwhile. (sqlite3's ``execute`` steps a
+        statement without result columns once, which frees one page; ``executescript`` steps
+        it to the end.) The file shrinks at the next checkpoint that copies the whole log. A
+        file made without incremental auto-vacuum keeps its free pages for later rows: that is
+        logged once, with the one-off command that converts it. Nothing in memory.
+        """
+        if self._checkpointer is None:
+            return 0
+        async with self._writer:
+            freed = await asyncio.to_thread(
+                _incremental_vacuum, self._checkpointer.database, max_pages
+            )
+        self._after_write()
+        if freed is None:
+            if not self._warned_no_vacuum:
+                self._warned_no_vacuum = True
+                logger.warning(
+                    "this SQLite file does not give deleted runs' space back to the file "
+                    "system (auto_vacuum is not INCREMENTAL); with Moorline stopped, run once: "
+                    "sqlite3 FILE 'PRAGMA auto_vacuum=INCREMENTAL; VACUUM'"
+                )
+            return 0
+        return freed
+
     def wal_bytes(self) -> int | None:
         """Size of the WAL file; None in memory."""
         return None if self._checkpointer is None else self._checkpointer.wal_bytes()
@@ -181,6 +221,24 @@ def _begin(conn: Connection) -> None:
         driver.hold_begin(f"BEGIN {mode}")
     else:
         conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def _incremental_vacuum(database: str, max_pages: int) -> int | None:
+    """Free pages given back by ``incremental_vacuum``; None when the file has no such mode."""
+    connection = sqlite3.connect(
+        database, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+    )
+    try:
+        if connection.execute("PRAGMA auto_vacuum").fetchone()[0] != _AUTO_VACUUM_INCREMENTAL:
+            return None
+        before = connection.execute("PRAGMA freelist_count").fetchone()[0]
+        connection.executescript(
+            f"BEGIN IMMEDIATE; PRAGMA incremental_vacuum({int(max_pages)}); COMMIT;"
+        )
+        after = connection.execute("PRAGMA freelist_count").fetchone()[0]
+    finally:
+        connection.close()
+    return int(before) - int(after)
 
 
 def _write_statement(engine: Engine, statement: Executable, params: dict[str, Any]) -> int:

@@ -1,0 +1,223 @@
+"""Retention: finished runs past their plan's limit, deleted with every row that is theirs.
+
+A run is deleted when it ended (a terminal status: it never changes again) longer ago than its
+tenant's plan keeps runs (:class:`RetentionPolicy`), and nothing still refers to it
+(:data:`REFERENCES`): not a parent that has not ended (it may still read the child's result on
+its next replay), not a child of its own (a parent goes after its children, so a child is never
+left with a parent that is gone). Its rows in :data:`RUN_TABLES` go in the same transaction.
+
+The cleaner walks ``ix_runs_finished`` in ``(finished_at, id)`` order, one chunk of ``limit``
+entries per call: the chunk is read without a lock, the plan's limit applied to each run, and
+the runs that pass are locked and checked again (status, age, references) inside the write
+transaction that deletes them, so a run that changed in between (or that another cleaner is
+deleting: skipped, not waited for) is left alone. Each call examines at most ``limit`` runs
+whatever the mix of plans, and the caller resumes after the chunk's last entry
+(:class:`Cursor`), so one pass reads each finished run once, deletable or not.
+
+What was deleted is added to ``retention_tallies`` in the same transaction: ``/metrics`` serves
+it (``moorline_retention_deleted_total``) and adds the runs back into ``moorline_runs_total``,
+which would otherwise fall as runs are deleted.
+"""
+
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import ColumnElement, Table, and_, delete, exists, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from moorline.db.manager import DatabaseManager
+from moorline.db.schema import events, interrupts, messages, retention_tallies, runs, steps, tenants
+from moorline.types import TERMINAL_STATUSES, RunId
+
+RUN_TABLES: tuple[Table, ...] = (steps, events, interrupts, messages)
+"""Every table whose rows belong to one run (its ``run_id``), deleted with the run.
+
+A new table keyed by run id belongs here: ``tests/contract/test_retention.py`` fails on a table
+with a ``run_id`` column that is missing (their foreign keys cascade too, but deleting them
+explicitly counts them, and does not depend on the cascade being declared)."""
+
+DAY_S = 86400.0
+_TERMINAL = sorted(status.value for status in TERMINAL_STATUSES)
+_parent = runs.alias("parent")
+_child = runs.alias("child")
+
+
+def _has_live_parent() -> ColumnElement[bool]:
+    return exists().where(_parent.c.id == runs.c.parent_run_id, _parent.c.status.not_in(_TERMINAL))
+
+
+def _has_children() -> ColumnElement[bool]:
+    return exists().where(_child.c.parent_run_id == runs.c.id)
+
+
+REFERENCES: tuple[Callable[[], ColumnElement[bool]], ...] = (_has_live_parent, _has_children)
+"""Conditions that keep a finished run, however old, as long as one holds (over ``runs``).
+
+Schedules (issue 20, item 1) add theirs here: a run that a schedule which has not ended still
+refers to. A condition must be cheap for one run (an index probe): it is checked for every
+run about to be deleted, inside the deleting transaction."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetentionPolicy:
+    """How long finished runs are kept: days per plan, else ``default_days``; 0 is for ever."""
+
+    default_days: float
+    plan_days: Mapping[str, float] = field(default_factory=dict)
+
+    def days_for(self, plan: str) -> float:
+        """Days the runs of a tenant on ``plan`` are kept (0: for ever)."""
+        return self.plan_days.get(plan, self.default_days)
+
+    def shortest_days(self) -> float | None:
+        """The shortest limit in force (no run younger is deleted); None: all kept for ever."""
+        limits = [days for days in (self.default_days, *self.plan_days.values()) if days > 0]
+        return min(limits) if limits else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cursor:
+    """Where a pass resumes: after this entry of ``ix_runs_finished``."""
+
+    finished_at: datetime
+    run_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cleaned:
+    """What one batch did."""
+
+    examined: int
+    """Finished runs read from the index (at most the batch's ``limit``)."""
+    deleted: Mapping[str, int] = field(default_factory=dict)
+    """Table name → rows deleted (``runs`` among them)."""
+    next: Cursor | None = None
+    """Where the next batch starts; None when this one reached the end of the old runs."""
+
+    @property
+    def runs(self) -> int:
+        """Runs deleted."""
+        return self.deleted.get(runs.name, 0)
+
+
+class RetentionRepo:
+    """Deletes finished runs past their retention, a bounded batch per call."""
+
+    def __init__(self, db: DatabaseManager) -> None:
+        self._db = db
+
+    async def delete_batch(
+        self, policy: RetentionPolicy, *, after: Cursor | None = None, limit: int = 500
+    ) -> Cleaned:
+        """Examine the next ``limit`` old finished runs after ``after``; delete those due.
+
+        Args:
+            policy: Days kept per plan.
+            after: Where the previous batch of this pass stopped; None starts at the oldest.
+            limit: Runs examined (and so at most deleted) in this batch.
+
+        Returns:
+            What was examined and deleted, and where the next batch starts.
+        """
+        shortest = policy.shortest_days()
+        if shortest is None:
+            return Cleaned(examined=0)
+        chunk = await self._db.with_retry(lambda: self._read_chunk(shortest, after, limit))
+        if not chunk:
+            return Cleaned(examined=0)
+        due = [row.id for row in chunk if _is_due(row, policy)]
+        deleted: Mapping[str, int] = {}
+        if due:
+            # Not retried as a whole: a commit whose answer was lost would be counted twice.
+            deleted = await self._delete(due, shortest)
+        last = chunk[-1]
+        next_cursor = (
+            Cursor(finished_at=last.finished_at, run_id=last.id) if len(chunk) == limit else None
+        )
+        return Cleaned(examined=len(chunk), deleted=deleted, next=next_cursor)
+
+    async def _read_chunk(
+        self, shortest_days: float, after: Cursor | None, limit: int
+    ) -> Sequence[Any]:
+        backend = self._db.backend
+        stmt = (
+            select(
+                runs.c.id,
+                runs.c.finished_at,
+                runs.c.status,
+                tenants.c.plan,
+                backend.now().label("now"),
+            )
+            .select_from(runs.join(tenants, tenants.c.id == runs.c.tenant_id))
+            .where(runs.c.finished_at < backend.now(plus_s=-shortest_days * DAY_S))
+            .order_by(runs.c.finished_at, runs.c.id)
+            .limit(limit)
+        )
+        if after is not None:
+            # (finished_at, id) > after, written so that every backend starts an index range.
+            stmt = stmt.where(
+                runs.c.finished_at >= after.finished_at,
+                or_(
+                    runs.c.finished_at > after.finished_at,
+                    and_(runs.c.finished_at == after.finished_at, runs.c.id > after.run_id),
+                ),
+            )
+        async with self._db.connect() as conn:
+            return (await conn.execute(stmt)).all()
+
+    async def _delete(self, candidates: Sequence[RunId], shortest_days: float) -> dict[str, int]:
+        backend = self._db.backend
+        confirm = backend.lock_rows_skip_locked(
+            select(runs.c.id, runs.c.lane, runs.c.status).where(
+                runs.c.id.in_(candidates),
+                runs.c.status.in_(_TERMINAL),
+                runs.c.finished_at < backend.now(plus_s=-shortest_days * DAY_S),
+                *(~reference() for reference in REFERENCES),
+            )
+        )
+        counted: dict[str, int] = {}
+        async with self._db.write_transaction() as conn:
+            confirmed = (await conn.execute(confirm)).all()
+            if not confirmed:
+                return counted
+            ids = [row.id for row in confirmed]
+            for table in RUN_TABLES:
+                result = await conn.execute(delete(table).where(table.c.run_id.in_(ids)))
+                if result.rowcount:
+                    counted[table.name] = result.rowcount
+            result = await conn.execute(delete(runs).where(runs.c.id.in_(ids)))
+            counted[runs.name] = result.rowcount
+            per_run = Counter((row.lane, row.status) for row in confirmed)
+            tallies = {(runs.name, lane, status): n for (lane, status), n in per_run.items()}
+            tallies |= {(name, "", ""): n for name, n in counted.items() if name != runs.name}
+            await _add_tallies_txn(conn, self._db, tallies)
+        return counted
+
+
+def _is_due(row: Any, policy: RetentionPolicy) -> bool:
+    days = policy.days_for(row.plan)
+    if days <= 0 or row.status not in _TERMINAL:
+        return False
+    return bool(row.finished_at < row.now - timedelta(days=days))
+
+
+async def _add_tallies_txn(
+    conn: AsyncConnection, db: DatabaseManager, tallies: Mapping[tuple[str, str, str], int]
+) -> None:
+    """Add to ``retention_tallies`` (rows made at 0 first), in the deleting transaction."""
+    tally = retention_tallies.c
+    for (table_name, lane, status), count in sorted(tallies.items()):
+        keys = {"table_name": table_name, "lane": lane, "status": status}
+        await conn.execute(
+            db.backend.insert_or_lock_existing(retention_tallies, "deleted").values(
+                **keys, deleted=0
+            )
+        )
+        await conn.execute(
+            update(retention_tallies)
+            .where(tally.table_name == table_name, tally.lane == lane, tally.status == status)
+            .values(deleted=tally.deleted + count)
+        )
