@@ -4,9 +4,10 @@ A leader-elected chore like the reaper and the timer sweep (its own leader lease
 ``retention``). Every ``MOORLINE_RETENTION_INTERVAL`` seconds the leader walks the finished
 runs oldest first, ``MOORLINE_RETENTION_BATCH`` of them per transaction
 (:meth:`~moorline.db.repos.retention.RetentionRepo.delete_batch`), and pauses
-``MOORLINE_RETENTION_PAUSE`` seconds between two batches: each transaction is short, and the
-pause leaves the database (on SQLite, its one write lock) to the runs being dispatched, so the
-hot path does not notice a large backlog being deleted. Leadership is checked again before
+``MOORLINE_RETENTION_PAUSE`` seconds between two batches, and at least four times as long as
+the batch took (:data:`PAUSE_PER_BUSY_S`): each transaction is short, and the pause leaves the
+database (on SQLite, its one write lock) to the runs being dispatched, so the hot path does not
+notice a large backlog being deleted. Leadership is checked again before
 every batch, so a pass over a large backlog stops soon after another process takes over.
 
 On SQLite each batch is followed by an incremental vacuum of the pages it freed (at most
@@ -16,6 +17,7 @@ PostgreSQL and MariaDB make the space reusable themselves (autovacuum, InnoDB pu
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
@@ -38,6 +40,11 @@ VACUUM_PAGES_PER_BATCH = 4096
 
 A batch of 500 runs with their steps and events frees far fewer; the bound only keeps one
 vacuum short when a file starts with a large free list."""
+
+PAUSE_PER_BUSY_S = 4.0
+"""Seconds of pause after each second a batch took, at least: the cleaner keeps the database
+(and, in its process, the event loop) busy a fifth of the time at most, however slow a batch
+is on this machine and with this load; ``MOORLINE_RETENTION_PAUSE`` is the least pause."""
 
 PolicySource = Callable[[], Awaitable[RetentionPolicy]]
 """Reads the retention in force (the plans file may change between passes)."""
@@ -89,11 +96,15 @@ class RetentionCleaner(LeaderChore):
         after: Cursor | None = None
         freed = 0
         while True:
+            started = time.monotonic()
             batch = await self._repo.delete_batch(policy, after=after, limit=self._batch)
             deleted.update(batch.deleted)
             if batch.runs:
                 freed += await self._db.reclaim_space(VACUUM_PAGES_PER_BATCH)
-            if batch.next is None or await self._pause(stop) or not await self.elector.tick():
+            if batch.next is None:
+                break
+            pause_s = max(self._pause_s, (time.monotonic() - started) * PAUSE_PER_BUSY_S)
+            if await self._pause(stop, pause_s) or not await self.elector.tick():
                 break
             after = batch.next
         if deleted:
@@ -105,13 +116,13 @@ class RetentionCleaner(LeaderChore):
             )
         return deleted
 
-    async def _pause(self, stop: asyncio.Event | None) -> bool:
+    async def _pause(self, stop: asyncio.Event | None, pause_s: float) -> bool:
         """Wait ``pause_s`` between batches; whether ``stop`` was set meanwhile."""
         if stop is None:
-            await asyncio.sleep(self._pause_s)
+            await asyncio.sleep(pause_s)
             return False
         try:
-            async with asyncio.timeout(self._pause_s):
+            async with asyncio.timeout(pause_s):
                 await stop.wait()
         except TimeoutError:
             return False

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, delete, exists, or_, select, update
+from sqlalchemy import ColumnElement, Table, and_, delete, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.manager import DatabaseManager
@@ -45,12 +45,21 @@ _parent = runs.alias("parent")
 _child = runs.alias("child")
 
 
+# Each selects an indexed column, not ``*`` (what a bare ``exists()`` renders): SQLite's planner
+# then reads the index alone, and after an ANALYZE that found parent_run_id mostly NULL it would
+# otherwise price the index lookups above a scan of the whole table, and scan it per run.
+
+
 def _has_live_parent() -> ColumnElement[bool]:
-    return exists().where(_parent.c.id == runs.c.parent_run_id, _parent.c.status.not_in(_TERMINAL))
+    return (
+        select(_parent.c.id)
+        .where(_parent.c.id == runs.c.parent_run_id, _parent.c.status.not_in(_TERMINAL))
+        .exists()
+    )
 
 
 def _has_children() -> ColumnElement[bool]:
-    return exists().where(_child.c.parent_run_id == runs.c.id)
+    return select(_child.c.parent_run_id).where(_child.c.parent_run_id == runs.c.id).exists()
 
 
 REFERENCES: tuple[Callable[[], ColumnElement[bool]], ...] = (_has_live_parent, _has_children)
