@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import make_url
 
 from moorline.api.app import create_app
@@ -439,3 +439,84 @@ async def test_metrics_serve_what_was_deleted(
     deleted = ("moorline_retention_deleted_total", "runs")
     assert after[deleted] - before.get(deleted, 0) >= 4
     assert after[("moorline_oldest_finished_run_age_seconds", "")] < 30 * 86400
+
+
+async def test_cleaners_that_all_lead_delete_and_count_each_run_once(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    await clean_all(db)
+    tenant = await tenants.new()
+    old = await add_runs(db, tenant, 300)
+    before = await Gauges(db).deleted()
+
+    async def policy() -> RetentionPolicy:
+        return KEEP_30
+
+    # Each holds a leader lease of its own name: the worst case of "two processes both
+    # believe they lead".
+    cleaners = [
+        RetentionCleaner(
+            db,
+            LeaderElector(QueueRepo(db), name=unique(LEADER_LEASE), holder=str(n), ttl_s=30.0),
+            policy,
+            interval_s=60.0,
+            batch=40,
+            pause_s=0.0,
+        )
+        for n in range(3)
+    ]
+    passes = await asyncio.gather(*(cleaner.tick() for cleaner in cleaners))
+    assert sum(deleted["runs"] for deleted in passes) == 300
+    assert sum(deleted["events"] for deleted in passes) == 600
+    after = await Gauges(db).deleted()
+    assert after.rows["runs"] - before.rows.get("runs", 0) == 300
+    assert after.rows["events"] - before.rows.get("events", 0) == 600
+    assert (await rows_of(db, old))["runs"] == 0
+
+
+async def test_a_failed_batch_leaves_every_run_whole(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tenant = await tenants.new()
+    old = await add_runs(db, tenant, 5)
+
+    async def fail(*_args: object) -> None:
+        raise ConnectionResetError("the connection dropped before the commit")
+
+    # The failure comes after the rows were deleted, inside the transaction.
+    monkeypatch.setattr("moorline.db.repos.retention._add_tallies_txn", fail)
+    with pytest.raises(ConnectionResetError):
+        await clean_all(db)
+    per_run = {"runs": 1, "steps": 1, "events": 2, "interrupts": 1, "messages": 1}
+    assert await rows_of(db, old) == {table: 5 * n for table, n in per_run.items()}
+
+
+async def test_a_run_that_changes_after_the_read_is_left_alone(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await clean_all(db)
+    tenant = await tenants.new()
+    retried, *others = await add_runs(db, tenant, 4)
+    read_chunk = RetentionRepo._read_chunk
+
+    async def read_then_retry(self: RetentionRepo, *args: Any) -> Sequence[Any]:
+        chunk = await read_chunk(self, *args)
+        # What a retry of the failed run would do between the read and the delete.
+        async with db.transaction() as conn:
+            await conn.execute(
+                update(runs)
+                .where(runs.c.id == retried)
+                .values(status=RunStatus.QUEUED.value, finished_at=None)
+            )
+        return chunk
+
+    monkeypatch.setattr(RetentionRepo, "_read_chunk", read_then_retry)
+    await clean_all(db)
+    assert (await rows_of(db, others))["runs"] == 0
+    assert await rows_of(db, [retried]) == {
+        "runs": 1,
+        "steps": 1,
+        "events": 2,
+        "interrupts": 1,
+        "messages": 1,
+    }
