@@ -179,17 +179,27 @@ class RetentionRepo:
 
     async def _delete(self, candidates: Sequence[RunId], shortest_days: float) -> dict[str, int]:
         backend = self._db.backend
-        confirm = backend.lock_rows_skip_locked(
-            select(runs.c.id, runs.c.lane, runs.c.status).where(
-                runs.c.id.in_(candidates),
-                runs.c.status.in_(_TERMINAL),
-                runs.c.finished_at < backend.now(plus_s=-shortest_days * DAY_S),
-                *(~reference() for reference in REFERENCES),
-            )
+        # Status and age are checked here, on the locked rows, not in the WHERE clause: given
+        # ``status IN (…)`` SQLite's planner walks an index on status (every finished run)
+        # instead of looking the candidates up by id.
+        locked = backend.lock_rows_skip_locked(
+            select(
+                runs.c.id,
+                runs.c.lane,
+                runs.c.status,
+                runs.c.finished_at,
+                backend.now(plus_s=-shortest_days * DAY_S).label("bound"),
+            ).where(runs.c.id.in_(candidates), *(~reference() for reference in REFERENCES))
         )
         counted: dict[str, int] = {}
         async with self._db.write_transaction() as conn:
-            confirmed = (await conn.execute(confirm)).all()
+            confirmed = [
+                row
+                for row in (await conn.execute(locked)).all()
+                if row.status in _TERMINAL
+                and row.finished_at is not None
+                and row.finished_at < row.bound
+            ]
             if not confirmed:
                 return counted
             ids = [row.id for row in confirmed]
