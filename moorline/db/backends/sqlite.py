@@ -38,10 +38,6 @@ logger = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 5000
 PRAGMAS = (
-    # Before anything writes the file: a new database keeps the pages that deletions free in
-    # a list that ``reclaim_space`` returns to the file system a few at a time. It cannot
-    # change for a file that has tables (only a full VACUUM converts one; docs/design.md).
-    ("auto_vacuum", "INCREMENTAL"),
     ("journal_mode", "WAL"),
     ("synchronous", "NORMAL"),
     ("cache_size", "-64000"),
@@ -202,6 +198,13 @@ def _configure(dbapi_connection: Any, _record: Any) -> None:
     # implicit (deferred) BEGIN.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA page_count")
+    if cursor.fetchone()[0] == 0:
+        # A new file, before WAL mode writes its header: it keeps the pages deletions free in
+        # a list that ``reclaim_space`` gives back to the file system a few at a time. Set on
+        # new files only: on one with tables it cannot change (only a full VACUUM converts
+        # it, docs/design.md), and asking would wait for another process's write lock.
+        cursor.execute("PRAGMA auto_vacuum=INCREMENTAL")
     for name, value in PRAGMAS:
         cursor.execute(f"PRAGMA {name}={value}")
     cursor.close()
