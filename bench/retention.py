@@ -3,17 +3,18 @@
 On a fresh database per backend, stores ``--runs`` runs that ended 40 days ago (each with a
 step and two events), then measures, in the same process and the same run of the script:
 
-1. **without cleanup**: the drain rate of ``--drain-runs`` pre-enqueued no-op runs (one worker,
-   ``--slots`` slots) and the dispatch latency (``started_at - created_at``, database clock) of
-   runs arriving at ``--rate`` per second for ``--latency-seconds``;
-2. **with cleanup**: the same two figures while the retention cleaner deletes the old runs
-   beside them (batches of ``--batch``, ``--pause`` seconds between batches), as the leader of
-   a ``moorline serve`` or ``moorline worker`` process would.
+- **without cleanup**: the drain rate of ``--drain-runs`` pre-enqueued no-op runs (one worker,
+  ``--slots`` slots) and the dispatch latency (``started_at - created_at``, database clock) of
+  runs arriving at ``--rate`` per second for ``--latency-seconds``;
+- **with cleanup**: the same two figures while the retention cleaner deletes the old runs
+  beside them (batches of ``--batch``, ``--pause`` seconds between batches at least), in the
+  same process, as the leader of a ``moorline serve`` or ``moorline worker`` process would.
 
-It prints both, their ratios (issue 20 asks drain ≥ 80 % and p99 ≤ 2x without cleanup), the
-runs the cleaner deleted meanwhile (it must still have had work at the end, or the second
-phase was partly without cleanup), and on SQLite the file's size before and after, once
-``--finish`` lets the cleaner end its work.
+``--rounds`` rounds of each, in turn (the machine's load changes; in turn it falls on both
+sides). It prints the medians, their ratios (issue 20 asks drain >= 80 % and p99 <= 2x of the
+figures without cleanup) and each round's pair, the runs the cleaner deleted meanwhile (it
+must still have had work at the end, or a phase was partly without cleanup), and on SQLite the
+file's size before and after, once ``--finish`` lets the cleaner end its work.
 
     .venv/bin/python bench/retention.py [--runs 50000] [--backends sqlite,postgresql]
         [--full]   # 1,000,000 runs (make bench-retention)
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import os
 import sqlite3
+import statistics
 import time
 import uuid
 from contextlib import closing
@@ -149,43 +151,31 @@ async def measure(url: str, args: argparse.Namespace) -> None:
         await analyze(db)
         size_before = sqlite_size(db)
         print(f"  loaded {args.runs} old runs in {time.perf_counter() - started:.1f} s")
-        base = await figures(db, tenant, args)
-        elector = LeaderElector(
-            QueueRepo(db), name=LEADER_LEASE, holder=new_holder_id(), ttl_s=60.0
-        )
-
-        async def policy() -> RetentionPolicy:
-            return POLICY
-
-        cleaner = RetentionCleaner(
-            db, elector, policy, interval_s=3600.0, batch=args.batch, pause_s=args.pause
-        )
-        stop = asyncio.Event()
-        left_before = await old_runs_left(db)
-        began = time.perf_counter()
-        task = asyncio.create_task(cleaner.run(stop))
-        busy = await figures(db, tenant, args)
-        elapsed = time.perf_counter() - began
-        left_after = await old_runs_left(db)
-        if not args.finish:
+        without: list[dict[str, float]] = []
+        beside: list[dict[str, float]] = []
+        deleted, busy_s = 0, 0.0
+        for _ in range(args.rounds):
+            # In turn, so that a change in the machine's load falls on both sides.
+            without.append(await figures(db, tenant, args))
+            left_before = await old_runs_left(db)
+            stop = asyncio.Event()
+            task = asyncio.create_task(make_cleaner(db, args).run(stop))
+            began = time.perf_counter()
+            beside.append(await figures(db, tenant, args))
+            busy_s += time.perf_counter() - began
             stop.set()
-        await _finish(task, stop, db, args.finish)
-        deleted = left_before - left_after
+            await task
+            deleted += left_before - await old_runs_left(db)
+        left = await old_runs_left(db)
+        report(without, beside)
         print(
-            f"  drain      {base['drain']:8.1f} runs/s without, {busy['drain']:8.1f} with "
-            f"cleanup: {busy['drain'] / base['drain']:.0%}"
-        )
-        for key in ("p50", "p99"):
-            print(
-                f"  latency {key} {base[key]:8.1f} ms without, {busy[key]:8.1f} ms with: "
-                f"x{busy[key] / base[key]:.2f}"
-            )
-        print(
-            f"  cleanup    {deleted} runs deleted in {elapsed:.1f} s beside the drain "
-            f"({deleted / elapsed:.0f} runs/s); {left_after} old runs still left at the end"
-            + ("" if left_after else "  <- cleanup ended early: use more --runs")
+            f"  cleanup    {deleted} runs deleted in {busy_s:.1f} s beside the drain "
+            f"({deleted / busy_s:.0f} runs/s); {left} old runs still left at the end"
+            + ("" if left else "  <- cleanup ended early: use more --runs")
         )
         if size_before is not None and args.finish:
+            stop = asyncio.Event()
+            await _finish(asyncio.create_task(make_cleaner(db, args).run(stop)), stop, db)
             size_after = sqlite_size(db)
             assert size_after is not None
             print(
@@ -196,13 +186,36 @@ async def measure(url: str, args: argparse.Namespace) -> None:
         await db.dispose()
 
 
-async def _finish(
-    task: "asyncio.Task[None]", stop: asyncio.Event, db: DatabaseManager, finish: bool
-) -> None:
-    if finish:
-        while await old_runs_left(db):  # noqa: ASYNC110 - a count, read once a second
-            await asyncio.sleep(1.0)
-        stop.set()
+def make_cleaner(db: DatabaseManager, args: argparse.Namespace) -> RetentionCleaner:
+    """A cleaner that leads (its lease is free) and passes once an hour."""
+    elector = LeaderElector(QueueRepo(db), name=LEADER_LEASE, holder=new_holder_id(), ttl_s=60.0)
+
+    async def policy() -> RetentionPolicy:
+        return POLICY
+
+    return RetentionCleaner(
+        db, elector, policy, interval_s=3600.0, batch=args.batch, pause_s=args.pause
+    )
+
+
+def report(without: list[dict[str, float]], beside: list[dict[str, float]]) -> None:
+    """Medians of the rounds, their ratio, and every round's figures."""
+    for key, unit in (("drain", "runs/s"), ("p50", "ms"), ("p99", "ms")):
+        a = statistics.median(r[key] for r in without)
+        b = statistics.median(r[key] for r in beside)
+        rounds = ", ".join(
+            f"{x[key]:.0f}/{y[key]:.0f}" for x, y in zip(without, beside, strict=True)
+        )
+        print(
+            f"  {key:6} {a:8.1f} {unit} without, {b:8.1f} with cleanup: {b / a:5.0%} "
+            f"(rounds without/with: {rounds})"
+        )
+
+
+async def _finish(task: "asyncio.Task[None]", stop: asyncio.Event, db: DatabaseManager) -> None:
+    while await old_runs_left(db):  # noqa: ASYNC110 - a count, read once a second
+        await asyncio.sleep(1.0)
+    stop.set()
     await task
 
 
@@ -217,6 +230,7 @@ def main() -> None:
     parser.add_argument("--latency-seconds", type=float, default=10.0)
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--pause", type=float, default=0.2)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds without and with, in turn")
     parser.add_argument("--finish", action="store_true", help="let the cleanup end, then size")
     args = parser.parse_args()
     if args.full:
