@@ -179,6 +179,9 @@ async def clean_all(
 def test_every_table_keyed_by_run_id_is_cleaned() -> None:
     keyed = {t.name for t in metadata.tables.values() if "run_id" in t.c}
     assert keyed == {t.name for t in RUN_TABLES}
+    for table in RUN_TABLES:  # their rows go with the run by the cascade
+        [key] = [fk for fk in table.foreign_keys if fk.parent.name == "run_id"]
+        assert (key.column.table.name, key.column.name, key.ondelete) == ("runs", "id", "CASCADE")
 
 
 async def test_old_finished_runs_go_with_all_their_rows(
@@ -480,11 +483,11 @@ async def test_a_failed_batch_leaves_every_run_whole(
     tenant = await tenants.new()
     old = await add_runs(db, tenant, 5)
 
-    async def fail(*_args: object) -> None:
+    def fail(*_args: object, **_kwargs: object) -> None:
         raise ConnectionResetError("the connection dropped before the commit")
 
-    # The failure comes after the rows were deleted, inside the transaction.
-    monkeypatch.setattr("moorline.db.repos.retention._add_tallies_txn", fail)
+    # The failure comes after the DELETE, inside the transaction, before the tallies.
+    monkeypatch.setattr(type(db.backend), "add_to_counters", fail)
     with pytest.raises(ConnectionResetError):
         await clean_all(db)
     per_run = {"runs": 1, "steps": 1, "events": 2, "interrupts": 1, "messages": 1}

@@ -192,6 +192,15 @@ class Backend(abc.ABC):
             keys: The row's primary key, by column name.
         """
 
+    @abc.abstractmethod
+    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
+        """An INSERT of counter rows that adds ``column`` to the rows that exist already.
+
+        One statement for many rows (``.values([...])``): a row whose key (``keys``, the
+        table's primary key) is new is inserted as given, an existing one gets the given
+        value added to its ``column``.
+        """
+
     def analyze_statement(self, tables: Sequence[str]) -> str:
         """The statement refreshing the planner's statistics of ``tables`` (or of all)."""
         return "ANALYZE"

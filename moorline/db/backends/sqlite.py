@@ -94,6 +94,12 @@ class SQLiteBackend(Backend):
     def insert_ignoring_duplicates(self, table: Table) -> Insert:
         return sqlite.insert(table).on_conflict_do_nothing()
 
+    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
+        insert = sqlite.insert(table)
+        return insert.on_conflict_do_update(
+            index_elements=list(keys), set_={column: table.c[column] + insert.excluded[column]}
+        )
+
     def increment_below(
         self, table: Table, *, column: str, limit: int, keys: dict[str, Any]
     ) -> Insert | None:

@@ -9,8 +9,9 @@ left with a parent that is gone). Its rows in :data:`RUN_TABLES` go in the same 
 The cleaner walks ``ix_runs_finished`` in ``(finished_at, id)`` order, one chunk of ``limit``
 entries per call: the chunk is read without a lock, the plan's limit applied to each run, and
 the runs that pass are locked and checked again (status, age, references) inside the write
-transaction that deletes them, so a run that changed in between (or that another cleaner is
-deleting: skipped, not waited for) is left alone. Each call examines at most ``limit`` runs
+transaction that deletes them (their rows in :data:`RUN_TABLES` by the foreign keys'
+cascade), so a run that changed in between (or that another cleaner is deleting: skipped, not
+waited for) is left alone. Each call examines at most ``limit`` runs
 whatever the mix of plans, and the caller resumes after the chunk's last entry
 (:class:`Cursor`), so one pass reads each finished run once, deletable or not.
 
@@ -25,8 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, delete, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import ColumnElement, Table, and_, delete, func, or_, select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.schema import events, interrupts, messages, retention_tallies, runs, steps, tenants
@@ -35,9 +35,9 @@ from moorline.types import TERMINAL_STATUSES, RunId
 RUN_TABLES: tuple[Table, ...] = (steps, events, interrupts, messages)
 """Every table whose rows belong to one run (its ``run_id``), deleted with the run.
 
-A new table keyed by run id belongs here: ``tests/contract/test_retention.py`` fails on a table
-with a ``run_id`` column that is missing (their foreign keys cascade too, but deleting them
-explicitly counts them, and does not depend on the cascade being declared)."""
+Their rows go with the run through the foreign key's ``ON DELETE CASCADE`` and are counted
+per table. A new table keyed by run id belongs here, with such a key:
+``tests/contract/test_retention.py`` fails on a table with a ``run_id`` that lacks either."""
 
 DAY_S = 86400.0
 _TERMINAL = sorted(status.value for status in TERMINAL_STATUSES)
@@ -178,6 +178,13 @@ class RetentionRepo:
             return (await conn.execute(stmt)).all()
 
     async def _delete(self, candidates: Sequence[RunId], shortest_days: float) -> dict[str, int]:
+        """Lock the candidates still due, count their rows, delete them: three statements.
+
+        Few statements, because the transaction holds SQLite's one write lock across every
+        one of them, and under load each waits its turn on a busy event loop: the rows of
+        :data:`RUN_TABLES` are counted by the locking read (index probes per run) and go with
+        the run by their foreign keys' ``ON DELETE CASCADE``, and the tallies are one upsert.
+        """
         backend = self._db.backend
         # Status and age are checked here, on the locked rows, not in the WHERE clause: given
         # ``status IN (…)`` SQLite's planner walks an index on status (every finished run)
@@ -189,9 +196,10 @@ class RetentionRepo:
                 runs.c.status,
                 runs.c.finished_at,
                 backend.now(plus_s=-shortest_days * DAY_S).label("bound"),
+                *(_rows_of_run(table).label(table.name) for table in RUN_TABLES),
             ).where(runs.c.id.in_(candidates), *(~reference() for reference in REFERENCES))
         )
-        counted: dict[str, int] = {}
+        counted: Counter[str] = Counter()
         async with self._db.write_transaction() as conn:
             confirmed = [
                 row
@@ -201,19 +209,34 @@ class RetentionRepo:
                 and row.finished_at < row.bound
             ]
             if not confirmed:
-                return counted
-            ids = [row.id for row in confirmed]
-            for table in RUN_TABLES:
-                result = await conn.execute(delete(table).where(table.c.run_id.in_(ids)))
-                if result.rowcount:
-                    counted[table.name] = result.rowcount
-            result = await conn.execute(delete(runs).where(runs.c.id.in_(ids)))
+                return {}
+            result = await conn.execute(
+                delete(runs).where(runs.c.id.in_([r.id for r in confirmed]))
+            )
             counted[runs.name] = result.rowcount
+            for table in RUN_TABLES:
+                counted[table.name] = sum(getattr(row, table.name) for row in confirmed)
             per_run = Counter((row.lane, row.status) for row in confirmed)
-            tallies = {(runs.name, lane, status): n for (lane, status), n in per_run.items()}
-            tallies |= {(name, "", ""): n for name, n in counted.items() if name != runs.name}
-            await _add_tallies_txn(conn, self._db, tallies)
-        return counted
+            tallies = [
+                {"table_name": runs.name, "lane": lane, "status": status, "deleted": n}
+                for (lane, status), n in sorted(per_run.items())
+            ]
+            tallies += [
+                {"table_name": name, "lane": "", "status": "", "deleted": n}
+                for name, n in sorted(counted.items())
+                if name != runs.name and n
+            ]
+            await conn.execute(
+                backend.add_to_counters(
+                    retention_tallies, keys=("table_name", "lane", "status"), column="deleted"
+                ).values(tallies)
+            )
+        return {name: n for name, n in counted.items() if n}
+
+
+def _rows_of_run(table: Table) -> Any:
+    """The rows of ``table`` that belong to the run of the outer query (an index probe)."""
+    return select(func.count()).where(table.c.run_id == runs.c.id).scalar_subquery()
 
 
 def _is_due(row: Any, policy: RetentionPolicy) -> bool:
@@ -221,22 +244,3 @@ def _is_due(row: Any, policy: RetentionPolicy) -> bool:
     if days <= 0 or row.status not in _TERMINAL:
         return False
     return bool(row.finished_at < row.now - timedelta(days=days))
-
-
-async def _add_tallies_txn(
-    conn: AsyncConnection, db: DatabaseManager, tallies: Mapping[tuple[str, str, str], int]
-) -> None:
-    """Add to ``retention_tallies`` (rows made at 0 first), in the deleting transaction."""
-    tally = retention_tallies.c
-    for (table_name, lane, status), count in sorted(tallies.items()):
-        keys = {"table_name": table_name, "lane": lane, "status": status}
-        await conn.execute(
-            db.backend.insert_or_lock_existing(retention_tallies, "deleted").values(
-                **keys, deleted=0
-            )
-        )
-        await conn.execute(
-            update(retention_tallies)
-            .where(tally.table_name == table_name, tally.lane == lane, tally.status == status)
-            .values(deleted=tally.deleted + count)
-        )
