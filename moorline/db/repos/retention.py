@@ -20,6 +20,7 @@ it (``moorline_retention_deleted_total``) and adds the runs back into ``moorline
 which would otherwise fall as runs are deleted.
 """
 
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ class Cleaned:
     """Table name → rows deleted (``runs`` among them)."""
     next: Cursor | None = None
     """Where the next batch starts; None when this one reached the end of the old runs."""
+    held_s: float = 0.0
+    """Seconds the deleting write transaction lasted (0 when nothing was due)."""
 
     @property
     def runs(self) -> int:
@@ -139,14 +142,17 @@ class RetentionRepo:
             return Cleaned(examined=0)
         due = [row.id for row in chunk if _is_due(row, policy)]
         deleted: Mapping[str, int] = {}
+        held_s = 0.0
         if due:
+            started = time.monotonic()
             # Not retried as a whole: a commit whose answer was lost would be counted twice.
             deleted = await self._delete(due, shortest)
+            held_s = time.monotonic() - started
         last = chunk[-1]
         next_cursor = (
             Cursor(finished_at=last.finished_at, run_id=last.id) if len(chunk) == limit else None
         )
-        return Cleaned(examined=len(chunk), deleted=deleted, next=next_cursor)
+        return Cleaned(examined=len(chunk), deleted=deleted, next=next_cursor, held_s=held_s)
 
     async def _read_chunk(
         self, shortest_days: float, after: Cursor | None, limit: int
