@@ -523,3 +523,18 @@ async def test_a_run_that_changes_after_the_read_is_left_alone(
         "interrupts": 1,
         "messages": 1,
     }
+
+
+async def test_the_batch_shrinks_only_under_one_write_lock(db: DatabaseManager) -> None:
+    async def policy() -> RetentionPolicy:
+        return KEEP_30
+
+    elector = LeaderElector(QueueRepo(db), name=unique(LEADER_LEASE), holder="a", ttl_s=30.0)
+    cleaner = RetentionCleaner(db, elector, policy, interval_s=60.0, batch=500)
+    slow, quick = cleaner._next_limit(500, 0.2), cleaner._next_limit(100, 0.001)
+    if db.backend.capabilities.row_locks:
+        assert (slow, quick) == (500, 100)  # nothing waits for a deletion
+    else:
+        assert (slow, quick) == (250, 200)
+        assert cleaner._next_limit(500, 0.001) == 500
+        assert cleaner._next_limit(25, 1.0) == 20
