@@ -6,36 +6,27 @@ rows" is checked table by table.
 """
 
 import asyncio
-import os
-import sqlite3
-import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import closing
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import func, insert, select, update
-from sqlalchemy.engine import make_url
+from sqlalchemy import update
 
 from moorline.api.app import create_app
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.gauges import Gauges
 from moorline.db.repos.queue import QueueRepo
 from moorline.db.repos.retention import RUN_TABLES, Cursor, RetentionPolicy, RetentionRepo
-from moorline.db.schema import events, interrupts, messages, metadata, runs, steps
+from moorline.db.schema import metadata, runs
 from moorline.dispatch.leader import LeaderElector
 from moorline.dispatch.retention import LEADER_LEASE, RetentionCleaner
 from moorline.settings import Settings
-from moorline.types import RunId, RunStatus, TenantId
+from moorline.types import RunId, RunStatus
 from tests.contract.queue_helpers import Tenants, unique
+from tests.contract.retention_helpers import KEEP_30, LANE, add_runs, clean_all, rows_of
 from tests.helpers import wait_for
-
-KEEP_30 = RetentionPolicy(default_days=30.0)
-LANE = "workflow"
 
 
 @pytest.fixture
@@ -43,137 +34,6 @@ async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
     made = Tenants(db)
     yield made
     await made.purge()
-
-
-def _run_row(
-    tenant: TenantId,
-    *,
-    status: RunStatus,
-    finished_days_ago: float | None,
-    parent: RunId | None = None,
-) -> dict[str, Any]:
-    now = datetime.now(UTC)
-    finished = None if finished_days_ago is None else now - timedelta(days=finished_days_ago)
-    created = (finished or now) - timedelta(seconds=5)
-    return {
-        "id": str(uuid.uuid4()),
-        "tenant_id": tenant,
-        "workflow": "noop",
-        "status": status.value,
-        "lane": LANE,
-        "priority": 0,
-        "attempt": 1,
-        "max_attempts": 3,
-        "not_before": created,
-        "input_hash": "0" * 64,
-        "input": {},
-        "created_at": created,
-        "updated_at": finished or now,
-        "finished_at": finished,
-        "parent_run_id": parent,
-        "child_key": None if parent is None else unique("key"),
-        "depth": 0 if parent is None else 1,
-    }
-
-
-async def add_runs(
-    db: DatabaseManager,
-    tenant: TenantId,
-    count: int,
-    *,
-    status: RunStatus = RunStatus.SUCCEEDED,
-    finished_days_ago: float | None = 40.0,
-    parent: RunId | None = None,
-) -> list[RunId]:
-    """``count`` runs, each with one step, two events, one interrupt and one message."""
-    rows = [
-        _run_row(tenant, status=status, finished_days_ago=finished_days_ago, parent=parent)
-        for _ in range(count)
-    ]
-    now = datetime.now(UTC)
-    ids = [RunId(row["id"]) for row in rows]
-    async with db.transaction() as conn:
-        await conn.execute(insert(runs), rows)
-        await conn.execute(
-            insert(steps),
-            [
-                {
-                    "run_id": run_id,
-                    "key": "s",
-                    "status": "succeeded",
-                    "attempt": 1,
-                    "function": "f",
-                    "call_hash": "0" * 64,
-                    "output": {"x": 1},
-                    "started_at": now,
-                    "finished_at": now,
-                    "seq": 1,
-                }
-                for run_id in ids
-            ],
-        )
-        await conn.execute(
-            insert(events),
-            [
-                {
-                    "run_id": run_id,
-                    "seq": seq,
-                    "type": "t",
-                    "attempt": 1,
-                    "data": {},
-                    "created_at": now,
-                }
-                for run_id in ids
-                for seq in (1, 2)
-            ],
-        )
-        await conn.execute(
-            insert(interrupts),
-            [
-                {
-                    "id": str(uuid.uuid4()),
-                    "run_id": run_id,
-                    "key": "i",
-                    "action": "a",
-                    "data": {},
-                    "status": "approved",
-                    "attempt": 1,
-                    "created_at": now,
-                    "expires_at": now,
-                }
-                for run_id in ids
-            ],
-        )
-        await conn.execute(
-            insert(messages),
-            [{"run_id": run_id, "seq": 1, "content": "hi", "created_at": now} for run_id in ids],
-        )
-    return ids
-
-
-async def rows_of(db: DatabaseManager, run_ids: Sequence[str]) -> dict[str, int]:
-    """Table name → rows of ``run_ids`` left in it."""
-    found = {}
-    async with db.connect() as conn:
-        count = select(func.count()).where(runs.c.id.in_(list(run_ids)))
-        found["runs"] = (await conn.execute(count)).scalar_one()
-        for table in RUN_TABLES:
-            stmt = select(func.count()).where(table.c.run_id.in_(list(run_ids)))
-            found[table.name] = (await conn.execute(stmt)).scalar_one()
-    return found
-
-
-async def clean_all(
-    db: DatabaseManager, policy: RetentionPolicy = KEEP_30, limit: int = 500
-) -> list[int]:
-    """Batches until the end of the old runs; the runs each deleted."""
-    repo, after, deleted = RetentionRepo(db), None, []
-    while True:
-        batch = await repo.delete_batch(policy, after=after, limit=limit)
-        deleted.append(batch.runs)
-        if batch.next is None:
-            return deleted
-        after = batch.next
 
 
 def test_every_table_keyed_by_run_id_is_cleaned() -> None:
@@ -330,86 +190,6 @@ async def test_the_loop_stops_between_batches(db: DatabaseManager, tenants: Tena
     stop.set()
     await asyncio.wait_for(task, 5.0)  # the 30 s pause was cut short
     assert (await rows_of(db, old))["runs"] == 15
-
-
-def _sqlite_file(db: DatabaseManager) -> str:
-    path = make_url(db.urls[0]).database
-    assert path is not None
-    return path
-
-
-def _checkpoint_and_measure(path: str) -> tuple[int, int, int] | None:
-    """(file bytes, page count, free pages) once the whole log is copied back; else None."""
-    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
-        busy, logged, copied = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        if busy or logged != copied:
-            return None  # the backend's own checkpointer or a reader was in the way
-        pages = conn.execute("PRAGMA page_count").fetchone()[0]
-        free = conn.execute("PRAGMA freelist_count").fetchone()[0]
-    return os.path.getsize(path), pages, free
-
-
-async def measured(db: DatabaseManager) -> tuple[int, int, int]:
-    path = _sqlite_file(db)
-
-    async def measure() -> tuple[int, int, int] | None:
-        return await asyncio.to_thread(_checkpoint_and_measure, path)
-
-    found = await wait_for(measure, message="a checkpoint of the whole log")
-    assert found is not None
-    return found
-
-
-@pytest.mark.requires("embedded")
-async def test_the_sqlite_file_shrinks(db: DatabaseManager, tenants: Tenants) -> None:
-    tenant = await tenants.new()
-    old = await add_runs(db, tenant, 1500)
-    async with db.transaction() as conn:  # bulk: what outputs and event data weigh
-        await conn.execute(
-            insert(events),
-            [
-                {
-                    "run_id": r,
-                    "seq": 3,
-                    "type": "t",
-                    "attempt": 1,
-                    "data": {"x": "y" * 2000},
-                    "created_at": datetime.now(UTC),
-                }
-                for r in old
-            ],
-        )
-    size, pages, _ = await measured(db)
-    elector = LeaderElector(QueueRepo(db), name=unique(LEADER_LEASE), holder="a", ttl_s=30.0)
-
-    async def policy() -> RetentionPolicy:
-        return KEEP_30
-
-    await RetentionCleaner(db, elector, policy, interval_s=60.0, pause_s=0.0).tick()
-    assert (await rows_of(db, old))["runs"] == 0
-    after_size, after_pages, free = await measured(db)
-    # 1,500 runs with ~3 KB each: about a thousand pages of 4 KiB given back.
-    assert after_pages < pages - 800, (pages, after_pages)
-    assert after_size < size - 800 * 4096
-    assert free < 50
-
-
-@pytest.mark.requires("embedded")
-async def test_a_file_made_without_incremental_vacuum_is_reported_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    path = tmp_path / "old.db"
-    with closing(sqlite3.connect(path)) as conn:  # as an older version made it
-        conn.execute("CREATE TABLE made_before (x)")
-    db = DatabaseManager(Settings(database_url=f"sqlite+aiosqlite:///{path}"))
-    try:
-        await db.initialize()
-        assert await db.reclaim_space(100) == 0
-        assert await db.reclaim_space(100) == 0
-    finally:
-        await db.dispose()
-    warned = [r for r in caplog.records if "auto_vacuum" in r.getMessage()]
-    assert len(warned) == 1 and "VACUUM" in warned[0].getMessage()
 
 
 async def test_metrics_serve_what_was_deleted(
