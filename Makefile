@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 RUN_STAMP := $(VENV)/.installed-run-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-full test-schedules-drill test-bulk-full fuzz lint format bench soak clean chromium
+.PHONY: install run test test-full test-schedules-drill test-bulk-full fuzz lint format bench bench-retention soak clean chromium
 
 # constraints.txt: the tested versions (see its header), so CI and users install those.
 $(RUN_STAMP): pyproject.toml constraints.txt
@@ -97,6 +97,11 @@ bench: install
 	$(BIN)/python bench/api.py
 	$(BIN)/python bench/client_cpu.py --sync
 	$(BIN)/python bench/latency.py
+
+# Retention at the issue's full size: 1,000,000 old runs deleted on SQLite and PostgreSQL while
+# a drain runs beside the cleaner (bench/retention.py; its default is 50,000 runs).
+bench-retention: install
+	PYTHONPATH=. $(BIN)/python bench/retention.py --full --finish $(BENCH_ARGS)
 
 # The chaos soak at full size (PostgreSQL + Redis, real processes, faults); `make soak MINUTES=60`.
 # The CI-sized version is tests/soak (about two and a half minutes, part of `make test`).

@@ -11,6 +11,7 @@ of them and add new ones::
         rate_limit: "10/second"
         tenant_concurrency: 4
         lane_slots: 4
+        retention_days: 90     # optional: MOORLINE_RETENTION_DAYS when absent, 0 = for ever
 
 A plan named in the file replaces the default of that name as a whole (no field-by-field merge:
 what the file says is what runs). The community edition routes every plan to the single lane
@@ -63,6 +64,8 @@ class Plan:
         rate_limit: API requests allowed per key, ``"<count>/<second|minute|hour|day>"``.
         tenant_concurrency: Runs of one tenant that may be ``running`` at the same time.
         lane_slots: Worker slots this plan brings to its lane (see :func:`default_lane_slots`).
+        retention_days: Days its tenants' finished runs are kept (0: for ever); None keeps
+            them ``MOORLINE_RETENTION_DAYS``.
     """
 
     name: str
@@ -72,6 +75,7 @@ class Plan:
     rate_limit: str
     tenant_concurrency: int
     lane_slots: int
+    retention_days: float | None = None
 
 
 def parse_rate_limit(value: str) -> tuple[int, float]:
@@ -124,7 +128,7 @@ DEFAULT_PLANS: Mapping[str, Plan] = MappingProxyType(
 
 
 class PlanSpec(BaseModel):
-    """One plan as written in the plans file; every field is required."""
+    """One plan as written in the plans file; every field but ``retention_days`` is required."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -134,6 +138,7 @@ class PlanSpec(BaseModel):
     rate_limit: str
     tenant_concurrency: Annotated[int, Field(ge=1)]
     lane_slots: Annotated[int, Field(ge=1)]
+    retention_days: Annotated[float, Field(ge=0)] | None = None
 
     @field_validator("rate_limit")
     @classmethod
@@ -224,6 +229,18 @@ def default_lane_slots(plans: Mapping[str, Plan]) -> dict[str, int]:
     return {lane: max(count, largest_cap[lane] + 1) for lane, count in slots.items()}
 
 
+def retention_days(plans: Mapping[str, Plan], settings: Settings) -> dict[str, float]:
+    """Plan name → days its tenants' finished runs are kept (0: for ever).
+
+    A plan without ``retention_days`` keeps them ``MOORLINE_RETENTION_DAYS``; so do tenants
+    whose plan the configuration lacks.
+    """
+    return {
+        name: settings.retention_days if plan.retention_days is None else plan.retention_days
+        for name, plan in plans.items()
+    }
+
+
 def tenant_caps(plans: Mapping[str, Plan]) -> dict[str, int]:
     """Plan name → tenant concurrency cap, the shape the claim statement takes."""
     return {name: plan.tenant_concurrency for name, plan in plans.items()}
@@ -289,3 +306,7 @@ class PlansProvider:
     async def tenant_caps(self) -> dict[str, int]:
         """Plan name → tenant concurrency cap for the current plans."""
         return tenant_caps(await self.plans())
+
+    async def retention_days(self) -> dict[str, float]:
+        """Plan name → days finished runs are kept, for the current plans."""
+        return retention_days(await self.plans(), self._settings)

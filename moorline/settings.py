@@ -171,6 +171,21 @@ class Settings(BaseSettings):
     """Seconds between two batches of a bulk job, so that a large one leaves the database to
     the hot path (claims, triggers) between its transactions."""
 
+    retention_days: float = Field(default=30.0, ge=0)
+    """Days a finished run is kept, counted from its end; then the retention cleaner deletes
+    it with its steps, events, messages and interrupts. A plan's ``retention_days`` overrides
+    it for its tenants; 0 keeps finished runs for ever."""
+
+    retention_interval: float = Field(default=600.0, gt=0)
+    """Seconds between two passes of the retention cleaner."""
+
+    retention_batch: int = Field(default=500, ge=1)
+    """Finished runs the retention cleaner examines (and at most deletes) per transaction."""
+
+    retention_pause: float = Field(default=0.2, ge=0)
+    """Seconds the retention cleaner pauses between two batches, leaving the database (and,
+    on SQLite, the one write lock) to the runs being dispatched."""
+
     sse_ping_interval: float = Field(default=15.0, gt=0)
     """Seconds between two keep-alive comments on an event stream."""
 

@@ -211,6 +211,10 @@ class DatabaseManager:
         size = pool.size() if isinstance(pool, QueuePool) else 1
         return checked_out, size
 
+    async def reclaim_space(self, max_pages: int) -> int:
+        """Pages freed by deletions given back to the file system (SQLite; 0 elsewhere)."""
+        return await self.backend.reclaim_space(self._pools, max_pages)
+
     def sqlite_wal_bytes(self) -> int | None:
         """Size of the SQLite write-ahead log file; None for other databases and in-memory."""
         return self.backend.wal_bytes()

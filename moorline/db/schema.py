@@ -5,6 +5,7 @@ migrations in ``moorline/db/migrations`` (a test proves upgrade-from-empty equal
 """
 
 from sqlalchemy import (
+    BigInteger,
     Column,
     Double,
     ForeignKey,
@@ -137,6 +138,9 @@ runs = Table(
     Index("ix_runs_workflow_created", "workflow", "created_at", "id"),
     # The timer sweep: waiting runs whose timer is due. Only waiting runs have a wake_at.
     Index("ix_runs_wake", "status", "wake_at"),
+    # The retention cleaner walks finished runs oldest first; /metrics reads the oldest one.
+    # Only ended runs have a finished_at.
+    Index("ix_runs_finished", "finished_at", "id"),
 )
 # Claim: the tenants with queued runs in a lane (an index skip-scan), then each one's next runs
 # in claim order (priority first, oldest eligible first), without reading a backlog past them.
@@ -266,6 +270,19 @@ schedules = Table(
     Index(None, "tenant_id", "created_at"),
     # The scheduler's pass: the unpaused schedules whose next tick is due.
     Index(None, "paused", "next_at"),
+)
+
+# What the retention cleaner deleted, for ever: rows per table, and runs per (lane, status) so
+# that ``moorline_runs_total`` (ended runs in the table plus those deleted) never falls. Rows of
+# the other tables have lane and status ''. Only the cleaner writes here, in the transaction of
+# the deletion it counts.
+retention_tallies = Table(
+    "retention_tallies",
+    metadata,
+    Column("table_name", String(64), primary_key=True),
+    Column("lane", String(64), primary_key=True),
+    Column("status", String(16), primary_key=True),
+    Column("deleted", BigInteger, nullable=False),
 )
 
 leader_leases = Table(

@@ -10,9 +10,12 @@ Two kinds of figure, kept apart on purpose:
   ``moorline worker`` processes, on however many hosts, share the database, and stays right
   across their restarts. The queries walk ``ix_runs_lane_tenant`` (``status, lane, …``): a
   count per (status, lane) is an index-only scan, and the oldest eligible queued run of a lane
-  is the first entry of its range. Terminal statuses only ever grow (runs are not deleted), so
-  they are served as the counter ``moorline_runs_total``; the statuses a run leaves
-  (``pending``, ``queued``, ``running``, ``waiting``) as the gauge ``moorline_runs_active``.
+  is the first entry of its range. Terminal statuses only ever grow, so they are served as the
+  counter ``moorline_runs_total``: the runs in the table plus those the retention cleaner
+  deleted (kept in ``retention_tallies``, which also serves
+  ``moorline_retention_deleted_total``), so deletion never makes it fall; the statuses a run
+  leaves (``pending``, ``queued``, ``running``, ``waiting``) as the gauge
+  ``moorline_runs_active``.
 - **Events, counted where they happen** (:class:`Metrics`): attempt durations and dispatch
   latency (histograms), retries, reclaims, lease losses, quota and rate-limit rejections.
   Reading these back from the database would mean scanning history at every scrape. They live
@@ -157,6 +160,12 @@ class Snapshot:
     pool_size: int
     sqlite_wal_bytes: int | None = None
     """None when the database is not a SQLite file."""
+    runs_deleted: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """(lane, status) → ended runs the retention cleaner deleted (added to ``runs``)."""
+    rows_deleted: Mapping[str, int] = field(default_factory=dict)
+    """Table name → rows the retention cleaner deleted."""
+    oldest_finished_age_s: float | None = None
+    """Seconds since the oldest stored finished run ended; None when there is none."""
 
 
 class _SnapshotCollector(Collector):
@@ -177,12 +186,13 @@ class _SnapshotCollector(Collector):
             "Runs that have not ended, by lane and status (from the database).",
             labels=["lane", "status"],
         )
-        lanes = sorted({lane for lane, _ in s.runs} | set(s.lanes))
+        lanes = sorted({lane for lane, _ in (*s.runs, *s.runs_deleted)} | set(s.lanes))
         for lane in lanes:
             for status in RunStatus:
                 count = s.runs.get((lane, status.value), 0)
                 if status in TERMINAL_STATUSES:
-                    ended.add_metric([lane, status.value], count)
+                    gone = s.runs_deleted.get((lane, status.value), 0)
+                    ended.add_metric([lane, status.value], count + gone)
                 else:
                     active.add_metric([lane, status.value], count)
         yield ended
@@ -209,6 +219,21 @@ class _SnapshotCollector(Collector):
         for (lane, workflow), count in sorted(s.unserved.items()):
             unserved.add_metric([lane, workflow], count)
         yield unserved
+        deleted = CounterMetricFamily(
+            "moorline_retention_deleted",
+            "Rows the retention cleaner deleted, by table (runs, steps, events, interrupts, "
+            "messages; from the database: every process's).",
+            labels=["table"],
+        )
+        for table, count in sorted(s.rows_deleted.items()):
+            deleted.add_metric([table], count)
+        yield deleted
+        yield _gauge(
+            "moorline_oldest_finished_run_age_seconds",
+            "Seconds since the oldest finished run still stored ended (0: none); retention "
+            "keeps it near the longest retention in force.",
+            s.oldest_finished_age_s or 0.0,
+        )
         yield _gauge(
             "moorline_interrupts_pending",
             "Interrupts waiting for a decision (from the database).",

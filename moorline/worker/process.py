@@ -1,8 +1,9 @@
-"""A worker process: database, plans, wake-ups, the reaper loop and the :class:`Worker`.
+"""A worker process: database, plans, wake-ups, the chores and the :class:`Worker`.
 
 ``moorline worker`` runs this on its own; ``moorline serve`` runs it beside the API in one
-process. Every worker process also runs the reaper loop, the timer sweep and the bulk-job
-processor, of each of which only the leader acts.
+process. Every worker process also runs the loops of the leader-elected chores (the reaper,
+the timer sweep, the bulk-job processor, the retention cleaner, and those passed in, such as
+the scheduler), of which only each chore's leader acts.
 """
 
 import asyncio
@@ -16,6 +17,7 @@ from moorline.db.manager import DatabaseManager
 from moorline.dispatch.bulk import make_bulk_processor
 from moorline.dispatch.chores import LeaderChore
 from moorline.dispatch.reaper import make_reaper
+from moorline.dispatch.retention import make_retention_cleaner
 from moorline.dispatch.timers import make_timer_sweep
 from moorline.dispatch.wakeups import Notifier, Waiter
 from moorline.engine.registry import Moorline
@@ -80,6 +82,7 @@ async def run_worker_process(
     counted = metrics if metrics is not None else Metrics()
     reaper = make_reaper(settings, db, holder=owners[0], notifier=notifier, metrics=counted)
     timers = make_timer_sweep(settings, db, holder=owners[0], notifier=notifier, metrics=counted)
+    cleaner = make_retention_cleaner(settings, db, plans, holder=owners[0])
     own_store = store is None
     secrets = [
         secret.get_secret_value()
@@ -113,6 +116,7 @@ async def run_worker_process(
             for chore in chores:
                 group.create_task(chore.run(stop), name=chore.name)
             group.create_task(bulk.run(stop), name="bulk")
+            group.create_task(cleaner.run(stop), name="retention")
             for index, worker in enumerate(workers):
                 group.create_task(worker.run(stop), name=f"worker:{index}")
     finally:

@@ -162,3 +162,30 @@ def test_a_snapshot_is_served_as_counters_and_gauges() -> None:
     # Each Metrics is its own: nothing leaks into a second one (no global registry).
     again = render(Metrics(), snapshot).decode()
     assert 'moorline_retries_total{lane="workflow_team"}' not in again
+
+
+def test_deleted_runs_stay_counted_and_retention_is_served() -> None:
+    snapshot = Snapshot(
+        runs={("workflow_team", "succeeded"): 7},
+        lanes={},
+        interrupts_pending=0,
+        sse_subscribers=0,
+        pool_checked_out=0,
+        pool_size=5,
+        runs_deleted={("workflow_team", "succeeded"): 100, ("gone_lane", "failed"): 3},
+        rows_deleted={"runs": 103, "events": 400},
+        oldest_finished_age_s=86400.0,
+    )
+    text = render(Metrics(), snapshot).decode()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    team = ("lane", "workflow_team")
+    assert samples[("moorline_runs_total", (team, ("status", "succeeded")))] == 107
+    # A lane whose runs were all deleted is still served, its count never falling to 0.
+    assert samples[("moorline_runs_total", (("lane", "gone_lane"), ("status", "failed")))] == 3
+    assert samples[("moorline_retention_deleted_total", (("table", "runs"),))] == 103
+    assert samples[("moorline_retention_deleted_total", (("table", "events"),))] == 400
+    assert samples[("moorline_oldest_finished_run_age_seconds", ())] == 86400.0

@@ -16,7 +16,7 @@ from moorline.plans import (
     resolve_plans,
     tenant_caps,
 )
-from moorline.settings import Edition, Settings
+from moorline.settings import Edition, Settings, load_settings, unknown_variables
 
 TEAM_OVERRIDE = """
 plans:
@@ -206,3 +206,27 @@ def test_parse_rate_limit(text: str, expected: tuple[int, float]) -> None:
 def test_parse_rate_limit_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         parse_rate_limit(text)
+
+
+async def test_a_plan_may_keep_runs_longer_or_for_ever(tmp_path: Path) -> None:
+    path = tmp_path / "plans.yaml"
+    path.write_text(
+        TEAM_OVERRIDE
+        + "    retention_days: 90\n"
+        + TEAM_OVERRIDE.replace("plans:\n", "").replace("team:", "vault:")
+        + "    retention_days: 0\n"
+    )
+    provider = PlansProvider(Settings(plans_file=path, retention_days=7))
+    days = await provider.retention_days()
+    assert (days["team"], days["vault"], days["sandbox"]) == (90, 0, 7)
+    path.write_text(TEAM_OVERRIDE + "    retention_days: -1\n")
+    with pytest.raises(ConfigError, match="retention_days"):
+        load_plans_file(path)
+
+
+def test_the_retention_settings_are_known_and_checked() -> None:
+    assert unknown_variables({"MOORLINE_RETENTION_DAYS": "7"}) == []
+    [warning] = unknown_variables({"MOORLINE_RETENTION_DAY": "7"})
+    assert "did you mean MOORLINE_RETENTION_DAYS?" in warning
+    with pytest.raises(ConfigError, match="MOORLINE_RETENTION_DAYS"):
+        load_settings(retention_days=-1)

@@ -18,11 +18,13 @@ from moorline.observability.metrics import LaneFigures, Snapshot, render
 async def metrics(services: ServicesDep) -> Response:
     """Every metric of this deployment, read now."""
     gauges = Gauges(services.db)
-    runs, interrupts_pending, loads, unserved = await asyncio.gather(
+    runs, interrupts_pending, loads, unserved, deleted, oldest = await asyncio.gather(
         gauges.runs_by_lane_and_status(),
         gauges.pending_interrupts(),
         services.listing.lane_loads(await services.plans.lane_slots()),
         WorkersRepo(services.db).unserved(),
+        gauges.deleted(),
+        gauges.oldest_finished_age_s(),
     )
     checked_out, pool_size = services.db.pool_usage()
     snapshot = Snapshot(
@@ -37,6 +39,9 @@ async def metrics(services: ServicesDep) -> Response:
         pool_checked_out=checked_out,
         pool_size=pool_size,
         sqlite_wal_bytes=services.db.sqlite_wal_bytes(),
+        runs_deleted=deleted.runs,
+        rows_deleted=deleted.rows,
+        oldest_finished_age_s=oldest,
     )
     return Response(render(services.metrics, snapshot), media_type=CONTENT_TYPE_LATEST)
 

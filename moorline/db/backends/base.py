@@ -202,6 +202,15 @@ class Backend(abc.ABC):
             keys: The row's primary key, by column name.
         """
 
+    @abc.abstractmethod
+    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
+        """An INSERT of counter rows that adds ``column`` to the rows that exist already.
+
+        One statement for many rows (``.values([...])``): a row whose key (``keys``, the
+        table's primary key) is new is inserted as given, an existing one gets the given
+        value added to its ``column``.
+        """
+
     def analyze_statement(self, tables: Sequence[str]) -> str:
         """The statement refreshing the planner's statistics of ``tables`` (or of all)."""
         return "ANALYZE"
@@ -237,6 +246,14 @@ class Backend(abc.ABC):
         self, pools: Pools, statement: Executable, params: dict[str, Any]
     ) -> list[Row[Any]]:
         """As :meth:`write_statement`, for a statement with ``RETURNING``: its rows."""
+
+    async def reclaim_space(self, pools: Pools, max_pages: int) -> int:
+        """Give up to ``max_pages`` pages freed by deletions back to the file system.
+
+        Returns the pages given back. Nothing on the servers, whose own background work
+        (PostgreSQL's autovacuum, InnoDB's purge) makes the space of deleted rows reusable.
+        """
+        return 0
 
     def wal_bytes(self) -> int | None:
         """Size of the write-ahead log file where the backend watches one; else None."""

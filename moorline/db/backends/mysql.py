@@ -87,6 +87,11 @@ class MySQLBackend(ServerBackend):
         """
         return mysql.insert(table).on_duplicate_key_update({column: table.c[column]})
 
+    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
+        """``ON DUPLICATE KEY UPDATE``, which needs no key columns named."""
+        insert = mysql.insert(table)
+        return insert.on_duplicate_key_update({column: table.c[column] + insert.inserted[column]})
+
     def increment_below(
         self, table: Table, *, column: str, limit: int, keys: dict[str, Any]
     ) -> Insert | None:

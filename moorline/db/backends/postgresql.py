@@ -89,6 +89,12 @@ class PostgreSQLBackend(ServerBackend):
         """``ON CONFLICT DO NOTHING``, which locks nothing."""
         return postgresql.insert(table).on_conflict_do_nothing()
 
+    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
+        insert = postgresql.insert(table)
+        return insert.on_conflict_do_update(
+            index_elements=list(keys), set_={column: table.c[column] + insert.excluded[column]}
+        )
+
     def increment_below(
         self, table: Table, *, column: str, limit: int, keys: dict[str, Any]
     ) -> Insert | None:

@@ -11,6 +11,8 @@ statement and ``COMMIT`` to the connection's thread in one crossing
 
 import asyncio
 import functools
+import logging
+import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -32,6 +34,8 @@ from moorline.db.dsn import ConnectTarget
 from moorline.db.types import UTCDateTime
 from moorline.settings import Settings
 
+logger = logging.getLogger(__name__)
+
 BUSY_TIMEOUT_MS = 5000
 PRAGMAS = (
     ("journal_mode", "WAL"),
@@ -43,6 +47,9 @@ PRAGMAS = (
     ("wal_autocheckpoint", "0"),
     ("journal_size_limit", str(sqlite_checkpoint.WAL_KEPT_BYTES)),
 )
+
+_AUTO_VACUUM_INCREMENTAL = 2
+"""``PRAGMA auto_vacuum``'s answer for INCREMENTAL."""
 
 # SQLite keeps UTCDateTime as text in SQLAlchemy's format; '%f' gives SS.SSS, so three literal
 # zeros make it the same six-digit microsecond text and comparisons stay lexical-correct.
@@ -82,6 +89,8 @@ class SQLiteBackend(Backend):
     def shared_file(self) -> str | None:
         return self._file
 
+    _warned_no_vacuum = False
+
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
 
@@ -90,6 +99,12 @@ class SQLiteBackend(Backend):
 
     def insert_ignoring_duplicates(self, table: Table) -> Insert:
         return sqlite.insert(table).on_conflict_do_nothing()
+
+    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
+        insert = sqlite.insert(table)
+        return insert.on_conflict_do_update(
+            index_elements=list(keys), set_={column: table.c[column] + insert.excluded[column]}
+        )
 
     def increment_below(
         self, table: Table, *, column: str, limit: int, keys: dict[str, Any]
@@ -150,6 +165,34 @@ class SQLiteBackend(Backend):
         """Not on SQLite: its one-crossing path reports the rowcount alone."""
         raise NotImplementedError("write_statement_rows: not on SQLite")
 
+    async def reclaim_space(self, pools: Pools, max_pages: int) -> int:
+        """``PRAGMA incremental_vacuum``: up to ``max_pages`` free pages cut off the file.
+
+        On a connection of its own, on a thread, inside this process's writer queue: it waits
+        its turn like any write and the loop goes on meanwhile. (sqlite3's ``execute`` steps a
+        statement without result columns once, which frees one page; ``executescript`` steps
+        it to the end.) The file shrinks at the next checkpoint that copies the whole log. A
+        file made without incremental auto-vacuum keeps its free pages for later rows: that is
+        logged once, with the one-off command that converts it. Nothing in memory.
+        """
+        if self._checkpointer is None:
+            return 0
+        async with self._writer:
+            freed = await asyncio.to_thread(
+                _incremental_vacuum, self._checkpointer.database, max_pages
+            )
+        self._after_write()
+        if freed is None:
+            if not self._warned_no_vacuum:
+                self._warned_no_vacuum = True
+                logger.warning(
+                    "this SQLite file does not give deleted runs' space back to the file "
+                    "system (auto_vacuum is not INCREMENTAL); with Moorline stopped, run once: "
+                    "sqlite3 FILE 'PRAGMA auto_vacuum=INCREMENTAL; VACUUM'"
+                )
+            return 0
+        return freed
+
     def wal_bytes(self) -> int | None:
         """Size of the WAL file; None in memory."""
         return None if self._checkpointer is None else self._checkpointer.wal_bytes()
@@ -168,6 +211,13 @@ def _configure(dbapi_connection: Any, _record: Any) -> None:
     # implicit (deferred) BEGIN.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA page_count")
+    if cursor.fetchone()[0] == 0:
+        # A new file, before WAL mode writes its header: it keeps the pages deletions free in
+        # a list that ``reclaim_space`` gives back to the file system a few at a time. Set on
+        # new files only: on one with tables it cannot change (only a full VACUUM converts
+        # it, docs/design.md), and asking would wait for another process's write lock.
+        cursor.execute("PRAGMA auto_vacuum=INCREMENTAL")
     for name, value in PRAGMAS:
         cursor.execute(f"PRAGMA {name}={value}")
     cursor.close()
@@ -187,6 +237,24 @@ def _begin(conn: Connection) -> None:
         driver.hold_begin(f"BEGIN {mode}")
     else:
         conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def _incremental_vacuum(database: str, max_pages: int) -> int | None:
+    """Free pages given back by ``incremental_vacuum``; None when the file has no such mode."""
+    connection = sqlite3.connect(
+        database, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+    )
+    try:
+        if connection.execute("PRAGMA auto_vacuum").fetchone()[0] != _AUTO_VACUUM_INCREMENTAL:
+            return None
+        before = connection.execute("PRAGMA freelist_count").fetchone()[0]
+        connection.executescript(
+            f"BEGIN IMMEDIATE; PRAGMA incremental_vacuum({int(max_pages)}); COMMIT;"
+        )
+        after = connection.execute("PRAGMA freelist_count").fetchone()[0]
+    finally:
+        connection.close()
+    return int(before) - int(after)
 
 
 def _write_statement(engine: Engine, statement: Executable, params: dict[str, Any]) -> int:
