@@ -270,6 +270,8 @@ schedules = Table(
     Index(None, "tenant_id", "created_at"),
     # The scheduler's pass: the unpaused schedules whose next tick is due.
     Index(None, "paused", "next_at"),
+    # Retention keeps the run a schedule shows as its last: a probe by run id.
+    Index("ix_schedules_last_run_id", "last_run_id"),
 )
 
 # What the retention cleaner deleted, for ever: rows per table, and runs per (lane, status) so
@@ -349,6 +351,8 @@ bulk_job_runs = Table(
     Column("reason", String(64), nullable=True),
     # A job's runs still to do, in run id order (the batches' read).
     Index("ix_bulk_job_runs_todo", "job_id", "outcome", "run_id"),
+    # Retention keeps a run a job has still to act on: a probe by run id.
+    Index("ix_bulk_job_runs_run_id", "run_id"),
 )
 
 for _table in metadata.tables.values():

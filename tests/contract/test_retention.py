@@ -7,19 +7,20 @@ rows" is checked table by table.
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import update
+from sqlalchemy import insert, update
 
 from moorline.api.app import create_app
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.gauges import Gauges
 from moorline.db.repos.queue import QueueRepo
 from moorline.db.repos.retention import RUN_TABLES, Cursor, RetentionPolicy, RetentionRepo
-from moorline.db.schema import metadata, runs
+from moorline.db.schema import bulk_job_runs, bulk_jobs, metadata, runs, schedules
 from moorline.dispatch.leader import LeaderElector
 from moorline.dispatch.retention import LEADER_LEASE, RetentionCleaner
 from moorline.settings import Settings
@@ -74,7 +75,14 @@ async def test_young_and_unfinished_runs_are_untouched(
     live += await add_runs(db, tenant, 2, status=RunStatus.RUNNING, finished_days_ago=90)
     await clean_all(db)
     assert (await rows_of(db, young))["runs"] == 3
-    per_run = {"runs": 1, "steps": 1, "events": 2, "interrupts": 1, "messages": 1}
+    per_run = {
+        "runs": 1,
+        "steps": 1,
+        "events": 2,
+        "interrupts": 1,
+        "messages": 1,
+        "bulk_job_runs": 0,
+    }
     assert await rows_of(db, live) == {table: 10 * n for table, n in per_run.items()}
     assert (await rows_of(db, young))["events"] == 6
 
@@ -100,6 +108,46 @@ async def test_children_of_a_live_parent_stay_and_a_parent_goes_after_its_childr
     await clean_all(db)
     assert (await rows_of(db, [done_parent]))["runs"] == 0
     assert (await rows_of(db, [*kept, old_parent, young_child]))["runs"] == 4
+
+
+async def test_runs_a_bulk_job_or_a_schedule_still_refers_to_stay(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant = await tenants.new()
+    awaited, acted_on, last_fired, plain = await add_runs(db, tenant, 4)
+    now = datetime.now(UTC)
+    async with db.transaction() as conn:
+        job = {"scope": tenant, "action": "retry", "filters": {}, "state": "running", "total": 2}
+        await conn.execute(
+            insert(bulk_jobs).values(id="job-1", **job, created_at=now, updated_at=now)
+        )
+        await conn.execute(
+            insert(bulk_job_runs),
+            [
+                {"job_id": "job-1", "run_id": awaited, "outcome": None},
+                {"job_id": "job-1", "run_id": acted_on, "outcome": "done"},
+            ],
+        )
+        await conn.execute(
+            insert(schedules).values(
+                id="schedule-1",
+                tenant_id=tenant,
+                workflow="w",
+                input={},
+                every_s=60,
+                timezone="UTC",
+                catch_up="skip",
+                next_at=now,
+                last_run_id=last_fired,
+                created_at=now,
+                updated_at=now,
+            )
+        )
+    await clean_all(db)
+    kept = [awaited, last_fired]
+    assert (await rows_of(db, kept))["runs"] == 2
+    gone = [acted_on, plain]
+    assert (await rows_of(db, gone))["runs"] == 0
 
 
 async def test_batches_examine_at_most_their_limit_and_resume_after_it(
@@ -270,7 +318,14 @@ async def test_a_failed_batch_leaves_every_run_whole(
     monkeypatch.setattr(type(db.backend), "add_to_counters", fail)
     with pytest.raises(ConnectionResetError):
         await clean_all(db)
-    per_run = {"runs": 1, "steps": 1, "events": 2, "interrupts": 1, "messages": 1}
+    per_run = {
+        "runs": 1,
+        "steps": 1,
+        "events": 2,
+        "interrupts": 1,
+        "messages": 1,
+        "bulk_job_runs": 0,
+    }
     assert await rows_of(db, old) == {table: 5 * n for table, n in per_run.items()}
 
 
@@ -302,6 +357,7 @@ async def test_a_run_that_changes_after_the_read_is_left_alone(
         "events": 2,
         "interrupts": 1,
         "messages": 1,
+        "bulk_job_runs": 0,
     }
 
 

@@ -2,9 +2,10 @@
 
 A run is deleted when it ended (a terminal status: it never changes again) longer ago than its
 tenant's plan keeps runs (:class:`RetentionPolicy`), and nothing still refers to it
-(:data:`REFERENCES`): not a parent that has not ended (it may still read the child's result on
-its next replay), not a child of its own (a parent goes after its children, so a child is never
-left with a parent that is gone). Its rows in :data:`RUN_TABLES` go in the same transaction.
+(:data:`REFERENCES`): not a child of a parent that has not ended (it may still read the
+child's result on its next replay), not a parent of a child still stored (a parent goes after
+its children, so a child is never left with a parent that is gone), not a run a bulk job or a
+schedule refers to. Its rows in :data:`RUN_TABLES` go in the same transaction.
 
 The cleaner walks ``ix_runs_finished`` in ``(finished_at, id)`` order, one chunk of ``limit``
 entries per call: the chunk is read without a lock, the plan's limit applied to each run, and
@@ -30,10 +31,20 @@ from typing import Any
 from sqlalchemy import ColumnElement, Table, and_, delete, func, or_, select
 
 from moorline.db.manager import DatabaseManager
-from moorline.db.schema import events, interrupts, messages, retention_tallies, runs, steps, tenants
+from moorline.db.schema import (
+    bulk_job_runs,
+    events,
+    interrupts,
+    messages,
+    retention_tallies,
+    runs,
+    schedules,
+    steps,
+    tenants,
+)
 from moorline.types import TERMINAL_STATUSES, RunId
 
-RUN_TABLES: tuple[Table, ...] = (steps, events, interrupts, messages)
+RUN_TABLES: tuple[Table, ...] = (steps, events, interrupts, messages, bulk_job_runs)
 """Every table whose rows belong to one run (its ``run_id``), deleted with the run.
 
 Their rows go with the run through the foreign key's ``ON DELETE CASCADE`` and are counted
@@ -63,12 +74,30 @@ def _has_children() -> ColumnElement[bool]:
     return select(_child.c.parent_run_id).where(_child.c.parent_run_id == runs.c.id).exists()
 
 
-REFERENCES: tuple[Callable[[], ColumnElement[bool]], ...] = (_has_live_parent, _has_children)
-"""Conditions that keep a finished run, however old, as long as one holds (over ``runs``).
+def _awaits_a_bulk_job() -> ColumnElement[bool]:
+    return (
+        select(bulk_job_runs.c.run_id)
+        .where(bulk_job_runs.c.run_id == runs.c.id, bulk_job_runs.c.outcome.is_(None))
+        .exists()
+    )
 
-Schedules (issue 20, item 1) add theirs here: a run that a schedule which has not ended still
-refers to. A condition must be cheap for one run (an index probe): it is checked for every
-run about to be deleted, inside the deleting transaction."""
+
+def _last_of_a_schedule() -> ColumnElement[bool]:
+    return select(schedules.c.last_run_id).where(schedules.c.last_run_id == runs.c.id).exists()
+
+
+REFERENCES: tuple[Callable[[], ColumnElement[bool]], ...] = (
+    _has_live_parent,
+    _has_children,
+    _awaits_a_bulk_job,
+    _last_of_a_schedule,
+)
+"""Conditions that keep a finished run, however old, as long as one holds (over ``runs``):
+a parent that has not ended, children of its own, a bulk job that has yet to act on it (its
+progress counts it), a schedule that shows it as its last run.
+
+A condition must be cheap for one run (an index probe): it is checked for every run about to
+be deleted, inside the deleting transaction."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -53,6 +53,7 @@ def upgrade() -> None:
     )
     op.create_index("ix_schedules_tenant_id_created_at", "schedules", ["tenant_id", "created_at"])
     op.create_index("ix_schedules_paused_next_at", "schedules", ["paused", "next_at"])
+    op.create_index("ix_schedules_last_run_id", "schedules", ["last_run_id"])
 
 
 def downgrade() -> None:

@@ -74,6 +74,7 @@ def upgrade() -> None:
     op.create_index(
         "ix_bulk_job_runs_todo", "bulk_job_runs", ["job_id", "outcome", "run_id"], unique=False
     )
+    op.create_index("ix_bulk_job_runs_run_id", "bulk_job_runs", ["run_id"], unique=False)
 
 
 def downgrade() -> None:
