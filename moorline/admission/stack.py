@@ -1,4 +1,6 @@
-"""Admission with everything it stands on, built one way for the API and for ``app.submit``.
+"""Admission with everything it stands on, built one way for every process that admits runs.
+
+The API, ``app.submit`` and the scheduler of a ``moorline worker`` all build it here.
 
 :func:`build_admission` makes the wake-ups, the quota store, the rate limiter, the group-commit
 :class:`~moorline.dispatch.submit.Submitter` (gated when the counters are in Redis) and the
@@ -41,7 +43,12 @@ class AdmissionStack:
 
 
 def build_admission(
-    settings: Settings, db: DatabaseManager, closing: AsyncExitStack, *, metrics: Metrics
+    settings: Settings,
+    db: DatabaseManager,
+    closing: AsyncExitStack,
+    *,
+    metrics: Metrics,
+    wakeups: tuple[Notifier, Waiter] | None = None,
 ) -> AdmissionStack:
     """Admission over ``db`` with the deployment's wake-ups, counters and rate limits.
 
@@ -52,17 +59,21 @@ def build_admission(
         db: The runs' database.
         closing: Where each part's close is registered.
         metrics: Where admission counts its refusals.
+        wakeups: The process's own wake-ups (a worker process's, which its caller closes);
+            None: made here from the settings, and closed with ``closing``.
     """
-    notifier, waiter = make_wakeups(settings, db)
-    closing.push_async_callback(waiter.close)  # also releases the notifier's connections
-    wakeups = BackgroundNotifier(notifier)
-    closing.push_async_callback(wakeups.close)
+    if wakeups is None:
+        wakeups = make_wakeups(settings, db)
+        closing.push_async_callback(wakeups[1].close)  # also releases the notifier's connections
+    notifier, waiter = wakeups
+    background = BackgroundNotifier(notifier)
+    closing.push_async_callback(background.close)
     runs = RunsRepo(db)
     quotas = make_quota_store(settings, db)
     closing.push_async_callback(quotas.close)
     rate_limiter = RateLimiter(settings)
     closing.push_async_callback(rate_limiter.close)
-    submitter = Submitter(runs, on_enqueued=wakeups, gate=make_gate(rate_limiter, quotas))
+    submitter = Submitter(runs, on_enqueued=background, gate=make_gate(rate_limiter, quotas))
     closing.push_async_callback(submitter.close)
     listing = RunListing(db)
     admission = Admission(

@@ -2,12 +2,13 @@
 
 import asyncio
 import os
+from contextlib import AsyncExitStack
 from typing import Annotated
 
 import typer
 
-from moorline.admission.factory import build_admission
 from moorline.admission.scheduler import make_scheduler
+from moorline.admission.stack import build_admission
 from moorline.cli.banner import workflow_lines
 from moorline.cli.main import configure_logging
 from moorline.db.manager import DatabaseManager
@@ -80,11 +81,12 @@ async def _work(settings: Settings, app: Moorline, lanes: dict[str, int], grace_
         await waiter.start()
         metrics = Metrics()
         # The scheduler submits ticks through admission, as the API submits triggers.
-        admission, closing = build_admission(settings, db, notifier=notifier, metrics=metrics)
+        closing = AsyncExitStack()
+        stack = build_admission(settings, db, closing, metrics=metrics, wakeups=(notifier, waiter))
         try:
             async with closing:
                 scheduler = make_scheduler(
-                    settings, db, admission=admission, workflows=app, metrics=metrics
+                    settings, db, admission=stack.admission, workflows=app, metrics=metrics
                 )
                 await run_worker_process(
                     settings,

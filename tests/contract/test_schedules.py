@@ -4,6 +4,7 @@ the scheduler firing ticks through admission exactly once while its leader dies 
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -11,8 +12,8 @@ import pytest
 from sqlalchemy import func, select
 
 from moorline.admission.admit import Admission
-from moorline.admission.factory import build_admission
 from moorline.admission.scheduler import Scheduler, tick_key
+from moorline.admission.stack import build_admission
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import QueueRepo
 from moorline.db.repos.schedules import NewSchedule, Outcome, Schedule, SchedulesRepo
@@ -85,9 +86,12 @@ def plan_settings(settings: Settings, tmp_path: Path) -> Settings:
 
 @pytest.fixture
 async def admission(db: DatabaseManager, plan_settings: Settings) -> AsyncIterator[Admission]:
-    built, closing = build_admission(plan_settings, db, notifier=LocalWakeups(), metrics=Metrics())
-    async with closing:
-        yield built
+    local = LocalWakeups()
+    async with AsyncExitStack() as closing:
+        stack = build_admission(
+            plan_settings, db, closing, metrics=Metrics(), wakeups=(local, local)
+        )
+        yield stack.admission
 
 
 @pytest.fixture
