@@ -26,7 +26,7 @@ from rich.text import Text
 
 from moorline.client import Client, Event, Run, RunSummary
 from moorline.errors import InvalidInput, MoorlineError
-from moorline.types import JSONObject, RunStatus
+from moorline.types import JSONObject, JSONValue, RunStatus
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 EXIT_ERROR = 1
@@ -279,19 +279,44 @@ def delta_text(event: Event) -> str | None:
 
 
 def describe(event: Event) -> str:
-    """One line for an event: its type and its data as compact JSON."""
-    data = "" if event.data in ({}, None) else " " + json.dumps(event.data, separators=(",", ":"))
+    """One line for an event: its type and its data as compact JSON.
+
+    A failure's traceback is left out: the outcome printed at the end shows it as lines.
+    """
+    shown = event.data
+    if isinstance(shown, dict):
+        shown, _ = split_traceback(shown)
+        if isinstance(shown, dict) and isinstance(shown.get("error"), dict):
+            shown = {**shown, "error": split_traceback(shown["error"])[0]}
+    data = "" if shown in ({}, None) else " " + json.dumps(shown, separators=(",", ":"))
     return f"[{event.seq}] {event.type}{data}"
 
 
 def print_outcome(run: Run) -> None:
-    """The run's final status, then its output (or its error)."""
+    """The run's final status, then its output (or its error, and its traceback as lines)."""
     console = stdout()
     style = "green" if run.status == RunStatus.SUCCEEDED else "red"
     console.print(f"run {run.run_id} {run.status}", style=f"bold {style}")
-    shown = run.output if run.status == RunStatus.SUCCEEDED else run.error
+    if run.status == RunStatus.SUCCEEDED:
+        shown, trace = run.output, None
+    else:
+        shown, trace = split_traceback(run.error)
     if shown is not None:
         print(json.dumps(shown, indent=2, ensure_ascii=False))
+    if trace is not None:
+        console.print(Text(trace.rstrip("\n")))
+
+
+def split_traceback(error: JSONValue) -> tuple[JSONValue, str | None]:
+    """A failed run's error without its ``traceback``, and the traceback apart.
+
+    Inside the JSON the traceback would be one long line of escaped newlines; it is printed
+    below the error as it was written, one frame a line.
+    """
+    if not isinstance(error, dict) or not isinstance(error.get("traceback"), str):
+        return error, None
+    rest = {name: value for name, value in error.items() if name != "traceback"}
+    return rest, str(error["traceback"])
 
 
 @synchronous
@@ -335,14 +360,11 @@ async def status(
         table.add_row(Text("output", style="bold"), Text(json.dumps(run.output)))
     trace = None
     if run.error is not None:
-        # The traceback (error.traceback) goes below the table as it was written, one frame
-        # a line: inside the JSON it would be one long line of escaped newlines.
-        error = dict(run.error) if isinstance(run.error, dict) else run.error
-        trace = error.pop("traceback", None) if isinstance(error, dict) else None
+        error, trace = split_traceback(run.error)
         table.add_row(Text("error", style="bold"), Text(json.dumps(error)))
     console = stdout()
     console.print(table)
-    if isinstance(trace, str):
+    if trace is not None:
         console.print(Text(trace.rstrip("\n")))
 
 

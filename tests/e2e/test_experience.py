@@ -58,6 +58,11 @@ async def test_a_failed_run_keeps_its_traceback_in_the_api_the_cli_and_the_log(
     assert '"message": "boom"' in shown.stdout
     assert "Traceback (most recent call last):" in shown.stdout
     assert "\\n" not in shown.stdout  # the traceback is printed as lines, not escaped
+    followed = cli_as(cluster, key, "submit", "explode", "--input", "{}", "--follow")
+    assert followed.returncode == 2, followed.stderr  # the run did not succeed
+    assert '"message": "boom"' in followed.stdout
+    assert "Traceback (most recent call last):" in followed.stdout
+    assert "\\n" not in followed.stdout
 
     async def logged() -> str | None:
         log = cluster.logs[1].read_text(encoding="utf-8")
