@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from moorline.admission.admit import Admission
 from moorline.admission.ratelimit import RateLimiter
+from moorline.api.guards import authenticated_by
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.bulk_jobs import BulkJobsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
@@ -276,6 +277,20 @@ async def authenticate_admin(request: Request) -> None:
     """
     await check_admin(request.app.state.services, bearer_credential(request))
     request.state.is_admin = True
+
+
+def admin_router() -> APIRouter:
+    """A new router under ``/v1/admin`` that lets only the admin token through.
+
+    The token is checked from the headers before a body is read (:func:`authenticate_admin`),
+    and again as a dependency (:func:`require_admin`), so the OpenAPI document shows it.
+    """
+    return APIRouter(
+        prefix="/v1/admin",
+        tags=["admin"],
+        route_class=authenticated_by(authenticate_admin),
+        dependencies=[Depends(require_admin)],
+    )
 
 
 async def check_admin(services: Services, credential: str | None) -> None:

@@ -7,11 +7,10 @@ a tenant's API key gets 403 ``forbidden``.
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Path
 
-from moorline.api.deps import RUN_ID_PATTERN, ServicesDep, authenticate_admin, require_admin
+from moorline.api.deps import RUN_ID_PATTERN, ServicesDep, admin_router
 from moorline.api.errors import BODY_ERRORS, responses
-from moorline.api.guards import authenticated_by
 from moorline.api.schemas import (
     LaneOut,
     Queues,
@@ -84,12 +83,7 @@ async def queues(services: ServicesDep) -> Queues:
 
 def build_router() -> APIRouter:
     """A new router with the admin routes."""
-    router = APIRouter(
-        prefix="/v1/admin",
-        tags=["admin"],
-        route_class=authenticated_by(authenticate_admin),
-        dependencies=[Depends(require_admin)],
-    )
+    router = admin_router()
     router.add_api_route(
         "/tenants",
         create_tenant,

@@ -17,12 +17,11 @@ is 404 ``run_not_found``.
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from sse_starlette import EventSourceResponse
 
-from moorline.api.deps import ServicesDep, any_run, authenticate_admin, require_admin
+from moorline.api.deps import ServicesDep, admin_router, any_run
 from moorline.api.errors import BODY_ERRORS, responses
-from moorline.api.guards import authenticated_by
 from moorline.api.routes.runs import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
@@ -177,12 +176,7 @@ async def list_tenants(
 
 def build_router() -> APIRouter:
     """A new router with the admin's run and tenant views."""
-    router = APIRouter(
-        prefix="/v1/admin",
-        tags=["admin"],
-        route_class=authenticated_by(authenticate_admin),
-        dependencies=[Depends(require_admin)],
-    )
+    router = admin_router()
     router.add_api_route(
         "/runs",
         list_all_runs,

@@ -10,11 +10,10 @@ runs it held stay listed under it until the reaper takes them back. Admin token 
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Path, Query
 
-from moorline.api.deps import ServicesDep, authenticate_admin, require_admin
+from moorline.api.deps import ServicesDep, admin_router
 from moorline.api.errors import responses
-from moorline.api.guards import authenticated_by
 from moorline.api.schemas import TOKEN, HeldRunOut, WorkerDetail, WorkerList, WorkerOut
 from moorline.db.repos.workers import HeldRun, ListedWorker, WorkersRepo
 from moorline.errors import Forbidden, InvalidRequest, Unauthorized, WorkerNotFound
@@ -87,12 +86,7 @@ async def get_worker(worker_id: WorkerIdPath, services: ServicesDep) -> WorkerDe
 
 def build_router() -> APIRouter:
     """A new router with the workers routes."""
-    router = APIRouter(
-        prefix="/v1/admin",
-        tags=["admin"],
-        route_class=authenticated_by(authenticate_admin),
-        dependencies=[Depends(require_admin)],
-    )
+    router = admin_router()
     router.add_api_route(
         "/workers",
         list_workers,

@@ -16,18 +16,15 @@ cancel`` would otherwise take ``bulk`` for a run id.
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Response
-from fastapi.routing import APIRoute
+from fastapi import APIRouter, Path, Response
 
 from moorline.api.deps import (
     CallerDep,
     Services,
     ServicesDep,
-    authenticate_admin,
-    require_admin,
+    admin_router,
 )
 from moorline.api.errors import BODY_ERRORS, responses
-from moorline.api.guards import authenticated_by
 from moorline.api.routes.admin_runs import ADMIN_ERRORS
 from moorline.api.routes.runs import TenantRoute
 from moorline.api.schemas import AdminBulkRequest, BulkJobOut, BulkRequest
@@ -205,12 +202,6 @@ def build_router() -> APIRouter:
 
 def build_admin_router() -> APIRouter:
     """A new router with the admin's bulk routes."""
-    route_class: type[APIRoute] = authenticated_by(authenticate_admin)
-    router = APIRouter(
-        prefix="/v1/admin",
-        tags=["admin"],
-        route_class=route_class,
-        dependencies=[Depends(require_admin)],
-    )
+    router = admin_router()
     _add_routes(router, admin=True)
     return router

@@ -9,12 +9,11 @@ last key may be revoked too: the tenant keeps its runs and can be given a new ke
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Response
+from fastapi import APIRouter, Path, Response
 from pydantic import BaseModel, ConfigDict
 
-from moorline.api.deps import RUN_ID_PATTERN, ServicesDep, authenticate_admin, require_admin
+from moorline.api.deps import RUN_ID_PATTERN, ServicesDep, admin_router
 from moorline.api.errors import responses
-from moorline.api.guards import authenticated_by
 from moorline.db.repos.records import ApiKey
 from moorline.errors import (
     ApiKeyNotFound,
@@ -96,12 +95,7 @@ async def revoke_key(tenant_id: TenantIdPath, key_id: KeyIdPath, services: Servi
 
 def build_router() -> APIRouter:
     """A new router with the key routes (admin)."""
-    router = APIRouter(
-        prefix="/v1/admin",
-        tags=["admin"],
-        route_class=authenticated_by(authenticate_admin),
-        dependencies=[Depends(require_admin)],
-    )
+    router = admin_router()
     router.add_api_route(
         "/tenants/{tenant_id}/keys",
         list_keys,

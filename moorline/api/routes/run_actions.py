@@ -12,21 +12,18 @@ The admin's routes (``/v1/admin/runs/{run_id}/retry|rerun``) call the same funct
 tenant's run; the admin's re-run counts against the run's tenant's plan, quota included.
 """
 
-from fastapi import APIRouter, Depends, Response
-from fastapi.routing import APIRoute
+from fastapi import APIRouter, Response
 
 from moorline.admission.admit import Trigger
 from moorline.api.deps import (
     CallerDep,
     Services,
     ServicesDep,
+    admin_router,
     any_run,
-    authenticate_admin,
     owned_run,
-    require_admin,
 )
 from moorline.api.errors import responses
-from moorline.api.guards import authenticated_by
 from moorline.api.routes.admin_runs import ADMIN_ERRORS
 from moorline.api.routes.runs import RunIdPath, TenantRoute, accepted, location_of
 from moorline.api.schemas import RerunAccepted, RunAccepted
@@ -160,12 +157,6 @@ def build_router() -> APIRouter:
 
 def build_admin_router() -> APIRouter:
     """A new router with the admin's retry and re-run routes."""
-    route_class: type[APIRoute] = authenticated_by(authenticate_admin)
-    router = APIRouter(
-        prefix="/v1/admin",
-        tags=["admin"],
-        route_class=route_class,
-        dependencies=[Depends(require_admin)],
-    )
+    router = admin_router()
     _add_routes(router, admin=True)
     return router
