@@ -12,6 +12,7 @@ command whose answer was lost finds the job its first request started instead of
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -190,66 +191,52 @@ def print_job(job: BulkJob) -> None:
     )
 
 
-@synchronous
-async def bulk_cancel(
-    status: Status = None,
-    workflow: Workflow = None,
-    conversation: Conversation = None,
-    created_after: CreatedAfter = None,
-    created_before: CreatedBefore = None,
-    ids: Ids = None,
-    tenant: Tenant = None,
-    key: Key = None,
-    no_wait: NoWait = False,
-    url: Url = DEFAULT_URL,
-    api_key: ApiKey = None,
-    admin_token: AdminToken = None,
-    as_json: AsJson = False,
-) -> None:
-    """Cancel every run the filters match (at least one filter), with a progress bar."""
-    await _bulk(
-        "cancel",
-        url=url,
-        api_key=api_key,
-        admin_token=admin_token,
-        key=key,
-        no_wait=no_wait,
-        as_json=as_json,
-        filters=_filters(
-            status, workflow, conversation, created_after, created_before, ids, tenant
-        ),
-    )
+def bulk_command(action: str, summary: str) -> Callable[..., None]:
+    """The ``moorline bulk ACTION`` command: ``summary`` is its help's first line.
+
+    ``cancel`` and ``retry`` take the same filters and options and differ only in the action
+    the job carries out.
+    """
+
+    async def command(
+        status: Status = None,
+        workflow: Workflow = None,
+        conversation: Conversation = None,
+        created_after: CreatedAfter = None,
+        created_before: CreatedBefore = None,
+        ids: Ids = None,
+        tenant: Tenant = None,
+        key: Key = None,
+        no_wait: NoWait = False,
+        url: Url = DEFAULT_URL,
+        api_key: ApiKey = None,
+        admin_token: AdminToken = None,
+        as_json: AsJson = False,
+    ) -> None:
+        await _bulk(
+            action,
+            url=url,
+            api_key=api_key,
+            admin_token=admin_token,
+            key=key,
+            no_wait=no_wait,
+            as_json=as_json,
+            filters=_filters(
+                status, workflow, conversation, created_after, created_before, ids, tenant
+            ),
+        )
+
+    command.__doc__ = summary
+    command.__name__ = command.__qualname__ = f"bulk_{action}"
+    return synchronous(command)
 
 
-@synchronous
-async def bulk_retry(
-    status: Status = None,
-    workflow: Workflow = None,
-    conversation: Conversation = None,
-    created_after: CreatedAfter = None,
-    created_before: CreatedBefore = None,
-    ids: Ids = None,
-    tenant: Tenant = None,
-    key: Key = None,
-    no_wait: NoWait = False,
-    url: Url = DEFAULT_URL,
-    api_key: ApiKey = None,
-    admin_token: AdminToken = None,
-    as_json: AsJson = False,
-) -> None:
-    """Retry every failed or timed-out run the filters match, with a progress bar."""
-    await _bulk(
-        "retry",
-        url=url,
-        api_key=api_key,
-        admin_token=admin_token,
-        key=key,
-        no_wait=no_wait,
-        as_json=as_json,
-        filters=_filters(
-            status, workflow, conversation, created_after, created_before, ids, tenant
-        ),
-    )
+bulk_cancel = bulk_command(
+    "cancel", "Cancel every run the filters match (at least one filter), with a progress bar."
+)
+bulk_retry = bulk_command(
+    "retry", "Retry every failed or timed-out run the filters match, with a progress bar."
+)
 
 
 @synchronous
