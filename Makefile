@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 RUN_STAMP := $(VENV)/.installed-run-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-full test-schedules-drill test-bulk-full fuzz lint format bench bench-retention soak clean chromium
+.PHONY: install run test test-full test-schedules-drill test-bulk-full fuzz lint format bench bench-retention bench-scale soak clean chromium pgbouncer netns redis-sentinel
 
 # constraints.txt: the tested versions (see its header), so CI and users install those.
 $(RUN_STAMP): pyproject.toml constraints.txt
@@ -34,6 +34,19 @@ run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 chromium:
 	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
+# The contract suite also runs through Debian's pgbouncer (tests/pgbouncer.py starts its own).
+pgbouncer:
+	@test -x /usr/sbin/pgbouncer || (apt-get update && apt-get install -y pgbouncer)
+# The partition test (tests/faults/test_partitions.py) builds network namespaces with `ip` and
+# injects faults with `iptables`, both from Debian.
+netns:
+	@(command -v ip && command -v iptables) >/dev/null || \
+		(apt-get update && apt-get install -y iproute2 iptables)
+# The Sentinel and Cluster tests (tests/redis_topologies.py) start Debian's redis-sentinel
+# beside redis-server and redis-cli, on ports of their own.
+redis-sentinel:
+	@test -x /usr/bin/redis-sentinel || (apt-get update && apt-get install -y redis-sentinel)
+
 # compileall: with PYTHONDONTWRITEBYTECODE set (as on these machines) Python never caches
 # bytecode, so each `moorline` process the suite starts (workers, servers, CLI calls: many
 # dozens) would compile the package from source again, about 0.3 s of CPU each; the .pyc
@@ -42,13 +55,13 @@ chromium:
 # each module on databases and Redis prefixes of its own): most tests wait on other processes
 # (servers, workers, leases), so three processes on two cores take about half the time of one.
 TEST_PROCESSES ?= 3
-test: install chromium
+test: install chromium pgbouncer netns redis-sentinel
 	$(BIN)/python -m compileall -q moorline tests
 	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile --cov --cov-report=term \
 		$(PYTEST_ARGS)
 
 # The fault and property tests at the issues' full size (CI runs them smaller): about an hour.
-test-full: install chromium
+test-full: install chromium pgbouncer netns redis-sentinel
 	$(BIN)/python -m compileall -q moorline tests
 	MOORLINE_FULL=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -102,6 +115,12 @@ bench: install
 # a drain runs beside the cleaner (bench/retention.py; its default is 50,000 runs).
 bench-retention: install
 	PYTHONPATH=. $(BIN)/python bench/retention.py --full --finish $(BENCH_ARGS)
+
+# The scaling curve (issue 22): drain rate with 1-8 `moorline worker` processes per backend
+# (bench/scale.py; 2,000 runs per drain took 16-18 minutes on a loaded 2-core machine, the
+# default is 4,000); BENCH_ARGS e.g. "--backends postgresql --runs 2000".
+bench-scale: install
+	PYTHONPATH=. $(BIN)/python bench/scale.py $(BENCH_ARGS)
 
 # The chaos soak at full size (PostgreSQL + Redis, real processes, faults); `make soak MINUTES=60`.
 # The CI-sized version is tests/soak (about two and a half minutes, part of `make test`).

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from api import ADMIN_TOKEN, PLANS_YAML, REDIS_URL, SOURCE_ROOT, delete_keys, se
 from common import on_fresh_database, percentile
 
 from moorline import Client
+from moorline.types import JSONObject
 
 WORKER_START_S = 60.0
 PAUSE_S = (0.005, 0.03)
@@ -51,15 +53,15 @@ def _log_text(log: Path) -> str:
 
 
 async def start_worker(
-    settings: dict[str, str], source: Path, log: Path
+    settings: dict[str, str], source: Path, log: Path, args: Sequence[str] = ()
 ) -> "asyncio.subprocess.Process":
-    """A ``moorline worker`` process, once it logs that it serves its lanes."""
+    """A ``moorline worker [args]`` process, once it logs that it serves its lanes."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
     env.update(settings)
     with log.open("wb") as sink:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "moorline", "worker", "--grace", "1",
+            sys.executable, "-m", "moorline", "worker", "--grace", "1", *args,
             env=env, cwd=source, stdout=sink, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
     deadline = time.monotonic() + WORKER_START_S
@@ -79,15 +81,26 @@ async def stop(process: "asyncio.subprocess.Process") -> None:
         await process.wait()
 
 
-async def measure(url: str, runs: int) -> list[tuple[float, float]]:
-    """(trigger → start, created → start) of ``runs`` runs, one at a time, in milliseconds."""
+async def measure(
+    url: str,
+    runs: int,
+    *,
+    workflow: str = "echo",
+    input: JSONObject | None = None,
+    plan: str = "bench",
+) -> list[tuple[float, float]]:
+    """(trigger → start, created → start) of ``runs`` runs of ``workflow`` (by default
+    ``echo``), one at a time, in milliseconds, for a new tenant on ``plan``."""
+    payload: JSONObject | None = input
+    if payload is None and workflow == "echo":
+        payload = {"message": "latency"}
     async with Client(url, admin_token=ADMIN_TOKEN) as admin:
-        key = (await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", "bench")).api_key
+        key = (await admin.create_tenant(f"bench-{uuid.uuid4().hex[:8]}", plan)).api_key
     latencies: list[tuple[float, float]] = []
     async with Client(url, key, timeout_s=60.0) as client:
         for index in range(runs + 10):  # the first 10 warm up
             sent_at = time.time()
-            run = await client.trigger("echo", {"message": "latency"})
+            run = await client.trigger(workflow, payload)
             deadline = time.monotonic() + 30
             while True:
                 read = await client.get_run(run.run_id)

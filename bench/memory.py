@@ -172,8 +172,8 @@ def probe(store: RuntimeStore) -> dict[str, Any]:
         "arenas": pymalloc_arenas(),
         **malloc_figures(),
     }
-    if isinstance(store, RedisRuntimeStore):
-        pool: Any = store.client.connection_pool
+    if isinstance(store, RedisRuntimeStore) and isinstance(store.client, Redis):
+        pool: Any = store.client.connection_pool  # one server: this bench's only topology
         figures["pool_free"] = len(pool._available_connections)
         figures["pool_used"] = len(pool._in_use_connections)
         figures["connects"] = CONNECTS["redis"]

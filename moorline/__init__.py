@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from moorline.engine.submitting import Submission, Submitted
     from moorline.errors import (
         BackendUnavailable,
+        BudgetExceeded,
         ConfigError,
         Conflict,
         LimitExceeded,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 _MODULE_OF = {
     "BackendUnavailable": "moorline.errors",
+    "BudgetExceeded": "moorline.errors",
     "Cancelled": "moorline.engine.context",
     "ChildFailed": "moorline.errors",
     "Client": "moorline.client",
@@ -75,6 +77,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BackendUnavailable",
+    "BudgetExceeded",
     "Cancelled",
     "ChildFailed",
     "Client",

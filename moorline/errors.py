@@ -36,10 +36,12 @@ Every error Moorline raises on purpose derives from :class:`MoorlineError`::
     ├── LimitExceeded          429: a quota or rate limit refused the request
     │   ├── RateLimited        rate_limited: the key's API rate limit; nothing was stored
     │   ├── QuotaExceeded      quota_exceeded: the daily quota; the run is stored rate_limited
+    │   ├── BudgetExhausted    budget_exhausted: the daily token/cost budget; nothing stored
     │   ├── BodyTooLarge       413 body_too_large: the body is over MOORLINE_MAX_BODY_BYTES
     │   ├── HeadersTooLarge    431 headers_too_large: too many or too large request headers
     │   └── ServerBusy         503 server_busy: the server holds MOORLINE_MAX_CONNECTIONS already
     ├── BackendUnavailable     503: the database or Redis could not be reached
+    ├── BudgetExceeded         raised inside a workflow at a model call after the budget ran out
     ├── SoftTimeLimitExceeded  raised inside a workflow at its soft time limit; catchable
     └── TimeLimitExceeded      an attempt ran past its hard time limit: the run ends timed_out
 
@@ -338,6 +340,19 @@ class QuotaExceeded(LimitExceeded):
         return {"run_id": self.run_id, "retry_after_s": self.retry_after_s}
 
 
+class BudgetExhausted(LimitExceeded):
+    """The tenant's daily token or cost budget is spent; nothing was stored."""
+
+    code = "budget_exhausted"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+
+    @property
+    def details(self) -> dict[str, Detail]:
+        return {"retry_after_s": self.retry_after_s}
+
+
 class BodyTooLarge(LimitExceeded):
     """The request body is over ``MOORLINE_MAX_BODY_BYTES``; it was not read any further."""
 
@@ -364,6 +379,16 @@ class BackendUnavailable(MoorlineError):
 
     code = "backend_unavailable"
     status = 503
+
+
+class BudgetExceeded(MoorlineError):
+    """Raised inside a workflow by a model call that would start after the budget is spent.
+
+    Not retried: another attempt today would be refused the same way, so the run ends
+    ``failed`` with reason ``budget`` (:mod:`moorline.dispatch.retry`).
+    """
+
+    code = "budget_exceeded"
 
 
 class SoftTimeLimitExceeded(MoorlineError):

@@ -104,6 +104,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     _mysql("aiomysql.Connection", "_writer", Shape.ATTRIBUTE),
     _mysql("aiomysql.connection._StreamReader", "eof_received", Shape.ATTRIBUTE),
     _mysql("aiomysql.connection.MySQLResult", "__init__", Shape.SOURCE, "self.has_next"),
+    # dsn._connect bounds unacknowledged data on the drivers' sockets (TCP_USER_TIMEOUT).
+    PrivateName(
+        library="asyncpg",
+        owner="asyncpg.connection.Connection",
+        name="_transport",
+        shape=Shape.ATTRIBUTE,
+        user="moorline/db/dsn.py",
+    ),
     # ratelimit.SweptMemoryStorage replaces the storage's sweep scheduling (name-mangled).
     PrivateName(
         library="limits",

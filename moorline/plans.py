@@ -12,6 +12,8 @@ of them and add new ones::
         tenant_concurrency: 4
         lane_slots: 4
         retention_days: 90     # optional: MOORLINE_RETENTION_DAYS when absent, 0 = for ever
+        daily_tokens: 2000000  # optional: model tokens its tenants may spend per UTC day
+        daily_cost: 25.0       # optional: model cost (the models file's prices) per UTC day
 
 A plan named in the file replaces the default of that name as a whole (no field-by-field merge:
 what the file says is what runs). The community edition routes every plan to the single lane
@@ -31,12 +33,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from moorline.concurrency import TTLCache, run_in_thread
 from moorline.errors import ConfigError
-from moorline.settings import Edition, Settings
+from moorline.settings import Edition, Settings, read_settings_file
 
 COMMUNITY_LANE = "workflow"
 """The one lane of the community edition."""
@@ -66,6 +67,10 @@ class Plan:
         lane_slots: Worker slots this plan brings to its lane (see :func:`default_lane_slots`).
         retention_days: Days its tenants' finished runs are kept (0: for ever); None keeps
             them ``MOORLINE_RETENTION_DAYS``.
+        daily_tokens: Model tokens (prompt + completion) a tenant may spend per UTC day;
+            None: no token budget (:mod:`moorline.admission.budgets`).
+        daily_cost: Model cost, in the unit of the models file's prices, a tenant may spend
+            per UTC day; None: no cost budget.
     """
 
     name: str
@@ -76,6 +81,13 @@ class Plan:
     tenant_concurrency: int
     lane_slots: int
     retention_days: float | None = None
+    daily_tokens: int | None = None
+    daily_cost: float | None = None
+
+    @property
+    def has_budget(self) -> bool:
+        """Whether the plan limits its tenants' daily model spend at all."""
+        return self.daily_tokens is not None or self.daily_cost is not None
 
 
 def parse_rate_limit(value: str) -> tuple[int, float]:
@@ -128,7 +140,7 @@ DEFAULT_PLANS: Mapping[str, Plan] = MappingProxyType(
 
 
 class PlanSpec(BaseModel):
-    """One plan as written in the plans file; every field but ``retention_days`` is required."""
+    """One plan as written in the plans file; ``retention_days`` and the budgets are optional."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -139,6 +151,8 @@ class PlanSpec(BaseModel):
     tenant_concurrency: Annotated[int, Field(ge=1)]
     lane_slots: Annotated[int, Field(ge=1)]
     retention_days: Annotated[float, Field(ge=0)] | None = None
+    daily_tokens: Annotated[int, Field(ge=0)] | None = None
+    daily_cost: Annotated[float, Field(ge=0)] | None = None
 
     @field_validator("rate_limit")
     @classmethod
@@ -157,14 +171,6 @@ class PlansFile(BaseModel):
     )
 
 
-def _describe(path: Path, exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-    if first["type"] == "extra_forbidden":
-        return f"plans file {path}: unknown key {where!r}"
-    return f"plans file {path}: {where}: {first['msg']}"
-
-
 def load_plans_file(path: Path) -> dict[str, Plan]:
     """Read and validate a plans file; returns only the plans it names.
 
@@ -172,20 +178,7 @@ def load_plans_file(path: Path) -> dict[str, Plan]:
         ConfigError: the file is missing, is not YAML, or breaks the schema; the message names
             the file and the offending key.
     """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"MOORLINE_PLANS_FILE: cannot read {path}: {exc.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"plans file {path}: not valid YAML{at}") from None
-    try:
-        parsed = PlansFile.model_validate(raw if raw is not None else {})
-    except ValidationError as exc:
-        raise ConfigError(_describe(path, exc)) from None
+    parsed = read_settings_file(path, PlansFile, kind="plans file", setting="MOORLINE_PLANS_FILE")
     return {
         name: Plan(name=name, **spec.model_dump()) for name, spec in sorted(parsed.plans.items())
     }

@@ -8,10 +8,18 @@ import difflib
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+import yaml
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from moorline.errors import ConfigError
@@ -27,6 +35,13 @@ class Edition(StrEnum):
 
     CLOUD = "cloud"
     COMMUNITY = "community"
+
+
+class DatabasePooler(StrEnum):
+    """What sits between Moorline and PostgreSQL: nothing, or PgBouncer in transaction mode."""
+
+    NONE = "none"
+    PGBOUNCER = "pgbouncer"
 
 
 class LogFormat(StrEnum):
@@ -71,6 +86,21 @@ class Settings(BaseSettings):
 
     database_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Comma-separated URLs tried primary-first for new connections; overrides DATABASE_URL."""
+
+    database_pooler: DatabasePooler = DatabasePooler.NONE
+    """``pgbouncer`` when the PostgreSQL URLs reach PgBouncer in transaction pooling mode.
+
+    Each transaction may then run on another server session, so nothing may rely on session
+    state: asyncpg prepares no named statements, and LISTEN goes to :attr:`listen_url`
+    (without it, workers find work by their slow poll). ``none``: the URLs reach PostgreSQL
+    (or MySQL, SQLite) directly.
+    """
+
+    listen_url: str | None = None
+    """PostgreSQL URL reaching the database directly, not through a pooler, for the LISTEN
+    connection of the LISTEN/NOTIFY wake-ups; several, comma-separated, are tried primary-first
+    as ``database_urls`` are. Unset, LISTEN uses the database URLs (but not behind PgBouncer,
+    see :attr:`database_pooler`)."""
 
     db_pool_size: int = Field(default=5, ge=1)
     """Connections kept open per process (PostgreSQL, MySQL)."""
@@ -123,6 +153,9 @@ class Settings(BaseSettings):
     edition: Edition = Edition.CLOUD
     plans_file: Path | None = None
     """YAML file whose plans replace the defaults of the same name."""
+
+    models_file: Path | None = None
+    """YAML file of model prices (and provider limits); unset: every model costs 0."""
 
     lease_ttl: float = Field(default=90.0, gt=0)
     """Seconds a worker's lease on a run lives without a heartbeat (heartbeat every TTL/3)."""
@@ -184,7 +217,8 @@ class Settings(BaseSettings):
 
     retention_pause: float = Field(default=0.2, ge=0)
     """Seconds the retention cleaner pauses between two batches, leaving the database (and,
-    on SQLite, the one write lock) to the runs being dispatched."""
+    on SQLite, the one write lock) to the runs being dispatched. On SQLite, while nothing else
+    commits, the pause is only as long as the batch took."""
 
     sse_ping_interval: float = Field(default=15.0, gt=0)
     """Seconds between two keep-alive comments on an event stream."""
@@ -234,6 +268,9 @@ class Settings(BaseSettings):
 
     llm_api_key: SecretStr | None = None
     llm_model: str = "gpt-4o-mini"
+
+    metrics_tenant_label: bool = False
+    """Add a ``tenant`` label to the ``moorline_llm_*`` metrics (one series per tenant)."""
 
     app: str | None = None
     """``module:attr`` of the user's Moorline app; unset means the bundled example app."""
@@ -324,3 +361,39 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
         hint = f"; did you mean {close[0]}?" if close else ""
         warnings.append(f"unknown setting {name} is ignored{hint}")
     return warnings
+
+
+SchemaT = TypeVar("SchemaT", bound=BaseModel)
+
+
+def read_settings_file(path: Path, schema: type[SchemaT], *, kind: str, setting: str) -> SchemaT:
+    """Read and validate a YAML file a setting names (the plans file, the models file).
+
+    Args:
+        path: The file.
+        schema: Its pydantic model (``extra="forbid"``, so a misspelt key is named).
+        kind: What the file is, for messages ("plans file").
+        setting: The setting that names it, for a file that cannot be read.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or breaks the schema; one line naming
+            the file and the offending key.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{kind} {path}: not valid YAML{at}") from None
+    try:
+        return schema.model_validate(raw if raw is not None else {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        if first["type"] == "extra_forbidden":
+            raise ConfigError(f"{kind} {path}: unknown key {where!r}") from None
+        raise ConfigError(f"{kind} {path}: {where}: {first['msg']}") from None

@@ -3,6 +3,9 @@
 :meth:`Admission.admit` takes every trigger (HTTP, webhook, client) through the same steps;
 the first that refuses ends the decision:
 
+0. **Budget** (:mod:`moorline.dispatch.budgets`), only for plans with ``daily_tokens`` or
+   ``daily_cost``: a tenant whose model spend today has reached it is refused 429
+   ``budget_exhausted`` with ``Retry-After`` to 00:00 UTC; nothing is stored or counted.
 1. **API rate limit** of the credential (:mod:`moorline.admission.ratelimit`): over it is
    429 ``rate_limited`` and nothing is stored or counted.
 2. **Input**: the workflow's parameters validate the input (422 ``invalid_input``, nothing
@@ -60,9 +63,11 @@ from moorline.db.repos.listing import RunListing
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo, hash_input
+from moorline.dispatch.budgets import BudgetStore, exhausted
 from moorline.dispatch.submit import RateClaim, Submitter, new_run_for_plan
 from moorline.engine.registry import WorkflowDefinition
 from moorline.errors import (
+    BudgetExhausted,
     ConversationBusy,
     IdempotencyConflict,
     InvalidInput,
@@ -144,6 +149,7 @@ class Admission:
         rate_limiter: RateLimiter,
         clock: Callable[[], datetime] | None = None,
         metrics: Metrics | None = None,
+        budgets: BudgetStore | None = None,
     ) -> None:
         """Wire the decision to its stores.
 
@@ -155,12 +161,14 @@ class Admission:
             rate_limiter: The API rate limits.
             clock: Aware UTC "now" (the quota's day), replaceable in tests.
             metrics: Where refusals are counted; default a private set nobody scrapes.
+            budgets: The daily model spend, read for plans with a budget; None: no budgets.
         """
         self._runs = runs
         self._listing = listing
         self._submitter = submitter
         self._quotas = quotas
         self._rate_limiter = rate_limiter
+        self._budgets = budgets
         self._clock = clock or (lambda: datetime.now(UTC))
         self._rejections = (metrics or Metrics()).rejections
         self._locks: KeyedLock[str] = KeyedLock()
@@ -178,8 +186,12 @@ class Admission:
             IdempotencyConflict: the key was used with another workflow or input.
             ConversationBusy: the conversation has an active run; nothing was stored.
             QuotaExceeded: the daily quota is used up; the run was stored ``rate_limited``.
-            BackendUnavailable: the quota store did not answer; nothing was stored.
+            BudgetExhausted: the plan's daily token or cost budget is spent; nothing was
+                stored.
+            BackendUnavailable: the quota or budget store did not answer; nothing was stored.
         """
+        if trigger.plan.has_budget and self._budgets is not None:
+            await self._check_budget(trigger, self._budgets)
         keys = _lock_keys(trigger)
         if not keys and self._submitter.is_gated:
             return await self._admit_with_batch(trigger)
@@ -202,6 +214,23 @@ class Admission:
                     raise ConversationBusy(checked.conversation_id, active)
             run, created = await self._shielded(self._take_and_store(checked))
         return Admitted(run=run, created=created, rate=rate)
+
+    async def _check_budget(self, trigger: Trigger, budgets: BudgetStore) -> None:
+        """Refuse the trigger when its tenant's model spend today has reached the budget.
+
+        A read only: spend is charged by the model calls themselves, so the check needs no
+        unit to give back and a refused trigger leaves nothing behind.
+        """
+        now = self._clock()
+        spend = await budgets.spent(trigger.tenant_id, quota_day(now))
+        why = exhausted(trigger.plan, spend)
+        if why is not None:
+            self._rejections.labels(reason=BudgetExhausted.code).inc()
+            retry_after_s = seconds_until(now, next_reset(now))
+            raise BudgetExhausted(
+                f"{why}; it resets at 00:00 UTC, in {retry_after_s}s",
+                retry_after_s=retry_after_s,
+            )
 
     async def _hit(self, trigger: Trigger) -> RateLimitState | None:
         """Count the trigger against its credential's rate limit, on its own."""

@@ -155,28 +155,26 @@ class RedisQuotaStore(QuotaStore):
         """Create the store; nothing connects before the first command.
 
         Args:
-            url: The Redis URL (``MOORLINE_REDIS_URL``).
+            url: The Redis URL (``MOORLINE_REDIS_URL``): one server, Sentinel or Cluster.
             prefix: The key prefix (``MOORLINE_REDIS_PREFIX``).
             clock: Aware UTC "now", replaceable in tests; it sets the counters' expiry.
 
         Raises:
-            ConfigError: the ``redis`` package is not installed.
+            ConfigError: the ``redis`` package is not installed, or the URL is wrong.
         """
         try:
-            from redis.asyncio import BlockingConnectionPool, Redis
             from redis.exceptions import RedisError
 
             from moorline.runtime.redis import load_script, run_scripts
+            from moorline.runtime.redis_client import RedisConnector
         except ImportError:  # pragma: no cover - the test environment installs every extra
             raise ConfigError(
                 "MOORLINE_REDIS_URL: the redis package is missing; install moorline[redis]"
             ) from None
         # A blocking pool: a burst of triggers beyond it waits for a connection, where the
         # default pool would fail the ones past its 100th with "Too many connections" (503).
-        self._client = Redis.from_pool(
-            BlockingConnectionPool.from_url(
-                url, decode_responses=True, max_connections=REDIS_CONNECTIONS
-            )
+        self._client = RedisConnector(url).client(
+            decode_responses=True, max_connections=REDIS_CONNECTIONS
         )
         self._redis_error = RedisError
         self._run_scripts = run_scripts

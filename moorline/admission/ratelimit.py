@@ -48,10 +48,10 @@ from moorline.runtime.keys import RedisKeys
 from moorline.settings import Settings
 
 if TYPE_CHECKING:
-    from redis.asyncio import Redis as AsyncRedis
     from redis.commands.core import AsyncScript
 
     from moorline.runtime.redis import ScriptCall
+    from moorline.runtime.redis_client import RedisClient
 
 logger = logging.getLogger(__name__)
 
@@ -170,23 +170,22 @@ class RateLimiter:
 
     def __init__(self, settings: Settings) -> None:
         """Choose the storage: Redis when ``MOORLINE_REDIS_URL`` is set, else memory."""
-        self._pool: Any = None
-        self._redis: tuple[AsyncRedis, AsyncScript, type[Exception]] | None = None
+        self._client: RedisClient | None = None
+        self._redis: tuple[RedisClient, AsyncScript, type[Exception]] | None = None
         self._memory = SyncMovingWindowRateLimiter(_memory_storage(fast=settings.fast_paths))
         self._key_prefix = RedisKeys(settings.redis_prefix).rate_limits()
         if settings.redis_url:
-            from redis.asyncio import BlockingConnectionPool, Redis
             from redis.exceptions import RedisError
 
             from moorline.runtime.redis import run_scripts
+            from moorline.runtime.redis_client import RedisConnector
 
             self._run_scripts = run_scripts
-            # Our own pool, so that close() can release its connections; blocking, so that a
-            # burst waits for a connection instead of failing (and being let through) beyond it.
-            self._pool = BlockingConnectionPool.from_url(
-                settings.redis_url, max_connections=REDIS_CONNECTIONS
+            # Our own client, so that close() can release its connections; a blocking pool, so
+            # that a burst waits for a connection instead of failing (and being let through).
+            self._client = client = RedisConnector(settings.redis_url).client(
+                max_connections=REDIS_CONNECTIONS
             )
-            client = Redis(connection_pool=self._pool)
             self._redis = (client, client.register_script(MOVING_WINDOW_HIT), RedisError)
         self._items: dict[str, limits.RateLimitItem] = {}
 
@@ -307,6 +306,6 @@ class RateLimiter:
 
     async def close(self) -> None:
         """Release the Redis connections, if any; idempotent."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.aclose()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()

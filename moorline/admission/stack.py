@@ -2,11 +2,12 @@
 
 The API, ``app.submit`` and the scheduler of a ``moorline worker`` all build it here.
 
-:func:`build_admission` makes the wake-ups, the quota store, the rate limiter, the group-commit
-:class:`~moorline.dispatch.submit.Submitter` (gated when the counters are in Redis) and the
-:class:`~moorline.admission.admit.Admission` over them, and registers each one's close on the
-caller's exit stack, so the last built closes first (admission lets its decisions finish
-before the Submitter writes its last batch, before the counters it settles batches with).
+:func:`build_admission` makes the wake-ups, the quota and budget stores, the rate limiter,
+the group-commit :class:`~moorline.dispatch.submit.Submitter` (gated when the counters are in
+Redis) and the :class:`~moorline.admission.admit.Admission` over them, and registers each one's
+close on the caller's exit stack, so the last built closes first (admission lets its decisions
+finish before the Submitter writes its last batch, before the counters it settles batches
+with).
 """
 
 from contextlib import AsyncExitStack
@@ -19,6 +20,7 @@ from moorline.admission.ratelimit import RateLimiter
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.listing import RunListing
 from moorline.db.repos.runs import RunsRepo
+from moorline.dispatch.budgets import make_budget_store
 from moorline.dispatch.submit import Submitter
 from moorline.dispatch.wakeups import BackgroundNotifier, Notifier, Waiter, make_wakeups
 from moorline.observability.metrics import Metrics
@@ -71,6 +73,8 @@ def build_admission(
     runs = RunsRepo(db)
     quotas = make_quota_store(settings, db)
     closing.push_async_callback(quotas.close)
+    budgets = make_budget_store(settings, db)
+    closing.push_async_callback(budgets.close)
     rate_limiter = RateLimiter(settings)
     closing.push_async_callback(rate_limiter.close)
     submitter = Submitter(runs, on_enqueued=background, gate=make_gate(rate_limiter, quotas))
@@ -83,6 +87,7 @@ def build_admission(
         quotas=quotas,
         rate_limiter=rate_limiter,
         metrics=metrics,
+        budgets=budgets,
     )
     closing.push_async_callback(admission.close)
     return AdmissionStack(

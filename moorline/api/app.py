@@ -43,6 +43,7 @@ from moorline.api.routes import (
     run_actions,
     runs,
     schedules,
+    stats,
     usage,
     webhook_admin,
     webhooks,
@@ -52,11 +53,14 @@ from moorline.db.repos.bulk_jobs import BulkJobsRepo
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.steps import StepsRepo
 from moorline.db.repos.tenants import AUTH_CACHE_TTL_S, TenantsRepo
+from moorline.db.repos.usage import UsageRepo
 from moorline.db.repos.webhooks import WebhooksRepo
 from moorline.engine.inbox import Inbox
 from moorline.engine.loader import load_app
 from moorline.engine.registry import Moorline
 from moorline.engine.streams import EventStreams
+from moorline.llm.models import ModelsProvider
+from moorline.observability import tracing
 from moorline.observability.metrics import Metrics
 from moorline.plans import PlansProvider, resolve_plans
 from moorline.runtime.factory import make_runtime_store
@@ -105,9 +109,8 @@ def create_app(
         lifespan=lifespan,
         # A JSON body without a Content-Type is still JSON; JSONBodyRoute refuses other types.
         strict_content_type=False,
-        # FastAPI's OpenTelemetry hooks, unused (Moorline's metrics are Prometheus, /metrics),
-        # otherwise ask the OpenTelemetry providers on every request whether they are set up.
-        telemetry={"tracing": False, "metrics": False, "logs": False},
+        # FastAPI's OpenTelemetry hooks: its request spans when tracing is on, else none.
+        telemetry=tracing.fastapi_telemetry(),
     )
     complete_openapi(app, resolve_plans(settings))
     app.state.settings = settings
@@ -133,6 +136,7 @@ def create_app(
         webhooks,
         webhook_admin,
         schedules,
+        stats,
         usage,
         metrics,
         catalogue,
@@ -151,6 +155,7 @@ def _build_services(
     # What can fail on a bad configuration comes first, before any client exists.
     registry = workflows if workflows is not None else load_app(settings.app)
     plans = PlansProvider(settings)
+    models = ModelsProvider(settings)
     closing = AsyncExitStack()
     closing.push_async_callback(db.dispose)
     store = make_runtime_store(settings)
@@ -178,5 +183,7 @@ def _build_services(
         stream_slots=StreamSlots(settings.max_streams_per_tenant),
         metrics=counted,
         bulk_jobs=BulkJobsRepo(db),
+        usage=UsageRepo(db),
+        models=models,
     )
     return services, closing

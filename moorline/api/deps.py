@@ -46,12 +46,14 @@ from moorline.db.repos.records import Run, Tenant
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.repos.steps import StepsRepo
 from moorline.db.repos.tenants import TenantsRepo, hash_api_key, is_api_key_shaped
+from moorline.db.repos.usage import UsageRepo
 from moorline.db.repos.webhooks import WebhooksRepo
 from moorline.dispatch.wakeups import Notifier, Waiter
 from moorline.engine.inbox import Inbox
 from moorline.engine.registry import Moorline
 from moorline.engine.streams import EventStreams
 from moorline.errors import Forbidden, RateLimited, RunNotFound, Unauthorized
+from moorline.llm.models import ModelsProvider
 from moorline.observability.metrics import Metrics
 from moorline.plans import Plan, PlansProvider
 from moorline.runtime.base import RuntimeStore
@@ -147,6 +149,10 @@ class Services:
     count theirs)."""
     bulk_jobs: BulkJobsRepo
     """Bulk cancels and retries: stored here, processed by the worker processes."""
+    usage: UsageRepo
+    """LLM usage totals (``GET /v1/usage``, ``/metrics``)."""
+    models: ModelsProvider
+    """The models file, read at start so that a bad one stops ``serve --workers 0`` too."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -113,6 +113,8 @@ class TenantLoad(BaseModel):
     tenant_concurrency: int = Field(description="The plan's cap on the tenant's running runs.")
     running: int
     created_at: datetime
+    tokens_today: int = Field(default=0, description="LLM tokens of its runs today (UTC).")
+    cost_today: float = Field(default=0.0, description="What those LLM calls cost.")
 
 
 class TenantList(BaseModel):
@@ -281,6 +283,19 @@ class RunBatchAnswer(BaseModel):
     results: list[RunBatchItem]
 
 
+class ModelUsageOut(BaseModel):
+    """One model's calls: tokens (prompt tokens include the cached ones), requests, cost."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    requests: int
+    failed_requests: int
+    """Calls that failed or were left before the reply ended (their usage, if any, counts)."""
+    cost: float
+    """Priced by the models file when the calls were made (0 for a model it does not name)."""
+
+
 class StepOut(BaseModel):
     """One checkpointed step."""
 
@@ -289,6 +304,34 @@ class StepOut(BaseModel):
     attempt: int
     started_at: datetime
     finished_at: datetime | None
+    usage: dict[str, ModelUsageOut] | None = None
+    """The model calls the step made, by model; null when it made none."""
+
+
+class RunUsageOut(BaseModel):
+    """What a run's model calls used, and what its replayed steps saved."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cost: float
+    saved_tokens: int
+    """Tokens of steps replayed from their checkpoint, which called no model again."""
+    saved_cost: float
+    by_model: dict[str, ModelUsageOut]
+
+
+class ApprovalOut(BaseModel):
+    """A decision the run asked for: when, and when it was decided (the wait between)."""
+
+    interrupt_id: str
+    action: str
+    status: str
+    """``pending``, else the decision (``approved``, ``denied``)."""
+    reason: str | None
+    """Why it was decided so (``approved``, ``denied``, ``timeout``, …); null while pending."""
+    requested_at: datetime
+    decided_at: datetime | None
 
 
 class PendingInterrupt(BaseModel):
@@ -303,7 +346,7 @@ class PendingInterrupt(BaseModel):
 class WaitingFor(BaseModel):
     """What a ``waiting`` run waits for (it holds no worker slot meanwhile)."""
 
-    kind: Literal["permission", "sleep", "message", "children"]
+    kind: Literal["permission", "sleep", "message", "children", "capacity"]
     until: datetime | None
     """When the wait ends by itself: the permission's deadline, the sleep's end, the message
     wait's timeout; null for a message wait without one."""
@@ -378,7 +421,11 @@ class RunOut(RunSummary):
     children: list[ChildOut] = []
     """The runs this one started with ``ctx.start_child``, in the order it started them."""
     steps: list[StepOut]
+    approvals: list[ApprovalOut] = []
+    """Every decision the run asked for, oldest first (the timeline's waits)."""
     pending_interrupt: PendingInterrupt | None
+    usage: RunUsageOut | None = None
+    """The run's LLM usage (zeros for a run whose steps called no model)."""
 
 
 class RunList(BaseModel):
@@ -446,18 +493,43 @@ class WebhookCreated(BaseModel):
     secret: str
 
 
+class UsageTotalsOut(ModelUsageOut):
+    """Totals of a model or a workflow today, with what replays saved."""
+
+    saved_tokens: int
+    saved_cost: float
+
+
 class UsageOut(BaseModel):
-    """The tenant's daily quota."""
+    """The tenant's daily quota, and its LLM usage today (UTC)."""
 
     tenant_id: str
+    tenant_name: str
     plan: str
     daily_quota: int
     used_today: int
     remaining: int
     resets_at: datetime
+    tokens_today: int = 0
+    """Prompt and completion tokens of the tenant's model calls today."""
+    cost_today: float = 0.0
+    saved_tokens_today: int = 0
+    """Tokens replayed steps did not spend again today."""
+    saved_cost_today: float = 0.0
+    by_model: dict[str, UsageTotalsOut] = {}
+    by_workflow: dict[str, UsageTotalsOut] = {}
 
 
 # --- retry, re-run and bulk actions ---------------------------------------------------------
+
+
+class RerunRequest(RequestBody):
+    """A re-run's optional body."""
+
+    idempotency_key: IdempotencyKey | None = Field(
+        default=None,
+        description="The same key again returns the first re-run instead of starting another.",
+    )
 
 
 class RerunAccepted(RunAccepted):

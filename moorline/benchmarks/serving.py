@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from redis.asyncio import Redis
 
 from moorline.api.app import create_app
 from moorline.api.deps import Services
@@ -26,6 +25,7 @@ from moorline.client import Client
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.engine.registry import Moorline
+from moorline.runtime.redis_client import RedisConnector
 from moorline.settings import Settings
 from moorline.worker.process import run_worker_process
 
@@ -128,7 +128,7 @@ async def _server(settings: Settings, workflows: Moorline) -> AsyncIterator[Serv
 
 async def delete_keys(prefix: str) -> None:
     """Every Redis key of this server (they all start with its prefix)."""
-    redis = Redis.from_url(REDIS_URL)
+    redis = RedisConnector(REDIS_URL).client()
     try:
         keys = [key async for key in redis.scan_iter(match=f"{prefix}:*", count=1000)]
         for start in range(0, len(keys), 1000):

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from moorline.cli.run_filters import CreatedAfter, CreatedBefore, Ids, aware
 from moorline.client import Client, Event, Run, RunSummary
 from moorline.errors import InvalidInput, MoorlineError
 from moorline.types import JSONObject, JSONValue, RunStatus
@@ -462,13 +463,23 @@ async def runs(
         str | None, typer.Option(help="Only runs of this workflow.", show_default=False)
     ] = None,
     limit: Annotated[int, typer.Option(min=1, max=200, help="At most this many runs.")] = 20,
+    created_after: CreatedAfter = None,
+    created_before: CreatedBefore = None,
+    ids: Ids = None,
     url: Url = DEFAULT_URL,
     api_key: ApiKey = None,
     as_json: AsJson = False,
 ) -> None:
     """List the tenant's runs, newest first."""
     async with Client(url, api_key) as client:
-        page = await client.list_runs(status=status, workflow=workflow, limit=limit)
+        page = await client.list_runs(
+            status=status,
+            workflow=workflow,
+            created_after=aware(created_after),
+            created_before=aware(created_before),
+            ids=ids or None,
+            limit=limit,
+        )
     if as_json:
         print_json(page)
         return

@@ -13,7 +13,7 @@ command whose answer was lost finds the job its first request started instead of
 import asyncio
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated
 
 import typer
@@ -30,6 +30,7 @@ from moorline.cli.client_commands import (
     stdout,
     synchronous,
 )
+from moorline.cli.run_filters import CreatedAfter, CreatedBefore, Ids, aware
 from moorline.client import BulkJob, Client
 
 POLL_INTERVAL_S = 0.5
@@ -50,24 +51,6 @@ Workflow = Annotated[
 Conversation = Annotated[
     str | None,
     typer.Option("--conversation", help="Only this conversation's runs.", show_default=False),
-]
-CreatedAfter = Annotated[
-    datetime | None,
-    typer.Option(
-        "--created-after",
-        help="Only runs created at or after this time (RFC 3339, UTC if no offset).",
-        show_default=False,
-    ),
-]
-CreatedBefore = Annotated[
-    datetime | None,
-    typer.Option(
-        "--created-before", help="Only runs created before this time.", show_default=False
-    ),
-]
-Ids = Annotated[
-    list[str] | None,
-    typer.Option("--id", help="Only this run (repeat for more).", show_default=False),
 ]
 Tenant = Annotated[
     str | None,
@@ -131,10 +114,18 @@ async def rerun(
     api_key: ApiKey = None,
     admin_token: AdminToken = None,
     as_json: AsJson = False,
+    key: Annotated[
+        str | None,
+        typer.Option(
+            "--idempotency-key",
+            help="The same key again returns the first re-run instead of starting another.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Start a new run with a run's workflow and input; the new run names it in `rerun_of`."""
     async with _client(url, api_key, admin_token) as client:
-        result = await client.rerun(run_id, admin=admin_token is not None)
+        result = await client.rerun(run_id, idempotency_key=key, admin=admin_token is not None)
     if as_json:
         print_json(result)
     else:
@@ -269,15 +260,8 @@ def _filters(
         "status": status,
         "workflow": workflow,
         "conversation_id": conversation,
-        "created_after": _aware(created_after),
-        "created_before": _aware(created_before),
+        "created_after": aware(created_after),
+        "created_before": aware(created_before),
         "ids": ids or None,
         "tenant_id": tenant,
     }
-
-
-def _aware(moment: datetime | None) -> datetime | None:
-    """A time given without an offset is UTC, as every time of the API is."""
-    if moment is None or moment.tzinfo is not None:
-        return moment
-    return moment.replace(tzinfo=UTC)

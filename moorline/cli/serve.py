@@ -30,6 +30,7 @@ from moorline.db.manager import DatabaseManager
 from moorline.engine.loader import DEFAULT_APP, load_app
 from moorline.engine.registry import Moorline
 from moorline.errors import ConfigError
+from moorline.observability import tracing
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import AccessLog, Settings, load_settings
 from moorline.worker.process import run_worker_process
@@ -72,6 +73,7 @@ def serve(
     """
     settings = load_settings()
     configure_logging(settings, warn_unknown=True)
+    tracing.configure_from_env("moorline-serve")
     spec = app or settings.app or DEFAULT_APP
     application = load_app(spec, app_dir=os.getcwd())
     # The port first: a port in use must be one line before anything is printed, generated or
@@ -86,7 +88,10 @@ def serve(
             loops=workers,
             listed=workflow_lines(application, spec),
         )
-        started = runner.run(serving)
+        try:
+            started = runner.run(serving)
+        finally:
+            tracing.shutdown()  # the spans still buffered are exported
     if not started:
         raise typer.Exit(EXIT_STARTUP_FAILED)
 

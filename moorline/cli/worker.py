@@ -16,6 +16,7 @@ from moorline.dispatch.lanes import resolve_lanes
 from moorline.dispatch.wakeups import make_wakeups
 from moorline.engine.loader import DEFAULT_APP, load_app
 from moorline.engine.registry import Moorline
+from moorline.observability import tracing
 from moorline.observability.metrics import Metrics
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import Settings, load_settings
@@ -63,12 +64,16 @@ def worker(
     """
     settings = load_settings()
     configure_logging(settings, warn_unknown=True)
+    tracing.configure_from_env("moorline-worker")
     spec = app or settings.app or DEFAULT_APP
     application = load_app(spec, app_dir=os.getcwd())
     print("\n".join(workflow_lines(application, spec)), flush=True)
     served = resolve_lanes(lanes, default_lane_slots(resolve_plans(settings)))
     pin_mmap_threshold()  # RSS stays flat on asyncio's read buffers: see the function
-    asyncio.run(_work(settings, application, served, grace))
+    try:
+        asyncio.run(_work(settings, application, served, grace))
+    finally:
+        tracing.shutdown()  # the spans still buffered are exported
 
 
 async def _work(settings: Settings, app: Moorline, lanes: dict[str, int], grace_s: float) -> None:

@@ -48,6 +48,7 @@ from moorline.client.results import (
     Event,
     Lane,
     MessageAccepted,
+    ModelUsage,
     PendingInterrupt,
     Readiness,
     RerunAccepted,
@@ -56,12 +57,14 @@ from moorline.client.results import (
     RunAccepted,
     RunPage,
     RunSummary,
+    RunUsage,
     Schedule,
     Step,
     Tenant,
     TenantCreated,
     TenantPage,
     Usage,
+    UsageTotals,
     WaitingFor,
     Webhook,
     WebhookListed,
@@ -73,7 +76,7 @@ from moorline.client.results import (
 from moorline.client.sse import parse_sse
 from moorline.client.sync import SyncClient
 from moorline.client.transport import KeepAliveTransport
-from moorline.types import JSONObject, JSONValue, RunStatus
+from moorline.types import JSONObject, JSONValue
 
 
 class Client:
@@ -276,42 +279,27 @@ class Client:
         return await self._call(calls.get_run(run_id))
 
     async def list_runs(
-        self,
-        *,
-        status: RunStatus | str | None = None,
-        workflow: str | None = None,
-        conversation_id: str | None = None,
-        limit: int | None = None,
-        cursor: str | None = None,
+        self, *, limit: int | None = None, cursor: str | None = None, **filters: Any
     ) -> RunPage:
-        """One page of the tenant's runs, newest first."""
-        call = calls.list_runs(
-            status=status,
-            workflow=workflow,
-            conversation_id=conversation_id,
-            limit=limit,
-            cursor=cursor,
-        )
+        """One page of the tenant's runs matching the filters, newest first.
+
+        Filters: ``status``, ``workflow``, ``conversation_id``, ``created_after``,
+        ``created_before`` (aware datetimes), ``ids`` (at most 100), ``run_id`` (an id's first
+        characters) and ``input_contains`` (see :func:`calls.run_filters`).
+        """
+        call = calls.list_runs(calls.run_filters(**filters), limit=limit, cursor=cursor)
         return await self._call(call)
 
     async def iter_runs(
         self,
         *,
-        status: RunStatus | str | None = None,
-        workflow: str | None = None,
-        conversation_id: str | None = None,
         page_size: int | None = None,
+        **filters: Any,
     ) -> AsyncIterator[RunSummary]:
         """Every run matching the filters, newest first, fetching page after page."""
         cursor: str | None = None
         while True:
-            page = await self.list_runs(
-                status=status,
-                workflow=workflow,
-                conversation_id=conversation_id,
-                limit=page_size,
-                cursor=cursor,
-            )
+            page = await self.list_runs(limit=page_size, cursor=cursor, **filters)
             for run in page.runs:
                 yield run
             if page.next_cursor is None:
@@ -329,9 +317,15 @@ class Client:
         """
         return await self._call(calls.retry(run_id, admin=admin))
 
-    async def rerun(self, run_id: str, *, admin: bool = False) -> RerunAccepted:
-        """Start a new run with the run's workflow and input, linked to it (``rerun_of``)."""
-        return await self._call(calls.rerun(run_id, admin=admin))
+    async def rerun(
+        self, run_id: str, *, idempotency_key: str | None = None, admin: bool = False
+    ) -> RerunAccepted:
+        """Start a new run with the run's workflow and input, linked to it (``rerun_of``).
+
+        The same ``idempotency_key`` again returns the first re-run instead of a second one.
+        """
+        call = calls.rerun(run_id, idempotency_key=idempotency_key, admin=admin)
+        return await self._call(call)
 
     async def bulk_cancel(
         self,
@@ -340,14 +334,14 @@ class Client:
         admin: bool = False,
         **filters: Any,
     ) -> BulkJob:
-        """Cancel every run the filters match, as a job (see :func:`calls.bulk_filters`).
+        """Cancel every run the filters match, as a job (see :func:`calls.run_filters`).
 
         Filters: ``status``, ``workflow``, ``conversation_id``, ``created_after``,
         ``created_before``, ``ids``, and ``tenant_id`` with ``admin``. The same
         ``idempotency_key`` again returns the first request's job.
         """
         call = calls.start_bulk(
-            "cancel", calls.bulk_filters(**filters), idempotency_key=idempotency_key, admin=admin
+            "cancel", calls.run_filters(**filters), idempotency_key=idempotency_key, admin=admin
         )
         return await self._call(call)
 
@@ -360,7 +354,7 @@ class Client:
     ) -> BulkJob:
         """Retry every failed or timed-out run the filters match (as :meth:`bulk_cancel`)."""
         call = calls.start_bulk(
-            "retry", calls.bulk_filters(**filters), idempotency_key=idempotency_key, admin=admin
+            "retry", calls.run_filters(**filters), idempotency_key=idempotency_key, admin=admin
         )
         return await self._call(call)
 
@@ -569,6 +563,7 @@ __all__ = [
     "Event",
     "Lane",
     "MessageAccepted",
+    "ModelUsage",
     "PendingInterrupt",
     "Readiness",
     "RerunAccepted",
@@ -577,6 +572,7 @@ __all__ = [
     "RunAccepted",
     "RunPage",
     "RunSummary",
+    "RunUsage",
     "Schedule",
     "ServerUnreachable",
     "Step",
@@ -584,6 +580,7 @@ __all__ = [
     "Tenant",
     "TenantCreated",
     "Usage",
+    "UsageTotals",
     "WaitingFor",
     "Webhook",
     "Worker",

@@ -317,21 +317,10 @@ def get_run(run_id: str) -> Call[Run]:
 
 
 def list_runs(
-    *,
-    status: RunStatus | str | None,
-    workflow: str | None,
-    conversation_id: str | None,
-    limit: int | None,
-    cursor: str | None,
+    filters: Mapping[str, Any], *, limit: int | None, cursor: str | None
 ) -> Call[RunPage]:
-    """``GET /v1/runs``; unset filters are left out of the query."""
-    params = {
-        "status": None if status is None else str(status),
-        "workflow": workflow,
-        "conversation_id": conversation_id,
-        "limit": limit,
-        "cursor": cursor,
-    }
+    """``GET /v1/runs`` with :func:`run_filters`' ``filters``; unset ones are left out."""
+    params = {**filters, "limit": limit, "cursor": cursor}
     query = {key: value for key, value in params.items() if value is not None}
     return Call(model=RunPage, method="GET", path="/v1/runs", params=query)
 
@@ -351,12 +340,15 @@ def retry(run_id: str, *, admin: bool = False) -> Call[RunAccepted]:
     )
 
 
-def rerun(run_id: str, *, admin: bool = False) -> Call[RerunAccepted]:
-    """``POST /v1[/admin]/runs/{run_id}/rerun``."""
+def rerun(
+    run_id: str, *, idempotency_key: str | None = None, admin: bool = False
+) -> Call[RerunAccepted]:
+    """``POST /v1[/admin]/runs/{run_id}/rerun``, with a body only when a key is given."""
     return Call(
         model=RerunAccepted,
         method="POST",
         path=f"{_runs(admin)}/{segment(run_id)}/rerun",
+        json=None if idempotency_key is None else {"idempotency_key": idempotency_key},
         admin=admin,
     )
 
@@ -377,7 +369,7 @@ def start_bulk(
     )
 
 
-def bulk_filters(
+def run_filters(
     *,
     status: RunStatus | str | None = None,
     workflow: str | None = None,
@@ -386,9 +378,17 @@ def bulk_filters(
     created_before: datetime | None = None,
     ids: Sequence[str] | None = None,
     tenant_id: str | None = None,
+    run_id: str | None = None,
+    input_contains: str | None = None,
 ) -> dict[str, Any]:
-    """A bulk request's filters as sent (those that are None are left out)."""
+    """The filters of a listing or a bulk request as sent (those that are None are dropped).
+
+    ``run_id`` (an id's first characters) and ``input_contains`` (a word of the input, in any
+    case, among the newest 5,000 runs the other filters select) are the listing's only.
+    """
     return {
+        "run_id": run_id,
+        "input_contains": input_contains,
         "status": None if status is None else str(status),
         "workflow": workflow,
         "conversation_id": conversation_id,

@@ -48,6 +48,9 @@ class TenantLoad(Tenant):
     tenant_concurrency: int
     running: int
     created_at: datetime
+    tokens_today: int = 0
+    """LLM tokens of its runs today (UTC)."""
+    cost_today: float = 0.0
 
 
 class TenantPage(Result):
@@ -202,6 +205,17 @@ class BulkJob(Result):
         return self.state == "finished"
 
 
+class ModelUsage(Result):
+    """One model's calls: tokens (prompt tokens include the cached ones), requests, cost."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    requests: int
+    failed_requests: int
+    cost: float
+
+
 class Step(Result):
     """One checkpointed step of a run."""
 
@@ -210,6 +224,20 @@ class Step(Result):
     attempt: int
     started_at: datetime
     finished_at: datetime | None
+    usage: dict[str, ModelUsage] | None = None
+    """The model calls the step made, by model; None when it made none."""
+
+
+class RunUsage(Result):
+    """What a run's model calls used, and what its replayed steps saved."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cost: float
+    saved_tokens: int
+    saved_cost: float
+    by_model: dict[str, ModelUsage]
 
 
 class PendingInterrupt(Result):
@@ -268,6 +296,8 @@ class Run(RunSummary):
     steps: list[Step]
     pending_interrupt: PendingInterrupt | None
     children: list[Child] = []
+    usage: RunUsage | None = None
+    """The run's LLM usage (None from a server older than issue 18)."""
 
 
 class RunPage(Result):
@@ -356,15 +386,30 @@ class Schedules(Result):
     schedules: list[Schedule]
 
 
+class UsageTotals(ModelUsage):
+    """A model's or a workflow's LLM usage today, with what replays saved."""
+
+    saved_tokens: int
+    saved_cost: float
+
+
 class Usage(Result):
-    """The tenant's daily quota."""
+    """The tenant's daily quota, and its LLM usage today (UTC)."""
 
     tenant_id: str
+    tenant_name: str | None = None
+    """None from a server older than the field."""
     plan: str
     daily_quota: int
     used_today: int
     remaining: int
     resets_at: datetime
+    tokens_today: int = 0
+    cost_today: float = 0.0
+    saved_tokens_today: int = 0
+    saved_cost_today: float = 0.0
+    by_model: dict[str, UsageTotals] = {}
+    by_workflow: dict[str, UsageTotals] = {}
 
 
 class WorkflowLimits(Result):

@@ -56,7 +56,7 @@ from moorline.client.results import (
     WorkflowInfo,
 )
 from moorline.client.sse import parse_sse_sync
-from moorline.types import JSONObject, JSONValue, RunStatus
+from moorline.types import JSONObject, JSONValue
 
 
 class SyncClient:
@@ -244,42 +244,27 @@ class SyncClient:
         return self._call(calls.get_run(run_id))
 
     def list_runs(
-        self,
-        *,
-        status: RunStatus | str | None = None,
-        workflow: str | None = None,
-        conversation_id: str | None = None,
-        limit: int | None = None,
-        cursor: str | None = None,
+        self, *, limit: int | None = None, cursor: str | None = None, **filters: Any
     ) -> RunPage:
-        """One page of the tenant's runs, newest first."""
-        call = calls.list_runs(
-            status=status,
-            workflow=workflow,
-            conversation_id=conversation_id,
-            limit=limit,
-            cursor=cursor,
-        )
+        """One page of the tenant's runs matching the filters, newest first.
+
+        Filters: ``status``, ``workflow``, ``conversation_id``, ``created_after``,
+        ``created_before`` (aware datetimes), ``ids`` (at most 100), ``run_id`` (an id's first
+        characters) and ``input_contains`` (see :func:`calls.run_filters`).
+        """
+        call = calls.list_runs(calls.run_filters(**filters), limit=limit, cursor=cursor)
         return self._call(call)
 
     def iter_runs(
         self,
         *,
-        status: RunStatus | str | None = None,
-        workflow: str | None = None,
-        conversation_id: str | None = None,
         page_size: int | None = None,
+        **filters: Any,
     ) -> Iterator[RunSummary]:
         """Every run matching the filters, newest first, fetching page after page."""
         cursor: str | None = None
         while True:
-            page = self.list_runs(
-                status=status,
-                workflow=workflow,
-                conversation_id=conversation_id,
-                limit=page_size,
-                cursor=cursor,
-            )
+            page = self.list_runs(limit=page_size, cursor=cursor, **filters)
             yield from page.runs
             if page.next_cursor is None:
                 return
@@ -296,9 +281,14 @@ class SyncClient:
         """
         return self._call(calls.retry(run_id, admin=admin))
 
-    def rerun(self, run_id: str, *, admin: bool = False) -> RerunAccepted:
-        """Start a new run with the run's workflow and input, linked to it (``rerun_of``)."""
-        return self._call(calls.rerun(run_id, admin=admin))
+    def rerun(
+        self, run_id: str, *, idempotency_key: str | None = None, admin: bool = False
+    ) -> RerunAccepted:
+        """Start a new run with the run's workflow and input, linked to it (``rerun_of``).
+
+        The same ``idempotency_key`` again returns the first re-run instead of a second one.
+        """
+        return self._call(calls.rerun(run_id, idempotency_key=idempotency_key, admin=admin))
 
     def bulk_cancel(
         self,
@@ -307,14 +297,14 @@ class SyncClient:
         admin: bool = False,
         **filters: Any,
     ) -> BulkJob:
-        """Cancel every run the filters match, as a job (see :func:`calls.bulk_filters`).
+        """Cancel every run the filters match, as a job (see :func:`calls.run_filters`).
 
         Filters: ``status``, ``workflow``, ``conversation_id``, ``created_after``,
         ``created_before``, ``ids``, and ``tenant_id`` with ``admin``. The same
         ``idempotency_key`` again returns the first request's job.
         """
         call = calls.start_bulk(
-            "cancel", calls.bulk_filters(**filters), idempotency_key=idempotency_key, admin=admin
+            "cancel", calls.run_filters(**filters), idempotency_key=idempotency_key, admin=admin
         )
         return self._call(call)
 
@@ -327,7 +317,7 @@ class SyncClient:
     ) -> BulkJob:
         """Retry every failed or timed-out run the filters match (as :meth:`bulk_cancel`)."""
         call = calls.start_bulk(
-            "retry", calls.bulk_filters(**filters), idempotency_key=idempotency_key, admin=admin
+            "retry", calls.run_filters(**filters), idempotency_key=idempotency_key, admin=admin
         )
         return self._call(call)
 

@@ -32,6 +32,7 @@ import asyncio
 import logging
 import math
 import re
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,12 @@ Driver = Literal["sqlite", "postgres", "mysql"]
 
 PROBE_TIMEOUT_S = 5.0
 """Seconds one address may take to accept a connection before the next one is tried."""
+UNACKNOWLEDGED_TIMEOUT_S = 10.0
+"""``TCP_USER_TIMEOUT`` of every database connection: how long data sent to the server may go
+unacknowledged before the kernel closes the connection. Behind a partition that drops packets
+(no reset, no FIN) a statement would otherwise wait until TCP gives up, about 15 minutes: the
+API would hang instead of answering 503 and a worker's heartbeats would stall. Idle connections
+and slow statements are not affected: only data the server's host has not acknowledged counts."""
 
 SSL_FILE_KEYS = ("ssl_ca", "ssl_cert", "ssl_key")
 POSTGRES_KEYS = frozenset({"sslmode", "command_timeout", "application_name"})
@@ -395,10 +402,23 @@ async def _connect(target: ConnectTarget, timeout_s: float, fast_paths: bool) ->
     if target.driver == "postgres":
         import asyncpg
 
-        return await asyncpg.connect(**target.kwargs, timeout=timeout_s)
-    from moorline.db import mysql_driver
+        connection = await asyncpg.connect(**target.kwargs, timeout=timeout_s)
+        transport = getattr(connection, "_transport", None)
+    else:
+        from moorline.db import mysql_driver
 
-    return await mysql_driver.connect(**target.kwargs, connect_timeout=timeout_s, fast=fast_paths)
+        connection = await mysql_driver.connect(
+            **target.kwargs, connect_timeout=timeout_s, fast=fast_paths
+        )
+        writer = getattr(connection, "_writer", None)
+        transport = None if writer is None else writer.transport
+    # Neither driver exposes its socket publicly (fastpaths.PRIVATE_NAMES lists both names); a
+    # version without them keeps the public path: a connection without the bound.
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        milliseconds = int(UNACKNOWLEDGED_TIMEOUT_S * 1000)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
+    return connection
 
 
 def _describe(exc: Exception, target: ConnectTarget, timeout_s: float) -> str:

@@ -59,7 +59,7 @@ class DatabaseManager:
             shown = ", ".join(hide_password(url) for url in urls)
             raise ConfigError(f"MOORLINE_DATABASE_URLS mixes database drivers: {shown}")
         (driver,) = drivers
-        self.backend: Backend = backend_for_driver(driver)
+        self.backend: Backend = backend_for_driver(driver, settings.database_pooler)
         server = self.backend.capabilities.server
         if not server and len(urls) > 1:
             raise ConfigError("MOORLINE_DATABASE_URLS: failover needs PostgreSQL or MySQL URLs")
@@ -67,9 +67,30 @@ class DatabaseManager:
         self.targets: list[ConnectTarget] = [parse_target(url) for url in urls] if server else []
         """The backend's name, for code not yet asking ``backend`` (the run and queue
         repositories)."""
+        self.listen_targets: list[ConnectTarget] = self._listen_targets(settings)
+        """Where a LISTEN connection goes (``MOORLINE_LISTEN_URL``, else the database URLs
+        where a session keeps state); empty when LISTEN has nowhere to go."""
         self._pools = self.backend.create_pools(settings, urls[0], self.targets)
         self.engine: AsyncEngine = self._pools.main
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+
+    def _listen_targets(self, settings: Settings) -> list[ConnectTarget]:
+        if settings.listen_url is None:
+            # Behind PgBouncer a LISTEN would stay on a server session the client leaves.
+            return self.targets if self.backend.capabilities.session_state else []
+        if not self.backend.capabilities.listen_notify:
+            raise ConfigError(
+                "MOORLINE_LISTEN_URL is for PostgreSQL's LISTEN/NOTIFY, "
+                f"and the database is {self.backend.name}"
+            )
+        urls = [url.strip() for url in settings.listen_url.split(",") if url.strip()]
+        if not urls:
+            raise ConfigError("MOORLINE_LISTEN_URL is set but names no URL")
+        for url in urls:
+            if driver_of(url) != "postgres":
+                shown = hide_password(url)
+                raise ConfigError(f"MOORLINE_LISTEN_URL {shown!r} is not a PostgreSQL URL")
+        return [parse_target(url) for url in urls]
 
     @property
     def display_url(self) -> str:
@@ -214,6 +235,10 @@ class DatabaseManager:
     async def reclaim_space(self, max_pages: int) -> int:
         """Pages freed by deletions given back to the file system (SQLite; 0 elsewhere)."""
         return await self.backend.reclaim_space(self._pools, max_pages)
+
+    async def data_version(self) -> int | None:
+        """Changes whenever another connection commits a write (SQLite); None elsewhere."""
+        return await self.backend.data_version()
 
     def sqlite_wal_bytes(self) -> int | None:
         """Size of the SQLite write-ahead log file; None for other databases and in-memory."""

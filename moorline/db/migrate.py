@@ -132,9 +132,14 @@ ADDED_SQLITE_COLUMNS = (
     ("runs", "emits", "INTEGER NOT NULL DEFAULT 0"),
     ("workers", "version", "VARCHAR(64)"),
     ("runs", "rerun_of", "VARCHAR(36)"),
+    ("runs", "cached_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("runs", "cost", "FLOAT NOT NULL DEFAULT 0"),
+    ("runs", "saved_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("runs", "saved_cost", "FLOAT NOT NULL DEFAULT 0"),
+    ("steps", "usage", "JSON"),
 )
 """Columns added since the first version (table, column, SQLite type), as the server
-migrations add them (0004, 0005, 0008, 0010, 0011): ``create_all`` never alters a table that
+migrations add them (0004, 0005, 0008, 0010, 0011, 0013): ``create_all`` never alters a table that
 exists."""
 
 

@@ -94,6 +94,9 @@ runs = Table(
     Column("started_at", UTCDateTime(), nullable=True),
     Column("finished_at", UTCDateTime(), nullable=True),
     Column("elapsed_time", Double, nullable=True),
+    # LLM usage of the run's steps (prompt tokens include the cached ones; the cached tokens,
+    # cost and saved figures are the last columns); written with the checkpoints
+    # (moorline.db.repos.usage).
     Column("prompt_tokens", Integer, nullable=False, default=0),
     Column("completion_tokens", Integer, nullable=False, default=0),
     # A waiting run: what it waits for ({"kind", "until", "interrupt_id"?}) and when the timer
@@ -119,6 +122,14 @@ runs = Table(
     Column("emits", Integer, nullable=False, default=0, server_default="0"),
     # A re-run: the run whose input this one was started with (``POST …/rerun``).
     Column("rerun_of", String(ID), nullable=True),
+    # More LLM usage: cached prompt tokens, the cost, and what replayed steps did not spend.
+    Column("cached_tokens", Integer, nullable=False, default=0, server_default="0"),
+    Column("cost", Double, nullable=False, default=0.0, server_default="0"),
+    Column("saved_tokens", Integer, nullable=False, default=0, server_default="0"),
+    Column("saved_cost", Double, nullable=False, default=0.0, server_default="0"),
+    # The trigger's W3C trace context ({"traceparent", "tracestate"?}) when tracing is on: the
+    # worker's spans of the run join the trigger's trace (moorline.observability.tracing).
+    Column("trace_context", JSONDocument(), nullable=True),
     UniqueConstraint("tenant_id", "idempotency_key"),
     # A unique index, not a constraint: SQLite files made before it can get an index.
     Index("ix_runs_parent_key", "parent_run_id", "child_key", unique=True),
@@ -176,6 +187,9 @@ steps = Table(
     # 1, 2, … in the order the run's steps first started: listings sort by it, as timestamps
     # tie (SQLite keeps milliseconds). NULL for steps stored before revision 0004.
     Column("seq", Integer, nullable=True),
+    # The model calls the step made, by model ({model: {prompt_tokens, completion_tokens,
+    # cached_tokens, requests, failed_requests, cost}}); NULL for a step that made none.
+    Column("usage", JSONDocument(), nullable=True),
     # A new step's number is the run's largest plus one: one index probe, not a scan.
     Index("ix_steps_run_seq", "run_id", "seq"),
 )
@@ -229,6 +243,35 @@ quota_usage = Table(
     Column("tenant_id", String(ID), ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True),
     Column("day", String(10), primary_key=True),  # YYYY-MM-DD, UTC
     Column("used", Integer, nullable=False),
+)
+
+budget_spend = Table(
+    "budget_spend",
+    metadata,
+    Column("tenant_id", String(ID), ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True),
+    Column("day", String(10), primary_key=True),  # YYYY-MM-DD, UTC
+    Column("kind", String(16), primary_key=True),  # "tokens" or "cost_micros"
+    Column("amount", BigInteger, nullable=False),
+)
+
+# LLM usage per tenant, UTC day, workflow and model: the totals of /v1/usage and /metrics.
+# Added to in the transaction of the step checkpoint whose calls it counts (and of the saved
+# tokens of replays), so it always equals the sum of the steps' usage; never deleted with runs.
+llm_usage = Table(
+    "llm_usage",
+    metadata,
+    Column("tenant_id", String(ID), ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True),
+    Column("day", String(10), primary_key=True),  # YYYY-MM-DD, UTC
+    Column("workflow", String(NAME), primary_key=True),
+    Column("model", String(NAME), primary_key=True),
+    Column("prompt_tokens", BigInteger, nullable=False),
+    Column("completion_tokens", BigInteger, nullable=False),
+    Column("cached_tokens", BigInteger, nullable=False),
+    Column("requests", BigInteger, nullable=False),
+    Column("failed_requests", BigInteger, nullable=False),
+    Column("cost", Double, nullable=False),
+    Column("saved_tokens", BigInteger, nullable=False),
+    Column("saved_cost", Double, nullable=False),
 )
 
 webhooks = Table(

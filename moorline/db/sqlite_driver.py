@@ -62,7 +62,9 @@ connections instead, which cross to the thread for every call.
 
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
@@ -90,6 +92,24 @@ _SLOW_STATEMENTS: set[str] = set()
 connections; forgotten all at once when it reaches ``_SLOW_STATEMENTS_MAX``, so statements
 with ever-new SQL cannot make it grow without bound."""
 _SLOW_STATEMENTS_MAX = 256
+
+_OFF_LOOP: ContextVar[bool] = ContextVar("moorline_sqlite_off_loop", default=False)
+"""Set by :func:`off_loop`: this task's statements cross to the thread whatever their size."""
+
+
+@contextmanager
+def off_loop() -> Iterator[None]:
+    """Within it, the current task's statements (and their commit) run on the thread.
+
+    For background work beside the hot path (the retention cleaner): its statements are small
+    enough to run inline, yet they come in a stream, and inline each one holds the event loop
+    while the claims and submits behind it wait; on the thread only the crossing is the loop's.
+    """
+    token = _OFF_LOOP.set(True)
+    try:
+        yield
+    finally:
+        _OFF_LOOP.reset(token)
 
 
 def _execute_and_fetch(
@@ -303,6 +323,7 @@ class Connection(aiosqlite.Connection):
         big = (
             len(parameters) > (_INLINE_MAX_ROWS if many else _INLINE_MAX_PARAMETERS)
             or sql in _SLOW_STATEMENTS
+            or _OFF_LOOP.get()
         )
         # executemany with no transaction open would commit row by row, so a busy refusal at
         # row n could not be resumed without repeating rows 1..n-1: it always crosses.

@@ -7,8 +7,13 @@ runs oldest first, ``MOORLINE_RETENTION_BATCH`` of them per transaction
 ``MOORLINE_RETENTION_PAUSE`` seconds between two batches, and at least four times as long as
 the batch took (:data:`PAUSE_PER_BUSY_S`): each transaction is short, and the pause leaves the
 database (on SQLite, its one write lock) to the runs being dispatched, so the hot path does not
-notice a large backlog being deleted. Leadership is checked again before
-every batch, so a pass over a large backlog stops soon after another process takes over.
+notice a large backlog being deleted. A batch is cut while its transaction lasts over
+:data:`MAX_HOLD_S`. Where the backend can tell that nothing else committed during a pause
+(SQLite's ``data_version``), the database is the cleaner's alone: batches may then last up to
+:data:`ALONE_MAX_HOLD_S` with a pause as long as the batch, so a backlog of a million runs goes
+in minutes, not hours, until the next write from elsewhere brings the short batches back.
+Leadership is checked again before every batch, so a pass over a large backlog stops soon
+after another process takes over.
 
 On SQLite each batch is followed by an incremental vacuum of the pages it freed (at most
 :data:`VACUUM_PAGES_PER_BATCH`), so the file shrinks as it goes, never in one blocking VACUUM.
@@ -46,12 +51,21 @@ PAUSE_PER_BUSY_S = 4.0
 (and, in its process, the event loop) busy a fifth of the time at most, however slow a batch
 is on this machine and with this load; ``MOORLINE_RETENTION_PAUSE`` is the least pause."""
 
-MAX_HOLD_S = 0.015
-"""Longest deleting transaction wanted under one write lock (SQLite): a dispatch behind it
-waits that long."""
+MAX_HOLD_S = 0.005
+"""Longest deleting transaction wanted: on SQLite a dispatch behind its write lock waits that
+long; on the servers nothing waits for its locks, but the deletion's work (its cascades, its
+WAL, its rows in this process's loop) slows the dispatch beside it for as long."""
 
 MIN_BATCH = 20
 """Fewest runs a batch examines however slow deletions are."""
+
+ALONE_MAX_HOLD_S = 0.1
+"""Longest deleting transaction wanted while nothing else writes to the database: a write
+that arrives unannounced waits this long once, and the next batch is cut to MAX_HOLD_S."""
+
+ALONE_PAUSE_S = 0.01
+"""Least pause between two batches while nothing else writes; the pause is at least as long
+as the batch took, so the cleaner keeps the database at most half the time even then."""
 
 PolicySource = Callable[[], Awaitable[RetentionPolicy]]
 """Reads the retention in force (the plans file may change between passes)."""
@@ -103,17 +117,27 @@ class RetentionCleaner(LeaderChore):
         after: Cursor | None = None
         freed = 0
         limit = self._batch
+        alone = False
         while True:
             started = time.monotonic()
             batch = await self._repo.delete_batch(policy, after=after, limit=limit)
             deleted.update(batch.deleted)
-            limit = self._next_limit(limit, batch.held_s)
             if batch.runs:
                 freed += await self._db.reclaim_space(VACUUM_PAGES_PER_BATCH)
             if batch.next is None:
                 break
-            pause_s = max(self._pause_s, (time.monotonic() - started) * PAUSE_PER_BUSY_S)
-            if await self._pause(stop, pause_s) or not await self.elector.tick():
+            busy_s = time.monotonic() - started
+            version = await self._db.data_version()
+            if alone:
+                pause_s = max(ALONE_PAUSE_S, busy_s)
+            else:
+                pause_s = max(self._pause_s, busy_s * PAUSE_PER_BUSY_S)
+            if await self._pause(stop, pause_s):
+                break
+            # Alone: nothing else committed during the pause (the backend can tell: SQLite).
+            alone = version is not None and await self._db.data_version() == version
+            limit = self._next_limit(limit, batch.held_s, alone=alone)
+            if not await self.elector.tick():
                 break
             after = batch.next
         if deleted:
@@ -125,19 +149,24 @@ class RetentionCleaner(LeaderChore):
             )
         return deleted
 
-    def _next_limit(self, limit: int, held_s: float) -> int:
-        """The next batch's size: halved while a deletion holds the one write lock too long.
+    def _next_limit(self, limit: int, held_s: float, *, alone: bool = False) -> int:
+        """The next batch's size: cut while a deleting transaction lasts too long.
 
-        Only where one write lock serialises every writer (SQLite): a claim or a submit waits
-        for the whole deleting transaction, so its length is what dispatch latency sees, and
-        on a loaded machine 500 runs took 50-150 ms. Doubled back, up to ``batch``, while
-        transactions are short. With row locks nothing waits for the deletion.
+        On SQLite a claim or a submit waits for the whole deleting transaction (its one write
+        lock), so its length is what dispatch latency sees; on a loaded machine 500 runs took
+        50-150 ms. On the servers nothing waits for its row locks, yet a 500-run deletion
+        beside a busy drain doubled the dispatch's p99 all the same, where 50-run ones did not
+        (docs/performance.md). Too long, the size is cut in proportion (at once, as a busy
+        database just started to write again); doubled back, up to ``batch``, while
+        transactions are short. ``alone`` (nothing else wrote meanwhile) allows transactions up
+        to :data:`ALONE_MAX_HOLD_S`.
         """
-        if self._db.backend.capabilities.row_locks or held_s == 0.0:
+        if held_s == 0.0:
             return limit
-        if held_s > MAX_HOLD_S:
-            return max(MIN_BATCH, limit // 2)
-        if held_s < MAX_HOLD_S / 2:
+        most_s = ALONE_MAX_HOLD_S if alone else MAX_HOLD_S
+        if held_s > most_s:
+            return max(MIN_BATCH, min(limit // 2, int(limit * most_s / held_s)))
+        if held_s < most_s / 2:
             return min(self._batch, limit * 2)
         return limit
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from moorline.db.repos.interrupts import InterruptMismatch
 from moorline.db.repos.steps import StepMismatch
-from moorline.errors import ConfigError, SoftTimeLimitExceeded, WorkflowNotFound
+from moorline.errors import BudgetExceeded, ConfigError, SoftTimeLimitExceeded, WorkflowNotFound
 
 DEFAULT_BASE_S = 1.0
 DEFAULT_CAP_S = 300.0
@@ -41,7 +41,7 @@ class RetryDecision:
     retry: bool
     delay_s: float
     reason: str
-    """``"retry"``, ``"max attempts"`` or ``"non-retryable"``."""
+    """``"retry"``, ``"max attempts"``, ``"non-retryable"`` or ``"budget"``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +89,9 @@ class RetryPolicy:
         self, exc: BaseException, attempt: int, max_attempts: int, rng: random.Random
     ) -> RetryDecision:
         """The fate of a run whose attempt ``attempt`` raised ``exc``."""
+        if isinstance(exc, BudgetExceeded):
+            # Whatever the workflow's own policy: another attempt today is refused the same way.
+            return RetryDecision(retry=False, delay_s=0.0, reason="budget")
         if not self.is_retryable(exc):
             return RetryDecision(retry=False, delay_s=0.0, reason="non-retryable")
         if self.is_exhausted(attempt, max_attempts):

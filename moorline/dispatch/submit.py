@@ -39,6 +39,7 @@ from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.errors import MoorlineError
+from moorline.observability import tracing
 from moorline.plans import Plan
 from moorline.types import JSONObject, RunId, RunStatus, TenantId
 
@@ -494,4 +495,6 @@ def new_run_for_plan(
         delay_s=delay_s,
         run_id=run_id,
         rerun_of=rerun_of,
+        # Built in the submitter's task: the trigger's span (or the submitting attempt's).
+        trace_context=tracing.carrier(),
     )

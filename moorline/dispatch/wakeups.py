@@ -11,7 +11,8 @@ the reaper) and :class:`Waiter` (worker loops):
 - :class:`LocalWakeups`: one :class:`asyncio.Event` per lane, for producers and workers that
   share a process (and the in-process half of the other two).
 - :class:`PostgresWakeups`: ``SELECT pg_notify(channel, payload)`` through the pool, and
-  ``LISTEN`` on a dedicated asyncpg connection that is not part of the pool.
+  ``LISTEN`` on a dedicated asyncpg connection that is not part of the pool (to
+  ``MOORLINE_LISTEN_URL`` when set: behind PgBouncer the pool's sessions are not its own).
 - :class:`RedisWakeups`: ``PUBLISH`` and ``SUBSCRIBE`` on ``<redis_prefix>:wakeups``.
 - :class:`~moorline.dispatch.datagrams.DatagramWakeups`: Unix datagram sockets in a directory
   next to a SQLite file, for the processes of one host without Redis.
@@ -24,7 +25,8 @@ lost connection (``pg_terminate_backend``, ``CLIENT KILL``, a server restart) wi
 backoff and notices a silently dead one by pinging it.
 
 :func:`make_wakeups` picks the transport from the settings: Redis when ``redis_url`` is set,
-else LISTEN/NOTIFY on PostgreSQL, else datagrams on a SQLite file, else in-process only.
+else LISTEN/NOTIFY on PostgreSQL (when a LISTEN has a session to stay on), else datagrams on a
+SQLite file, else in-process only.
 """
 
 import asyncio
@@ -368,16 +370,22 @@ class PostgresWakeups(ListeningWakeups):
             ping_interval_s: Seconds of silence before the listener pings its connection.
 
         Raises:
-            ConfigError: ``db`` is not a PostgreSQL database.
+            ConfigError: ``db`` is not a PostgreSQL database, or it is behind PgBouncer and
+                ``MOORLINE_LISTEN_URL`` is not set.
         """
         if not db.backend.capabilities.listen_notify:
             raise ConfigError(f"LISTEN/NOTIFY wake-ups need PostgreSQL, not {db.backend.name}")
+        if not db.listen_targets:
+            raise ConfigError(
+                "LISTEN/NOTIFY wake-ups behind PgBouncer need MOORLINE_LISTEN_URL "
+                "(a direct PostgreSQL URL)"
+            )
         super().__init__(
             hub=hub, notify_timeout_s=notify_timeout_s, ping_interval_s=ping_interval_s
         )
         self._db = db
         self.channel = channel
-        self._connect = make_failover_creator(db.targets)
+        self._connect = make_failover_creator(db.listen_targets)
         self._backend_pid: int | None = None
 
     @property
@@ -447,19 +455,20 @@ class RedisWakeups(ListeningWakeups):
         """Create Redis wake-ups; nothing connects before ``start`` or ``notify``.
 
         Args:
-            url: The Redis URL (``MOORLINE_REDIS_URL``).
+            url: The Redis URL (``MOORLINE_REDIS_URL``): one server, Sentinel or Cluster.
             prefix: The key and channel prefix (``MOORLINE_REDIS_PREFIX``).
             hub: The in-process wake-ups to fan out to; a new one when None.
             notify_timeout_s: Longest a ``notify`` may take before it is given up.
             ping_interval_s: Seconds of silence before the listener pings its connection.
 
         Raises:
-            ConfigError: the ``redis`` package is not installed.
+            ConfigError: the ``redis`` package is not installed, or the URL is wrong.
         """
         try:
-            from redis.asyncio import Redis
             from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
+
+            from moorline.runtime.redis_client import RedisConnector
         except ImportError:  # pragma: no cover - the test environment installs every extra
             raise ConfigError(
                 "MOORLINE_REDIS_URL: the redis package is missing; install moorline[redis]"
@@ -469,8 +478,8 @@ class RedisWakeups(ListeningWakeups):
         )
         self.channel = redis_channel(prefix)
         self.client_name = f"{prefix}:{REDIS_CHANNEL_SUFFIX}"
-        self._client = Redis.from_url(
-            url,
+        self._connector = RedisConnector(url)
+        self._client = self._connector.client(
             client_name=self.client_name,
             socket_connect_timeout=PING_TIMEOUT_S,
             socket_timeout=PING_TIMEOUT_S,
@@ -480,13 +489,19 @@ class RedisWakeups(ListeningWakeups):
         )
 
     async def _publish(self, lanes: list[str]) -> None:
+        if self._connector.is_cluster:
+            # redis-py's cluster pipeline refuses PUBLISH, which names no key to route by.
+            await asyncio.gather(
+                *(self._client.publish(self.channel, self._payload(lane)) for lane in lanes)
+            )
+            return
         async with self._client.pipeline(transaction=False) as pipe:
             for lane in lanes:
                 pipe.publish(self.channel, self._payload(lane))
             await pipe.execute()
 
     async def _listen(self) -> None:
-        pubsub = self._client.pubsub()
+        pubsub = await self._connector.pubsub(self._client)
         try:
             await pubsub.subscribe(self.channel)
             loop = asyncio.get_running_loop()
@@ -587,8 +602,14 @@ def make_wakeups(settings: Settings, db: DatabaseManager) -> tuple[Notifier, Wai
     wakeups: LocalWakeups | ListeningWakeups | None = None
     if settings.redis_url:
         wakeups = RedisWakeups(settings.redis_url, prefix=settings.redis_prefix)
-    elif db.backend.capabilities.listen_notify:
+    elif db.backend.capabilities.listen_notify and db.listen_targets:
         wakeups = PostgresWakeups(db)
+    elif db.backend.capabilities.listen_notify:
+        logger.warning(
+            "wake-ups: no LISTEN behind PgBouncer without MOORLINE_LISTEN_URL; other processes "
+            "find new work by polling every %g s (MOORLINE_POLL_INTERVAL)",
+            settings.poll_interval,
+        )
     elif db.backend.shared_file is not None:
         wakeups = datagram_wakeups_or_none(db.backend.shared_file)
     if wakeups is None:

@@ -20,11 +20,13 @@ new step, any finish) raises ``LeaseLost``; replays until then write nothing and
 was recorded, as they would have anyway.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moorline.db.repos.records import Fence
 from moorline.db.repos.steps import StepsRepo
+from moorline.db.repos.usage import Charge
 from moorline.types import JSONValue, StepStatus
+from moorline.usage import StepUsage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +36,7 @@ class Recorded:
     function: str
     call_hash: str
     output: JSONValue
+    usage: StepUsage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,10 +47,12 @@ class Started:
         replay: The step already succeeded for this call: return ``output``, do not call the
             function. Otherwise the step is running under this attempt: call it.
         output: The recorded output of a replay.
+        usage: The model calls the replayed step made when it ran (what the replay saved).
     """
 
     replay: bool
     output: JSONValue = None
+    usage: StepUsage = field(default_factory=dict)
 
 
 RUN = Started(replay=False)
@@ -89,11 +94,13 @@ class Checkpoints:
             recorded.call_hash,
         ) == (function, call_hash):
             del self._replays[key]
-            return Started(replay=True, output=recorded.output)
+            return Started(replay=True, output=recorded.output, usage=recorded.usage)
         started = await self._steps.start(self._fence, key, function, call_hash)
         self._last_seq = max(self._last_seq, started.step.seq or 0)
         keys.add(key)
-        return Started(replay=True, output=started.step.output) if started.replay else RUN
+        if not started.replay:
+            return RUN
+        return Started(replay=True, output=started.step.output, usage=started.step.usage)
 
     async def replayed(self, key: str, function: str, call_hash: str) -> Started | None:
         """Step ``key``'s recorded output if it succeeded for this call, else None.
@@ -106,19 +113,22 @@ class Checkpoints:
         if recorded is None or (recorded.function, recorded.call_hash) != (function, call_hash):
             return None
         del self._replays[key]
-        return Started(replay=True, output=recorded.output)
+        return Started(replay=True, output=recorded.output, usage=recorded.usage)
 
     async def was_recorded(self, key: str) -> bool:
         """Whether step ``key`` has a row that an earlier attempt (or this one) wrote."""
         return key in await self._recorded_keys()
 
-    async def succeed(self, key: str, output: JSONValue) -> None:
-        """Record that step ``key`` (running under this attempt) returned ``output``."""
-        await self._steps.succeed(self._fence, key, output)
+    async def succeed(self, key: str, output: JSONValue, charge: Charge | None = None) -> None:
+        """Record that step ``key`` (running under this attempt) returned ``output``.
 
-    async def fail(self, key: str, error: str) -> None:
+        ``charge``, the model calls it made, is written in the same transaction.
+        """
+        await self._steps.succeed(self._fence, key, output, charge=charge)
+
+    async def fail(self, key: str, error: str, charge: Charge | None = None) -> None:
         """Record that step ``key`` (running under this attempt) raised ``error``."""
-        await self._steps.fail(self._fence, key, error)
+        await self._steps.fail(self._fence, key, error, charge=charge)
 
     async def _recorded_keys(self) -> set[str]:
         if self._keys is None:
@@ -127,7 +137,10 @@ class Checkpoints:
             self._last_seq = max((step.seq or 0 for step in recorded), default=0)
             self._replays = {
                 step.key: Recorded(
-                    function=step.function, call_hash=step.call_hash, output=step.output
+                    function=step.function,
+                    call_hash=step.call_hash,
+                    output=step.output,
+                    usage=step.usage,
                 )
                 for step in recorded
                 if step.status is StepStatus.SUCCEEDED

@@ -9,12 +9,18 @@ last awaited child ends. A child that ended while the parent executed is seen wi
 A joined child's output is read from its run, which no longer changes once it ended, so a
 replayed join returns what the first one returned.
 
+An in-memory join reads its children every ``JOIN_POLL_S``; once few are left
+(``LOCAL_WAKE_BELOW``), a child ending in the same process wakes it at once
+(:class:`ChildEnds`, which the worker tells after writing each batch of ends), so the parent
+resumes without waiting out the poll. Ends elsewhere are seen by the poll.
+
 ``Children`` is a base class of :class:`~moorline.engine.context.Context`, kept in its own
 module as :class:`~moorline.engine.waits.Waits` is.
 """
 
 import asyncio
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -38,6 +44,33 @@ MAP_BATCH = 500
 
 JOIN_POLL_S = 0.05
 """How often an in-memory join reads its children's statuses, in seconds."""
+
+LOCAL_WAKE_BELOW = 64
+"""Unfinished children at or under which each end in this process wakes the join: above, the
+poll's reads are enough (a wake per end would read the count once per child)."""
+
+
+class ChildEnds:
+    """The parents joining in memory in this process, woken when their children end here."""
+
+    def __init__(self) -> None:
+        self._joining: dict[str, asyncio.Event] = {}
+
+    @contextlib.contextmanager
+    def joining(self, parent_id: str) -> Iterator[asyncio.Event]:
+        """An event set whenever a child of ``parent_id`` ends in this process, while held."""
+        event = self._joining.setdefault(parent_id, asyncio.Event())
+        try:
+            yield event
+        finally:
+            self._joining.pop(parent_id, None)
+
+    def ended(self, parent_ids: Iterable[str]) -> None:
+        """Children of these parents ended (their outcomes are written): wake the joins."""
+        for parent_id in parent_ids:
+            event = self._joining.get(parent_id)
+            if event is not None:
+                event.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +96,8 @@ class Children:
     _children: ChildrenRepo | None
     _workflows: Moorline | None
     _max_children: int
+    _on_enqueued: Callable[[set[str]], None] | None
+    _child_ends: ChildEnds | None
     _park_after_s: float
 
     if TYPE_CHECKING:
@@ -132,6 +167,9 @@ class Children:
                 max_depth=DEFAULT_MAX_DEPTH,
             )
         )
+        if started and self._on_enqueued is not None:
+            # The children wait in the parent's lane: wake its workers now, not at their poll.
+            self._on_enqueued({self._run.lane})
         return [
             ChildHandle(child.run_id, child.child_key or "", child.workflow, self)
             for child in started
@@ -233,12 +271,18 @@ class Children:
 
     async def _ended(self, ids: list[RunId]) -> dict[str, Run] | None:
         """The children by id when every one ended; None while one has not."""
+        ended, _ = await self._read_children(ids)
+        return ended
+
+    async def _read_children(self, ids: list[RunId]) -> tuple[dict[str, Run] | None, int]:
+        """The children by id when every one ended, else None; and how many have not."""
         if self._children is None:
             raise RuntimeError("this context cannot join child runs (built without them)")
         # A count while some run, the rows (their outputs) once all ended: a join of 1,000
         # children polled in memory reads a number, not 1,000 rows, each time.
-        if await self._children.unfinished_count(self._fence.run_id, ids):
-            return None
+        unfinished = await self._children.unfinished_count(self._fence.run_id, ids)
+        if unfinished:
+            return None, unfinished
         children = await self._children.get_many(self._fence.run_id, ids)
         found: dict[str, Run] = {run.run_id: run for run in children}
         for run_id in ids:
@@ -246,17 +290,42 @@ class Children:
             if child is None:
                 raise ChildFailed(run_id, "missing", "no such child of this run")
             if not child.status.is_terminal:
-                return None
-        return found
+                return None, 1
+        return found, 0
 
     async def _poll_children(self, ids: list[RunId], window_s: float) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + window_s
-        while (left_s := deadline - loop.time()) > 0:
-            await self._pause(min(left_s, JOIN_POLL_S))
-            if await self._ended(ids) is not None:
-                return True
+        unfinished = len(ids)
+        with contextlib.ExitStack() as stack:
+            ends = self._child_ends
+            ended = None if ends is None else stack.enter_context(ends.joining(self._fence.run_id))
+            while (left_s := deadline - loop.time()) > 0:
+                if ended is not None and unfinished <= LOCAL_WAKE_BELOW:
+                    await self._pause_until_set(ended, min(left_s, JOIN_POLL_S))
+                    # Cleared before the read: an end written after it sets the event again.
+                    ended.clear()
+                else:
+                    await self._pause(min(left_s, JOIN_POLL_S))
+                found, unfinished = await self._read_children(ids)
+                if found is not None:
+                    return True
         return False
+
+    async def _pause_until_set(self, event: asyncio.Event, delay_s: float) -> None:
+        """:meth:`_pause` (a cancel ends it) that also ends when ``event`` is set."""
+        if event.is_set():
+            return
+        woken = asyncio.ensure_future(event.wait())
+        paused = asyncio.ensure_future(self._pause(delay_s))
+        try:
+            await asyncio.wait((woken, paused), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (woken, paused):
+                task.cancel()
+            await asyncio.gather(woken, paused, return_exceptions=True)
+        if paused.done() and not paused.cancelled():
+            paused.result()  # raises Cancelled when the pause found the run cancelled
 
     @staticmethod
     def _outcomes(

@@ -27,7 +27,6 @@ replayed attempt returns what the n-th drain returned before.
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from moorline.db.repos.children import ChildrenRepo
@@ -51,8 +50,9 @@ from moorline.db.repos.parking import ParkingRepo
 from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import Fence
 from moorline.db.repos.steps import StepsRepo
+from moorline.db.repos.usage import UsageRepo
 from moorline.engine.checkpoints import Checkpoints
-from moorline.engine.children import DEFAULT_MAX_CHILDREN, Children
+from moorline.engine.children import DEFAULT_MAX_CHILDREN, ChildEnds, Children
 from moorline.engine.events import (
     BUFFERED_EVENT_TYPES,
     EVENT_PERMISSION_REQUEST,
@@ -61,6 +61,8 @@ from moorline.engine.events import (
     EVENT_STEP_STARTED,
     EventWriter,
 )
+from moorline.engine.metering import CURRENT_STEP, Metering
+from moorline.engine.metering import NotInStep as NotInStep  # re-exported (old home)
 from moorline.engine.permissions import DEFAULT_INTERRUPT_POLL_S, Permissions
 from moorline.engine.progress import StepProgress
 from moorline.engine.registry import Moorline
@@ -78,9 +80,11 @@ from moorline.errors import (
     BackendUnavailable,
     CancelRequested,
     LeaseLost,
-    MoorlineError,
     RunParked,
 )
+from moorline.llm.models import ModelsProvider
+from moorline.llm.usage import metering
+from moorline.observability import tracing
 from moorline.runtime.base import RuntimeStore, StoreShutdown
 from moorline.types import Attempt, JSONObject, JSONValue, RunId, TenantId
 
@@ -116,11 +120,6 @@ SYSTEM_EVENT_TYPES = frozenset(
 )
 """Event types Moorline writes for run transitions; ``ctx.emit`` may not use them."""
 
-# The step running in this task (or in the thread a sync step runs in): (run id, step key).
-_CURRENT_STEP: ContextVar[tuple[RunId, str] | None] = ContextVar(
-    "moorline_current_step", default=None
-)
-
 
 class Cancelled(BaseException):
     """The run was cancelled: raised at the next step, message drain or permission request.
@@ -136,13 +135,7 @@ class Cancelled(BaseException):
         self.run_id = run_id
 
 
-class NotInStep(MoorlineError):
-    """``ctx.idempotency_key()`` was called outside ``ctx.step``."""
-
-    code = "not_in_step"
-
-
-class Context(Permissions, Waits, Children):
+class Context(Permissions, Waits, Children, Metering):
     """The first argument of every workflow: the run being executed, attempt by attempt.
 
     Built by the runner for one claim; workflows never construct it.
@@ -165,6 +158,10 @@ class Context(Permissions, Waits, Children):
         park_after_s: float = DEFAULT_PARK_AFTER_S,
         deadline_s: float | None = None,
         interrupt_poll_s: float = DEFAULT_INTERRUPT_POLL_S,
+        models: ModelsProvider | None = None,
+        usage: UsageRepo | None = None,
+        on_enqueued: Callable[[set[str]], None] | None = None,
+        child_ends: ChildEnds | None = None,
     ) -> None:
         self._fence: Fence = claim.fence
         self._run = claim.run
@@ -179,6 +176,8 @@ class Context(Permissions, Waits, Children):
         self._children = children
         self._workflows = workflows
         self._max_children = max_children
+        self._on_enqueued = on_enqueued
+        self._child_ends = child_ends
         self._park_after_s = park_after_s
         self._deadline_s = deadline_s
         self._permissions = 0
@@ -190,6 +189,10 @@ class Context(Permissions, Waits, Children):
         """``ctx.emit`` calls outside steps so far, the skipped ones included."""
         self._skip_emits = claim.run.emits
         """Calls the run made before it last parked: recorded already, so not written again."""
+        self._models = models
+        self._usage = usage
+        self._saved = {}
+        """What this attempt's replayed steps saved, not yet written (see :meth:`flush_saved`)."""
         self._lost: LeaseLost | None = None
         self._is_cancelled = False
         self._cancel_delivered = False
@@ -277,28 +280,44 @@ class Context(Permissions, Waits, Children):
         self._check_lease()
         replayed = await self._checkpoints.replayed(key, function, digest)
         if replayed is not None:
+            self._note_saved(replayed.usage)
             return replayed.output
         failures = 0
         while True:
             await self._check_boundary()
+            await self.flush_saved()
             start = await self._fenced(self._checkpoints.start(key, function, digest))
             if start.replay:
+                self._note_saved(start.usage)
                 return start.output
-            token = _CURRENT_STEP.set((self.run_id, key))
+            token = CURRENT_STEP.set((self.run_id, key))
             progress = StepProgress(self._events, key, failures + 1)
             await progress.started()
-            try:
-                result = await call_step_function(fn, args, kwargs, lambda: self._step_stream(key))
-                output = to_json(result, f"the result of step {key!r}")
-            except (Exception, AttemptStopped) as exc:
+            failed: BaseException | None = None
+            with metering() as calls:
+                try:
+                    with tracing.step_span(
+                        key=key, function=function, run_id=self.run_id, attempt=failures + 1
+                    ):
+                        result = await call_step_function(
+                            fn, args, kwargs, lambda: self._step_stream(key)
+                        )
+                    output = to_json(result, f"the result of step {key!r}")
+                except (Exception, AttemptStopped) as exc:
+                    failed = exc
+                finally:
+                    CURRENT_STEP.reset(token)
+            charge = await self._charge(calls)
+            if failed is not None:
                 # AttemptStopped too, as when it was an Exception: the fail write then meets
-                # the same lost lease and raises it again.
-                error = f"{type(exc).__name__}: {exc}"
+                # the same lost lease and raises it again. The calls the failed try made are
+                # counted with its failure: the provider billed them.
+                error = f"{type(failed).__name__}: {failed}"
                 await progress.finished(error)
-                await self._fenced(self._checkpoints.fail(key, error))
+                await self._fenced(self._checkpoints.fail(key, error, charge))
                 failures += 1
-                if failures > retries or isinstance(exc, TypeError):
-                    raise
+                if failures > retries or isinstance(failed, TypeError):
+                    raise failed
                 delay_s = backoff_delay_s(backoff, failures)
                 logger.info(
                     "run %s step %r failed (try %d of %d), retrying in %.2fs: %r",
@@ -307,15 +326,13 @@ class Context(Permissions, Waits, Children):
                     failures,
                     retries + 1,
                     delay_s,
-                    exc,
+                    failed,
                     extra=self._log_extra(),
                 )
                 await self._pause(delay_s)
                 continue
-            finally:
-                _CURRENT_STEP.reset(token)
             await progress.finished(None)
-            await self._fenced(self._checkpoints.succeed(key, output))
+            await self._fenced(self._checkpoints.succeed(key, output, charge))
             return output
 
     def idempotency_key(self) -> str:
@@ -324,7 +341,7 @@ class Context(Permissions, Waits, Children):
         Raises:
             NotInStep: Called outside ``ctx.step``.
         """
-        current = _CURRENT_STEP.get()
+        current = CURRENT_STEP.get()
         if current is None or current[0] != self.run_id:
             raise NotInStep("ctx.idempotency_key() is only available inside a step (ctx.step)")
         return f"{current[0]}:{current[1]}"
@@ -349,7 +366,7 @@ class Context(Permissions, Waits, Children):
         if not isinstance(payload, dict):
             raise TypeError(f"the data of event {type!r} must be a JSON object")
         self._check_lease()
-        if _CURRENT_STEP.get() is None:
+        if CURRENT_STEP.get() is None:
             # Outside a step, a replay after a park repeats the calls made before it: they
             # are recorded already (a step's own emits replay with the step, not at all).
             self._emit_calls += 1

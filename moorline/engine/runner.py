@@ -31,7 +31,7 @@ the outcome, the buffered events are written, so the terminal outcome is the las
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from moorline.concurrency import cancel_and_wait
@@ -45,7 +45,8 @@ from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.repos.steps import StepsRepo
-from moorline.engine.children import DEFAULT_MAX_CHILDREN
+from moorline.db.repos.usage import UsageRepo
+from moorline.engine.children import DEFAULT_MAX_CHILDREN, ChildEnds
 from moorline.engine.context import Cancelled, Context
 from moorline.engine.conversations import Conversations
 from moorline.engine.events import DEFAULT_BATCH_SIZE, DEFAULT_FLUSH_INTERVAL_S, EventWriter
@@ -53,6 +54,9 @@ from moorline.engine.limits import AttemptGuard
 from moorline.engine.registry import Moorline, WorkflowDefinition
 from moorline.engine.steps import to_json
 from moorline.errors import AttemptStopped, BackendUnavailable
+from moorline.llm.governance import Caller, CallHook, governing
+from moorline.llm.models import ModelsProvider
+from moorline.observability import tracing
 from moorline.runtime.base import RuntimeStore, StoreShutdown
 from moorline.settings import Settings
 from moorline.types import JSONValue, RunId
@@ -99,6 +103,10 @@ class Runner(Protocol):
         """The attempt is over and its outcome written (or abandoned): release its state."""
         ...
 
+    def children_ended(self, parent_ids: Iterable[str]) -> None:
+        """Children of these parents ended, their outcomes written: wake joins waiting here."""
+        ...
+
 
 class WorkflowRunner:
     """Runs the workflows registered on a :class:`~moorline.engine.registry.Moorline` app."""
@@ -112,6 +120,9 @@ class WorkflowRunner:
         settings: Settings,
         event_batch_size: int = DEFAULT_BATCH_SIZE,
         event_flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        call_hook: CallHook | None = None,
+        models: ModelsProvider | None = None,
+        on_enqueued: Callable[[set[str]], None] | None = None,
     ) -> None:
         """Create a runner.
 
@@ -125,8 +136,17 @@ class WorkflowRunner:
                 (the hard time limit of workflows that set none) and ``cancel_grace``.
             event_batch_size: Buffered ``delta`` events written in one transaction.
             event_flush_interval_s: Longest a buffered ``delta`` event waits to be written.
+            call_hook: Governs the model calls of the workflows (budgets, provider limits;
+                :mod:`moorline.llm.governance`); None: calls are not governed.
+            models: The models file's prices (shared with the process's governor); None:
+                read from ``settings``.
+            on_enqueued: Told the lanes a workflow queued runs in (its child runs), so their
+                workers are woken (the process's wake-ups); None: they find them by polling.
         """
+        self._on_enqueued = on_enqueued
+        self._child_ends = ChildEnds()
         self._app = app
+        self._call_hook = call_hook
         self._store = store
         self._settings = settings
         self._steps = StepsRepo(db)
@@ -135,6 +155,9 @@ class WorkflowRunner:
         self._messages = MessagesRepo(db)
         self._parking = ParkingRepo(db)
         self._children = ChildrenRepo(db)
+        self._usage = UsageRepo(db)
+        # Read now: a bad models file stops the worker at start, with the file's error.
+        self._models = models if models is not None else ModelsProvider(settings)
         self._conversations = Conversations(store, RunsRepo(db), lease_ttl_s=settings.lease_ttl)
         self._event_batch_size = event_batch_size
         self._event_flush_interval_s = event_flush_interval_s
@@ -157,6 +180,10 @@ class WorkflowRunner:
             children=self._children,
             workflows=self._app,
             max_children=DEFAULT_MAX_CHILDREN if definition is None else definition.max_children,
+            models=self._models,
+            usage=self._usage,
+            on_enqueued=self._on_enqueued,
+            child_ends=self._child_ends,
         )
 
     def hard_limit_s(self, definition: WorkflowDefinition, run: Run) -> float:
@@ -198,6 +225,17 @@ class WorkflowRunner:
             TypeError: the workflow's result is not JSON-serialisable.
         """
         run = claim.run
+        with tracing.attempt_span(
+            run_id=run.run_id,
+            workflow=run.workflow,
+            attempt=claim.fence.attempt,
+            lane=run.lane,
+            trace_context=run.trace_context,
+        ):
+            return await self._run(claim, cancel_requested)
+
+    async def _run(self, claim: Claim, cancel_requested: asyncio.Event | None) -> JSONValue:
+        run = claim.run
         definition = self._app.get(run.workflow)
         arguments = definition.bind(run.input if isinstance(run.input, dict) else {})
         events = self.event_writer(claim)
@@ -216,11 +254,17 @@ class WorkflowRunner:
         await self._conversations.enter(claim)
         starting = asyncio.get_running_loop().call_later(CANCEL_WATCH_DELAY_S, watch)
         try:
-            output = await guard.run(definition.fn(ctx, **arguments))
+            # The run's model calls answer to the hook, as its tenant at its plan's priority.
+            # A long wait for provider capacity parks the run (ctx) instead.
+            caller = Caller(tenant_id=run.tenant_id, weight=run.priority)
+            with governing(self._call_hook, caller, parking=ctx):
+                output = await guard.run(definition.fn(ctx, **arguments))
+            await ctx.flush_saved()
         except (Exception, AttemptStopped) as exc:
             # AttemptStopped (LeaseLost) takes this way too, as when it was an Exception:
             # winding down raises it again from the buffered events' write.
             try:
+                await self._flush_saved_quietly(ctx)
                 await self._wind_down(claim, events)
                 # A workflow that caught LeaseLost or Cancelled and failed some other way was
                 # stopped all the same.
@@ -239,6 +283,18 @@ class WorkflowRunner:
         await self._wind_down(claim, events)
         ctx.raise_if_stopped(returned=True)
         return to_json(output, f"the result of workflow {run.workflow!r}")
+
+    @staticmethod
+    async def _flush_saved_quietly(ctx: Context) -> None:
+        """Write what the failed attempt's replays saved; a failure to is only logged.
+
+        The attempt's own error is what the worker must see, not a second one of the
+        database; a lost lease (a BaseException) still stops everything.
+        """
+        try:
+            await ctx.flush_saved()
+        except Exception as exc:
+            logger.warning("run %s: saved usage not written: %r", ctx.run_id, exc)
 
     async def _stop_watchers(self, run_id: RunId, watchers: list[asyncio.Task[None]]) -> None:
         if not watchers:
@@ -308,6 +364,9 @@ class WorkflowRunner:
     async def renew(self, claims: Sequence[Claim]) -> None:
         """Renew the conversation leases and interactive windows of live attempts."""
         await self._conversations.renew(claims)
+
+    def children_ended(self, parent_ids: Iterable[str]) -> None:
+        self._child_ends.ended(parent_ids)
 
     async def release(self, claim: Claim) -> None:
         """Close the attempt's window and release its conversation lease."""

@@ -1,4 +1,4 @@
-"""Durable waits: ``ctx.sleep``, ``ctx.sleep_until`` and ``ctx.wait_for_message``, and parking.
+"""Durable waits: ``ctx.sleep``, ``ctx.sleep_until``, ``ctx.wait_for_message``, and parking.
 
 A wait shorter than ``park_after`` is awaited in memory. A longer one *parks* the run
 (:meth:`~moorline.db.repos.parking.ParkingRepo.park`): the run becomes ``waiting`` and holds
@@ -6,6 +6,10 @@ no lease, no worker slot and no unit of its tenant's cap, and the attempt ends w
 :class:`~moorline.errors.RunParked`. What ends the wait re-queues the run (a decision or a
 message in its own transaction, a due timer through the timer sweep); the next attempt replays
 the workflow from its checkpoints to the same wait, which then returns.
+
+A model call that would wait longer than ``park_after`` for provider capacity parks the same
+way (:meth:`Waits.park_for_capacity`, kind ``capacity``, until the limiter's answer); the next
+attempt replays to the call, which asks the limiter again.
 
 Each wait is a checkpoint, so a replay takes the path the first attempt took:
 
@@ -82,6 +86,9 @@ class Waits:
             raise NotImplementedError
 
         async def _drain(self, limit: int | None) -> list[str]:
+            raise NotImplementedError
+
+        async def flush_saved(self) -> None:
             raise NotImplementedError
 
     # --- sleeping ----------------------------------------------------------------------------
@@ -184,6 +191,26 @@ class Waits:
         taken = await self._drain(1)
         return taken[0] if taken else None
 
+    # --- provider capacity ---------------------------------------------------------------
+
+    @property
+    def park_after_s(self) -> float:
+        """Seconds a wait is awaited in memory before the run parks (``park_after``)."""
+        return self._park_after_s
+
+    async def park_for_capacity(self, model: str, wait_s: float) -> None:
+        """Park the run for ``wait_s`` seconds of no capacity for ``model``.
+
+        Called by the model-call hook (:mod:`moorline.llm.governance`), not by workflows.
+        Nothing is recorded for the wait: the replay makes the call again, and the limiter
+        answers afresh.
+
+        Raises:
+            RunParked: The run is ``waiting`` (kind ``capacity``) until then.
+        """
+        await self._check_boundary()
+        await self._park(Wait(kind=WaitKind.CAPACITY, until=_now() + timedelta(seconds=wait_s)))
+
     # --- shared ------------------------------------------------------------------------------
 
     async def _timer(self, key: str, due: datetime) -> datetime:
@@ -202,6 +229,9 @@ class Waits:
         Raises:
             RunParked: The run is ``waiting`` now; the attempt ends.
         """
+        # Nothing may be written once the run is parked (the lease goes with it): what this
+        # attempt's replays saved is written first.
+        await self.flush_saved()
         deadline_at = None
         if self._deadline_s is not None:
             deadline_at = self._run.created_at + timedelta(seconds=self._deadline_s)

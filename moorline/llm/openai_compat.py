@@ -8,6 +8,13 @@ connection error, a timeout, a 408, 409, 429 or 5xx is retried ``max_retries`` t
 SDK's exponential backoff (or the server's ``Retry-After``). Once a stream has started nothing
 is retried: the text already streamed could not be taken back.
 
+Each call goes through :func:`~moorline.llm.governance.governed` (budgets, provider limits,
+usage): it asks for the usage in the stream's final chunk (``stream_options.include_usage``)
+and puts it in the call's slot under the configured model name, the name the models file
+prices (a server that sends no usage is a call of 0 tokens); every 429 the SDK sees, retried or
+not, is passed on with its ``Retry-After`` from the HTTP client's response hook, so that every
+worker pauses that model, not only this one.
+
 Every SDK exception is translated here into an :class:`~moorline.llm.base.LLMError` naming the
 endpoint, so workflows handle one family of errors whatever the SDK's version.
 """
@@ -15,8 +22,10 @@ endpoint, so workflows handle one family of errors whatever the SDK's version.
 import json
 import logging
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
 from typing import Any, NoReturn, cast
 
+import httpx
 import openai
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
@@ -33,6 +42,8 @@ from moorline.llm.base import (
     ToolCall,
     parse_arguments,
 )
+from moorline.llm.governance import governed, provider_rate_limited
+from moorline.usage import Usage
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +52,9 @@ DEFAULT_TIMEOUT_S = 60.0
 
 DEFAULT_MAX_RETRIES = 2
 """Further tries after a failed one (connection errors, timeouts, 429 and 5xx)."""
+
+DEFAULT_RETRY_AFTER_S = 1.0
+"""Seconds a 429 without a ``Retry-After`` header pauses its model."""
 
 NO_API_KEY = "not-set"
 """Sent when no key is configured: local servers ignore the header, and a hosted endpoint
@@ -106,6 +120,28 @@ _TRANSLATIONS: tuple[tuple[type[openai.OpenAIError], type[LLMError], str], ...] 
 """SDK exception → the error raised instead, and its message; the first match wins."""
 
 
+def retry_after_s(headers: httpx.Headers) -> float:
+    """The pause a 429 asks for: ``retry-after-ms``, else ``retry-after`` seconds, else 1 s.
+
+    An HTTP date in ``Retry-After`` is not read (the SDK reads it for its own retry); the
+    default pause applies then.
+    """
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is not None:
+            try:
+                return max(0.0, float(value) * scale)
+            except ValueError:
+                continue
+    return DEFAULT_RETRY_AFTER_S
+
+
+async def _on_response(response: httpx.Response) -> None:
+    """The HTTP client's response hook: a 429 pauses its model for every worker."""
+    if response.status_code == 429:
+        await provider_rate_limited(retry_after_s(response.headers))
+
+
 class _PendingCall:
     """A tool call being streamed in fragments (its id, name, and arguments text)."""
 
@@ -121,6 +157,21 @@ class _PendingCall:
         return ToolCall(id=self.id or f"call_{index}", name=self.name, arguments=arguments)
 
 
+def _usage_of(model: str, chunk: ChatCompletionChunk) -> Usage:
+    """The usage a final chunk carries (cached tokens where the server reports them)."""
+    usage = chunk.usage
+    assert usage is not None
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details is not None else 0
+    return Usage(
+        model=model,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=cached,
+        ok=False,  # until the stream ends well
+    )
+
+
 class OpenAICompatibleLLM(LLM):
     """Chat completions from an OpenAI-compatible endpoint, streamed.
 
@@ -131,6 +182,8 @@ class OpenAICompatibleLLM(LLM):
         api_key: The bearer key; None sends a placeholder (see :data:`NO_API_KEY`).
         timeout_s: Seconds to wait for the endpoint at any point of a try.
         max_retries: Further tries after a retryable failure (the SDK's backoff).
+        max_tokens: Longest reply asked for (sent as ``max_tokens``); None: the endpoint's
+            default. Also what the provider limiter reserves for the reply.
 
     Raises:
         ValueError: An empty URL or model, a non-positive timeout or negative retries.
@@ -144,6 +197,7 @@ class OpenAICompatibleLLM(LLM):
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        max_tokens: int | None = None,
     ) -> None:
         if not base_url or not model:
             raise ValueError("an OpenAI-compatible model needs a base URL and a model name")
@@ -153,11 +207,15 @@ class OpenAICompatibleLLM(LLM):
         self._model = model
         self._timeout_s = timeout_s
         self._max_retries = max_retries
+        self._max_tokens = max_tokens
         self._client = openai.AsyncOpenAI(
             base_url=base_url,
             api_key=api_key or NO_API_KEY,
             timeout=timeout_s,
             max_retries=max_retries,
+            http_client=openai.DefaultAsyncHttpxClient(
+                timeout=timeout_s, event_hooks={"response": [_on_response]}
+            ),
         )
 
     @property
@@ -174,32 +232,41 @@ class OpenAICompatibleLLM(LLM):
         options: dict[str, Any] = {}
         if tools:
             options["tools"] = [_tool_to_openai(tool) for tool in tools]
+        if self._max_tokens is not None:
+            options["max_tokens"] = self._max_tokens
         pending: dict[int, _PendingCall] = {}
-        try:
-            # ``**options`` (tools only when there are some, as older servers refuse an empty
-            # list) hides the streaming overload from mypy: the result is a stream all the same.
-            chunks = cast(
-                "openai.AsyncStream[ChatCompletionChunk]",
-                await self._client.chat.completions.create(
-                    model=self._model,
-                    messages=[_to_openai(message) for message in messages],
-                    stream=True,
-                    **options,
-                ),
-            )
-            async with chunks:
-                async for chunk in chunks:
-                    for choice in chunk.choices[:1]:
-                        if choice.delta.content:
-                            yield choice.delta.content
-                        for fragment in choice.delta.tool_calls or ():
-                            call = pending.setdefault(fragment.index, _PendingCall())
-                            call.id = fragment.id or call.id
-                            if fragment.function is not None:
-                                call.name = fragment.function.name or call.name
-                                call.arguments.append(fragment.function.arguments or "")
-        except openai.OpenAIError as exc:
-            self._raise_translated(exc)
+        async with governed(self._model, messages, max_tokens=self._max_tokens) as slot:
+            slot.usage = Usage(model=self._model, ok=False)
+            try:
+                # ``**options`` (tools only when there are some, as older servers refuse an
+                # empty list) hides the streaming overload from mypy: a stream all the same.
+                with slot.sending():
+                    chunks = cast(
+                        "openai.AsyncStream[ChatCompletionChunk]",
+                        await self._client.chat.completions.create(
+                            model=self._model,
+                            messages=[_to_openai(message) for message in messages],
+                            stream=True,
+                            stream_options={"include_usage": True},
+                            **options,
+                        ),
+                    )
+                async with chunks:
+                    async for chunk in chunks:
+                        if chunk.usage is not None:
+                            slot.usage = _usage_of(self._model, chunk)
+                        for choice in chunk.choices[:1]:
+                            if choice.delta.content:
+                                yield choice.delta.content
+                            for fragment in choice.delta.tool_calls or ():
+                                call = pending.setdefault(fragment.index, _PendingCall())
+                                call.id = fragment.id or call.id
+                                if fragment.function is not None:
+                                    call.name = fragment.function.name or call.name
+                                    call.arguments.append(fragment.function.arguments or "")
+                slot.usage = replace(slot.usage, ok=True)
+            except openai.OpenAIError as exc:
+                self._raise_translated(exc)
         for index in sorted(pending):
             yield pending[index].finish(index)
 

@@ -15,6 +15,11 @@ test can predict it and a replayed step would get the same one:
 - otherwise it says how long the last message was, how it began, and two sentences picked by
   a hash of the chat.
 
+Usage is deterministic too (:func:`simulated_usage`): a prompt token per four characters of
+the chat (at least one a message), a completion token per word streamed (a tool call: per four
+characters of its arguments), never a cached one. Its calls are governed like any model's
+(:mod:`moorline.llm.governance`): they count toward budgets and declared limits.
+
 Latency is realistic by default (a pause before the first word, then one word at a time) and
 configurable, so that tests run in milliseconds.
 """
@@ -26,7 +31,9 @@ import re
 from collections.abc import AsyncGenerator, Sequence
 
 from moorline.llm.base import LLM, SIMULATED_MODEL, Message, Role, Tool, ToolCall
+from moorline.llm.governance import governed
 from moorline.types import JSONObject
+from moorline.usage import Usage
 
 DEFAULT_FIRST_TOKEN_S = 0.4
 """Seconds before the first word, like a hosted model's time to first token."""
@@ -107,6 +114,25 @@ def simulated_reply(messages: Sequence[Message], tools: Sequence[Tool] = ()) -> 
     )
 
 
+def prompt_tokens(messages: Sequence[Message]) -> int:
+    """The simulated model's count of a chat's tokens: one per 4 characters, 1 at least each."""
+    return sum(max(1, -(-len(message.content) // 4)) for message in messages)
+
+
+def simulated_usage(messages: Sequence[Message], tools: Sequence[Tool] = ()) -> Usage:
+    """What the simulated model reports for its whole answer to the chat."""
+    reply = simulated_reply(messages, tools)
+    if isinstance(reply, ToolCall):
+        completion = max(1, -(-len(json.dumps(reply.arguments)) // 4))
+    else:
+        completion = len(_WORDS.findall(reply))
+    return Usage(
+        model=SIMULATED_MODEL,
+        prompt_tokens=prompt_tokens(messages),
+        completion_tokens=completion,
+    )
+
+
 class SimulatedLLM(LLM):
     """A model that answers :func:`simulated_reply`, streamed one word at a time.
 
@@ -141,15 +167,19 @@ class SimulatedLLM(LLM):
         self, messages: Sequence[Message], *, tools: Sequence[Tool] = ()
     ) -> AsyncGenerator[str | ToolCall, None]:
         reply = simulated_reply(messages, tools)
-        # The pauses are the simulated model's latency, not a wait for anything.
-        await asyncio.sleep(self._first_token_s)
-        if isinstance(reply, ToolCall):
-            yield reply
-            return
-        for index, word in enumerate(_WORDS.findall(reply)):
-            if index:
-                await asyncio.sleep(self._word_interval_s)
-            yield word
+        async with governed(SIMULATED_MODEL, messages, max_tokens=0) as slot:
+            # A stream left early is reported too, as failed (nothing of it counted).
+            slot.usage = Usage(model=SIMULATED_MODEL, ok=False)
+            # The pauses are the simulated model's latency, not a wait for anything.
+            await asyncio.sleep(self._first_token_s)
+            if isinstance(reply, ToolCall):
+                yield reply
+            else:
+                for index, word in enumerate(_WORDS.findall(reply)):
+                    if index:
+                        await asyncio.sleep(self._word_interval_s)
+                    yield word
+            slot.usage = simulated_usage(messages, tools)
 
     async def close(self) -> None:
         return None

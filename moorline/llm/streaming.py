@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 
 from moorline.llm.base import LLM, Message, Reply, Tool, ToolCall
+from moorline.observability import tracing
 from moorline.types import JSONObject
 
 Emit = Callable[[str, JSONObject], Awaitable[None]]
@@ -73,15 +74,18 @@ async def complete(
             await emit(DELTA_EVENT, {"text": text, **fields})
             last_emit = time.monotonic()
 
-    async with aclosing(llm.stream(messages, tools=tools)) as stream:
-        async for item in stream:
-            if isinstance(item, ToolCall):
-                calls.append(item)
-                continue
-            pieces.append(item)
-            held.append(item)
-            if time.monotonic() - last_emit >= min_interval_s:
-                await flush()
+    # The model call's span (GenAI conventions); the model notes its tokens on it.
+    with tracing.model_span(model=llm.model, simulated=llm.simulated):
+        async with aclosing(llm.stream(messages, tools=tools)) as stream:
+            async for item in stream:
+                if isinstance(item, ToolCall):
+                    calls.append(item)
+                    continue
+                pieces.append(item)
+                held.append(item)
+                if time.monotonic() - last_emit >= min_interval_s:
+                    await flush()
+        tracing.record_reply(model=llm.model)
     await flush()
     return Reply(
         text="".join(pieces), model=llm.model, simulated=llm.simulated, tool_calls=tuple(calls)

@@ -15,7 +15,11 @@ Two kinds of figure, kept apart on purpose:
   deleted (kept in ``retention_tallies``, which also serves
   ``moorline_retention_deleted_total``), so deletion never makes it fall; the statuses a run
   leaves (``pending``, ``queued``, ``running``, ``waiting``) as the gauge
-  ``moorline_runs_active``.
+  ``moorline_runs_active``. LLM usage (``moorline_llm_tokens_total``,
+  ``moorline_llm_cost_total``, ``moorline_llm_requests_total``) is read the same way, from
+  ``llm_usage``, which the workers add to with each step checkpoint: one figure however many
+  workers made the calls. Labels are the model (and the kind or outcome); a ``tenant`` label
+  only with ``MOORLINE_METRICS_TENANT_LABEL`` (a series per tenant and model).
 - **Events, counted where they happen** (:class:`Metrics`): attempt durations and dispatch
   latency (histograms), retries, reclaims, lease losses, quota and rate-limit rejections.
   Reading these back from the database would mean scanning history at every scrape. They live
@@ -61,9 +65,9 @@ class Metrics:
     def __init__(self) -> None:
         self.run_duration_s = Histogram(
             "moorline_run_duration_seconds",
-            "Seconds from claim to written outcome of the attempts this process ran, by lane "
-            "and outcome (succeeded, failed, retried, cancelled, timed_out).",
-            ["lane", "outcome"],
+            "Seconds from claim to written outcome of the attempts this process ran, by lane, "
+            "workflow and outcome (succeeded, failed, retried, cancelled, timed_out).",
+            ["lane", "workflow", "outcome"],
             buckets=DURATION_BUCKETS_S,
             registry=None,
         )
@@ -76,8 +80,8 @@ class Metrics:
         )
         self.retries = Counter(
             "moorline_retries",
-            "Failed attempts given another attempt (with backoff), by lane.",
-            ["lane"],
+            "Failed attempts given another attempt (with backoff), by lane and workflow.",
+            ["lane", "workflow"],
             registry=None,
         )
         self.reclaims = Counter(
@@ -110,7 +114,8 @@ class Metrics:
         )
         self.rejections = Counter(
             "moorline_rejections",
-            "Triggers refused by admission, by reason (quota_exceeded, rate_limited).",
+            "Triggers refused by admission, by reason (quota_exceeded, rate_limited, "
+            "budget_exhausted).",
             ["reason"],
             registry=None,
         )
@@ -146,6 +151,22 @@ class LaneFigures:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LLMFigures:
+    """The all-time LLM usage of one model (of one tenant, with the tenant label)."""
+
+    model: str
+    tenant: str | None = None
+    """None: every tenant's together (no ``tenant`` label)."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    saved_tokens: int = 0
+    requests: int = 0
+    failed_requests: int = 0
+    cost: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     """The state figures of one scrape, read from the database and this process."""
 
@@ -166,6 +187,8 @@ class Snapshot:
     """Table name → rows the retention cleaner deleted."""
     oldest_finished_age_s: float | None = None
     """Seconds since the oldest stored finished run ended; None when there is none."""
+    llm: tuple[LLMFigures, ...] = ()
+    """LLM usage per model (and tenant), from the database."""
 
 
 class _SnapshotCollector(Collector):
@@ -228,6 +251,7 @@ class _SnapshotCollector(Collector):
         for table, count in sorted(s.rows_deleted.items()):
             deleted.add_metric([table], count)
         yield deleted
+        yield from _llm_families(s.llm)
         yield _gauge(
             "moorline_oldest_finished_run_age_seconds",
             "Seconds since the oldest finished run still stored ended (0: none); retention "
@@ -258,6 +282,42 @@ class _SnapshotCollector(Collector):
                 "Size of the SQLite write-ahead log file, in bytes.",
                 s.sqlite_wal_bytes,
             )
+
+
+def _llm_families(figures: tuple[LLMFigures, ...]) -> Iterator[Metric]:
+    """The three LLM counters; with a ``tenant`` label when the figures carry tenants."""
+    extra = ["tenant"] if any(f.tenant is not None for f in figures) else []
+    tokens = CounterMetricFamily(
+        "moorline_llm_tokens",
+        "LLM tokens by model and kind: prompt (cached included), completion, cached, and "
+        "saved (not spent again by replayed steps); from the database, every worker's.",
+        labels=["model", "kind", *extra],
+    )
+    cost = CounterMetricFamily(
+        "moorline_llm_cost",
+        "What LLM calls cost, priced by the models file when they were made, by model.",
+        labels=["model", *extra],
+    )
+    requests = CounterMetricFamily(
+        "moorline_llm_requests",
+        "LLM calls by model and outcome (ok, error: failed or left before the reply ended).",
+        labels=["model", "outcome", *extra],
+    )
+    for f in sorted(figures, key=lambda f: (f.model, f.tenant or "")):
+        tenant = [f.tenant or ""] if extra else []
+        for kind, value in (
+            ("prompt", f.prompt_tokens),
+            ("completion", f.completion_tokens),
+            ("cached", f.cached_tokens),
+            ("saved", f.saved_tokens),
+        ):
+            tokens.add_metric([f.model, kind, *tenant], value)
+        cost.add_metric([f.model, *tenant], f.cost)
+        requests.add_metric([f.model, "ok", *tenant], f.requests - f.failed_requests)
+        requests.add_metric([f.model, "error", *tenant], f.failed_requests)
+    yield tokens
+    yield cost
+    yield requests
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

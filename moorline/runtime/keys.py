@@ -13,13 +13,19 @@ same Redis Cluster slot and multi-key scripts never fail with ``CROSSSLOT``::
     <prefix>:{run:<run_id>}:signal                   channel: interrupt:<id> | cancel | cleanup
     <prefix>:{run:<run_id>}:events                   channel: JSON events
     <prefix>:{tenant:<tenant_id>}:quota:<YYYY-MM-DD> STRING units used        past the UTC day
+    <prefix>:{tenant:<tenant_id>}:budget:<YYYY-MM-DD> HASH tokens, cost_micros past the UTC day
+    <prefix>:{llm:<model>}:limiter                   HASH buckets, pause, clock    LIMITER_TTL
+    <prefix>:{llm:<model>}:queue                     ZSET waiter → fair tag        LIMITER_TTL
+    <prefix>:{llm:<model>}:seen                      ZSET waiter → last poll (ms)  LIMITER_TTL
+    <prefix>:{llm:<model>}:tags                      HASH tenant → last fair tag   LIMITER_TTL
     <prefix>:ratelimit:<limits library key>          the ``limits`` library   its window
 
 A conversation is named with its tenant (``runtime.base.conversation_key``): two tenants may
 use the same conversation id. A run without a conversation uses its run id as its window's name.
 Every key of a run starts with the same ``<prefix>:{run:<run_id>}``, so the hash tag is the
-same for all of them whatever characters the id contains. The quota and rate-limit keys belong
-to admission (:mod:`moorline.admission`), not to the runtime store; they are built here so that
+same for all of them whatever characters the id contains. The quota, budget and rate-limit keys
+belong to admission (:mod:`moorline.admission`) and the provider limiter's to
+:mod:`moorline.llm.limiter`, not to the runtime store; they are built here so that
 every Redis name Moorline writes is in one place.
 """
 
@@ -75,6 +81,15 @@ class RedisKeys:
     def quota(self, tenant_id: TenantId, day: str) -> str:
         """The tenant's quota counter for one UTC day (``YYYY-MM-DD``)."""
         return f"{self.prefix}:{{tenant:{tenant_id}}}:quota:{day}"
+
+    def budget(self, tenant_id: TenantId, day: str) -> str:
+        """The tenant's model spend for one UTC day: a hash of ``tokens`` and ``cost_micros``."""
+        return f"{self.prefix}:{{tenant:{tenant_id}}}:budget:{day}"
+
+    def limiter(self, model: str) -> tuple[str, str, str, str]:
+        """The provider limiter's keys of one model: state, queue, seen, tags (one slot)."""
+        base = f"{self.prefix}:{{llm:{model}}}"
+        return f"{base}:limiter", f"{base}:queue", f"{base}:seen", f"{base}:tags"
 
     def rate_limits(self) -> str:
         """The key prefix handed to the ``limits`` library for API rate-limit windows."""

@@ -15,14 +15,14 @@
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from moorline.concurrency import keep_cancel
 from moorline.runtime.base import EventSubscription
 from moorline.runtime.fanout import LocalFanout
 from moorline.types import JSONObject, RunId
@@ -66,13 +66,17 @@ class PubSubHub:
     re-subscribe silently, hiding that messages were lost meanwhile. Here a broken connection
     is dropped whole and every listener hears :meth:`Listener.on_broken`.
 
+    Args:
+        open_pubsub: A fresh Pub/Sub object on a connection of its own
+            (:meth:`~moorline.runtime.redis_client.RedisConnector.pubsub`), for each link.
+
     A channel's entry is only deleted (and unsubscribed) after its SUBSCRIBE was confirmed.
     Replies on one connection come in order, so every "subscribe" reply then belongs to the
     entry that is in the table: a confirmation is never credited to the wrong subscription.
     """
 
-    def __init__(self, client: Redis) -> None:
-        self._client = client
+    def __init__(self, open_pubsub: Callable[[], Awaitable[PubSub]]) -> None:
+        self._open_pubsub = open_pubsub
         self._link: Link | None = None
         self._lock = asyncio.Lock()
 
@@ -120,9 +124,10 @@ class PubSubHub:
     async def _live_link(self) -> Link:
         async with self._lock:
             if self._link is None or self._link.is_broken:
-                pubsub = self._client.pubsub()
+                pubsub = await keep_cancel(self._open_pubsub())
                 try:
-                    await pubsub.connect()  # type: ignore[no-untyped-call]
+                    # keep_cancel: redis-py's connect may swallow a cancel on Python 3.11.
+                    await keep_cancel(pubsub.connect())  # type: ignore[no-untyped-call]
                 except BaseException:
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
                     raise

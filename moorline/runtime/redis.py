@@ -34,9 +34,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from importlib import resources
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
@@ -61,6 +60,7 @@ from moorline.runtime.base import (
 )
 from moorline.runtime.keys import SIGNAL_CANCEL, SIGNAL_CLEANUP, SIGNAL_INTERRUPT, RedisKeys
 from moorline.runtime.pubsub import EventFeeds, PubSubHub
+from moorline.runtime.redis_client import RedisClient, RedisConnector
 from moorline.types import JSONObject, RunId
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ T = TypeVar("T")
 SCRIPT_NAMES = (
     "acquire_lease",
     "check_interrupt",
+    "cleanup_run",
     "compare_and_delete",
     "compare_and_expire",
     "drain_all",
@@ -103,7 +104,7 @@ ScriptCall = tuple[AsyncScript, Sequence[Any], Sequence[Any]]
 """One script call of a pipeline: the script, its keys, its arguments."""
 
 
-async def run_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
+async def run_scripts(client: RedisClient, calls: Sequence[ScriptCall]) -> list[Any]:
     """Run several scripts (each ``(script, keys, args)``) in one round trip: a pipeline.
 
     The pipeline sends ``EVALSHA`` without the ``SCRIPT EXISTS`` check that redis-py's own
@@ -133,10 +134,13 @@ async def run_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     return replies
 
 
-async def _pipelined(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
+async def _pipelined(client: RedisClient, calls: Sequence[ScriptCall]) -> list[Any]:
     pipeline = client.pipeline(transaction=False)
     for script, keys, args in calls:
-        pipeline.evalsha(script.sha, len(keys), *keys, *args)
+        # The command itself, not ``pipeline.evalsha``: redis-py's cluster pipeline refuses
+        # that method, though it routes EVALSHA by its keys like any keyed command (each call
+        # here touches the keys of one slot; the pipeline sends each node its share).
+        pipeline.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
     replies: list[Any] = await pipeline.execute(raise_on_error=False)
     return replies
 
@@ -182,7 +186,8 @@ class RedisRuntimeStore(RuntimeStore):
     """RuntimeStore shared by many processes through Redis.
 
     Args:
-        url: Redis URL (``redis://`` or ``rediss://``).
+        url: ``MOORLINE_REDIS_URL``: one server, Sentinel or Cluster
+            (:mod:`moorline.runtime.redis_client`).
         prefix: Start of every key and channel (``MOORLINE_REDIS_PREFIX``).
         retention_s: TTL of cancel flags and message queues (the execution timeout).
         poll_interval_s: Longest time a waiter goes without re-checking the state; bounds the
@@ -207,21 +212,17 @@ class RedisRuntimeStore(RuntimeStore):
     ) -> None:
         # Commands retry a few times on a dropped connection; Pub/Sub never retries (see
         # PubSubHub). A blocking pool makes a burst wait for a connection instead of failing.
-        self._client = Redis.from_pool(
-            BlockingConnectionPool.from_url(
-                url,
-                decode_responses=True,
-                client_name=client_name,
-                max_connections=max_connections,
-                retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), 3),
-            )
+        connector = RedisConnector(url)
+        self._client = connector.client(
+            decode_responses=True,
+            client_name=client_name,
+            max_connections=max_connections,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), 3),
         )
-        self._pubsub_client = Redis.from_pool(
-            ConnectionPool.from_url(
-                url, decode_responses=True, client_name=client_name, retry=Retry(NoBackoff(), 0)
-            )
+        self._pubsub_client = connector.pubsub_client(
+            self._client, decode_responses=True, client_name=client_name
         )
-        self._hub = PubSubHub(self._pubsub_client)
+        self._hub = PubSubHub(functools.partial(connector.pubsub, self._pubsub_client))
         self.client_name = client_name
         self.keys = RedisKeys(prefix)
         self._retention_ms = to_ms(retention_s)
@@ -238,7 +239,7 @@ class RedisRuntimeStore(RuntimeStore):
         """Tests only: awaited between the steps of a wait, to land a wake-up there."""
 
     @property
-    def client(self) -> Redis:
+    def client(self) -> RedisClient:
         """The underlying client (for health checks and tests)."""
         return self._client
 
@@ -425,10 +426,9 @@ class RedisRuntimeStore(RuntimeStore):
         interrupt_ids = [str(member) for member in await self._client.smembers(index)]
         doomed = [self.keys.cancel(run_id), self.keys.messages(run_id), index]
         doomed += [self.keys.interrupt(run_id, interrupt_id) for interrupt_id in interrupt_ids]
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(*doomed)
-        pipe.publish(self.keys.signal_channel(run_id), SIGNAL_CLEANUP)
-        await pipe.execute()
+        await self._script(
+            "cleanup_run", doomed, [self.keys.signal_channel(run_id), SIGNAL_CLEANUP]
+        )
 
     async def check_available(self, timeout_s: float) -> None:
         # Bounded by the caller's time, not the client's retries: a load balancer's probe must
@@ -455,7 +455,8 @@ class RedisRuntimeStore(RuntimeStore):
         await self.shutdown()
         if not self._is_closed:
             self._is_closed = True
-            await self._pubsub_client.aclose()
+            if self._pubsub_client is not self._client:
+                await self._pubsub_client.aclose()
             await self._client.aclose()
 
     # -- waiting -----------------------------------------------------------------------------
@@ -497,16 +498,21 @@ class RedisRuntimeStore(RuntimeStore):
         """Check, then subscribe and re-check until done; a broken subscription is reopened."""
         backoff_s = RESUBSCRIBE_BACKOFF_S
         checked = False
+        # The deadline is also checked in the loops, not only by asyncio.timeout's one cancel:
+        # a Redis call that swallowed that cancel (Python 3.11's wait_for, see keep_cancel)
+        # would otherwise leave the watch polling for ever.
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 while True:
+                    _raise_if_past(deadline)
                     try:
                         if not checked:
                             done, value = await keep_cancel(check())
                             checked = True
                             if done:
                                 return value
-                        return await self._watch_channel(run_id, check, wakes_on)
+                        return await self._watch_channel(run_id, check, wakes_on, deadline)
                     except (RedisConnectionError, RedisTimeoutError) as exc:
                         if backoff_s == RESUBSCRIBE_BACKOFF_S:
                             logger.warning(
@@ -534,9 +540,15 @@ class RedisRuntimeStore(RuntimeStore):
         run_id: RunId,
         check: Callable[[], Awaitable[tuple[bool, T]]],
         wakes_on: frozenset[str],
+        deadline: float,
     ) -> T:
-        """Subscribe, confirm, re-check, then re-check on every signal and poll interval."""
+        """Subscribe, confirm, re-check, then re-check on every signal and poll interval.
+
+        Raises:
+            TimeoutError: ``deadline`` (loop time) passed.
+        """
         channel = self.keys.signal_channel(run_id)
+        loop = asyncio.get_running_loop()
         wake = _Wake(wakes_on)
         await self._step("subscribe", run_id)
         link = await self._hub.subscribe(channel, wake)
@@ -547,8 +559,9 @@ class RedisRuntimeStore(RuntimeStore):
                 return value
             await self._step("wait", run_id)
             while True:
+                _raise_if_past(deadline)
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._poll_interval_s):
+                    async with asyncio.timeout(min(self._poll_interval_s, deadline - loop.time())):
                         await wake.event.wait()
                 if wake.is_broken:
                     raise RedisConnectionError("the Pub/Sub connection broke while waiting")
@@ -563,6 +576,11 @@ class RedisRuntimeStore(RuntimeStore):
     async def _step(self, step: str, run_id: RunId) -> None:
         if self._between_steps is not None:
             await self._between_steps(step, run_id)
+
+
+def _raise_if_past(deadline: float) -> None:
+    if asyncio.get_running_loop().time() >= deadline:
+        raise TimeoutError
 
 
 def _optional_str(value: bytes | str | None) -> str | None:

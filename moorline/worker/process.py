@@ -19,14 +19,16 @@ from moorline.dispatch.chores import LeaderChore
 from moorline.dispatch.reaper import make_reaper
 from moorline.dispatch.retention import make_retention_cleaner
 from moorline.dispatch.timers import make_timer_sweep
-from moorline.dispatch.wakeups import Notifier, Waiter
+from moorline.dispatch.wakeups import BackgroundNotifier, Notifier, Waiter
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
+from moorline.llm.models import ModelsProvider
 from moorline.observability.metrics import Metrics
 from moorline.plans import PlansProvider
 from moorline.runtime.base import RuntimeStore
 from moorline.runtime.factory import make_runtime_store
 from moorline.settings import Settings
+from moorline.worker.governor import make_governor
 from moorline.worker.worker import Worker, make_owner_id
 
 logger = logging.getLogger(__name__)
@@ -91,11 +93,25 @@ async def run_worker_process(
     ]
     runtime = make_runtime_store(settings) if store is None else store
     bulk = make_bulk_processor(settings, db, holder=owners[0], notifier=notifier, store=runtime)
+    # One governor per process: the limiter's waiters of all its workers share one queue.
+    # The models file prices the calls and declares their limits, for it and the runners.
+    models = ModelsProvider(settings)
+    governor = make_governor(settings, db, plans, models=models)
+    # Child runs a workflow starts wake the lane's workers (here and elsewhere) at once.
+    enqueued = None if notifier is None else BackgroundNotifier(notifier)
     try:
         workers = [
             Worker(
                 db,
-                WorkflowRunner(app, db=db, store=runtime, settings=settings),
+                WorkflowRunner(
+                    app,
+                    db=db,
+                    store=runtime,
+                    settings=settings,
+                    call_hook=governor,
+                    models=models,
+                    on_enqueued=enqueued,
+                ),
                 lanes=lanes,
                 lease_ttl_s=settings.lease_ttl,
                 poll_interval_s=settings.poll_interval,
@@ -122,6 +138,9 @@ async def run_worker_process(
     finally:
         # After the workers: their runs have finished or been released, so no wait is cut
         # short.
+        if enqueued is not None:
+            await enqueued.close()
+        await governor.close()
         if own_store:
             await runtime.close()
 

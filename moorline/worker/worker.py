@@ -235,12 +235,14 @@ class Worker:
         """Set when this process knows its lane may have claimable work (see ``_claim_loop``)."""
         self._wants_slot = dict.fromkeys(self._lanes, False)
         """Whether a slot freed in the lane should make its loop claim again."""
+        self._freed_at = dict.fromkeys(self._lanes, 0.0)
+        """``time.monotonic()`` when each lane's latest slot was freed."""
         self._retry_timers: set[asyncio.TimerHandle] = set()
         # prometheus-client's labels() takes a lock and builds a key per call: once per lane.
         self._latency_by_lane = {
             lane: self._metrics.dispatch_latency_s.labels(lane=lane) for lane in self._lanes
         }
-        self._duration_by_outcome: dict[tuple[str, str], Any] = {}
+        self._duration_by_outcome: dict[tuple[str, str, str], Any] = {}
         self._claiming = True
         self._closing = asyncio.Event()
         self._runtime_renewal: asyncio.Task[None] | None = None
@@ -374,6 +376,10 @@ class Worker:
             self._arm_self_fence([self._start(claim, lane) for claim in batch.claims])
             if len(batch.claims) < free and self._claiming:
                 self._wants_slot[lane] = batch.is_capped
+                if batch.is_capped and self._freed_at[lane] > batch.began_monotonic_s:
+                    # A slot freed during the claim woke nobody (``_wants_slot`` was the last
+                    # batch's answer), and the claim may have counted its run still running.
+                    continue
                 await self._wait_for_work(lane, batch.began_monotonic_s)
 
     async def _wait_for_work(self, lane: str, seen_before: float) -> None:
@@ -512,6 +518,8 @@ class Worker:
         while self._ended_children:
             await asyncio.sleep(WAKE_BATCH_S)  # the children ending about together
             ended, self._ended_children = self._ended_children, []
+            # Parents joining in memory in this process read their children at once.
+            self._runner.children_ended({r.parent_run_id for r in ended if r.parent_run_id})
             try:
                 lanes = await self._children.wake_parents(ended)
             except Exception as exc:
@@ -524,20 +532,21 @@ class Worker:
                 await self._notifier.notify(lanes)
 
     def _count_outcome(self, execution: _Execution, outcome: Outcome) -> None:
+        workflow = execution.claim.run.workflow
         name: str
         if isinstance(outcome, Succeeded):
             name = RunStatus.SUCCEEDED.value
         elif isinstance(outcome, Failed):
             name = RunStatus.FAILED.value if outcome.retry_delay_s is None else "retried"
             if outcome.retry_delay_s is not None:
-                self._metrics.retries.labels(lane=execution.lane).inc()
+                self._metrics.retries.labels(lane=execution.lane, workflow=workflow).inc()
         else:
             name = outcome.status.value
         elapsed_s = time.monotonic() - execution.started
-        key = (execution.lane, name)
+        key = (execution.lane, workflow, name)
         duration = self._duration_by_outcome.get(key)
         if duration is None:
-            labels = {"lane": execution.lane, "outcome": name}
+            labels = {"lane": execution.lane, "workflow": workflow, "outcome": name}
             duration = self._duration_by_outcome[key] = self._metrics.run_duration_s.labels(
                 **labels
             )
@@ -613,6 +622,7 @@ class Worker:
         self._leave_self_fence(execution)
         self._executions.discard(execution)
         self._in_lane[execution.lane] -= 1
+        self._freed_at[execution.lane] = time.monotonic()
         if self._wants_slot[execution.lane]:
             self._recheck[execution.lane].set()
         self.finished += 1

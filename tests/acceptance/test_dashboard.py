@@ -170,6 +170,7 @@ async def test_sign_in_watch_approve_and_isolate(
     await expect(page.locator("#events [data-type=delta]")).to_have_count(8)
     await expect(page.locator("#events [data-type=succeeded]")).to_have_count(1)
     await expect(page.locator("#steps .step")).to_have_count(2)
+    await expect(page.locator("[data-fact=tokens]")).to_contain_text("120 prompt + 30 completion")
     await expect(page.locator("#cancel")).to_be_disabled()
     await page.screenshot(path=shots / "3-run.png", full_page=True)
 
@@ -178,10 +179,12 @@ async def test_sign_in_watch_approve_and_isolate(
     await expect(row.locator(".badge")).to_have_text("succeeded")
     await page.screenshot(path=shots / "2-runs.png", full_page=True)
     await page.click("#nav a[data-page=lanes]")
-    await expect(page.locator("[data-lane=workflow_team] svg text")).to_contain_text("1 finished")
+    finished = page.locator("[data-lane=workflow_team] svg text.total")
+    await expect(finished).to_contain_text("1 finished")
     await page.screenshot(path=shots / "1-lanes.png", full_page=True)
     await page.click("#nav a[data-page=tenants]")
     await expect(tenant_row).to_contain_text("1 / 500")
+    await expect(tenant_row.locator("td").nth(8)).to_have_text("150")
     await page.screenshot(path=shots / "4-tenants.png", full_page=True)
 
     # Tenant B sees nothing of A's run: not listed, and 404 at its direct URL.

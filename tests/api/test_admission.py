@@ -30,6 +30,7 @@ from moorline.db.repos.tenants import TenantsRepo
 from moorline.dispatch.submit import Submitter
 from moorline.errors import RateLimited
 from moorline.plans import PlansProvider
+from moorline.runtime.redis_client import RedisClient
 from moorline.settings import Settings
 from moorline.types import RunStatus, TenantId
 from tests.api import workflows
@@ -61,14 +62,16 @@ def api_database_url(database_url: str) -> str:
 class Deployment:
     """What the backend's deployment counts with: Redis (a prefix of its own) or nothing."""
 
-    redis: Redis | None
+    redis: RedisClient | None
     prefix: str
+    url: str = REDIS_TEST_URL
+    """``MOORLINE_REDIS_URL`` (``test_admission_topologies.py``: Sentinel's, Cluster's)."""
 
     @property
     def settings(self) -> dict[str, Any]:
         if self.redis is None:
             return {}
-        return {"redis_url": REDIS_TEST_URL, "redis_prefix": self.prefix}
+        return {"redis_url": self.url, "redis_prefix": self.prefix}
 
     async def immortal_keys(self) -> list[str]:
         return [] if self.redis is None else await keys_without_ttl(self.redis, self.prefix)
@@ -342,12 +345,21 @@ async def test_usage_and_queues_tell_the_truth(api: Api) -> None:
     before = (await api.client.get("/v1/usage", headers=caller.headers)).json()
     assert before == {
         "tenant_id": caller.tenant_id,
+        "tenant_name": before["tenant_name"],
         "plan": "sandbox",
         "daily_quota": QUOTA,
         "used_today": 0,
         "remaining": QUOTA,
         "resets_at": before["resets_at"],
+        # No model was called: today's LLM usage is all zeros.
+        "tokens_today": 0,
+        "cost_today": 0.0,
+        "saved_tokens_today": 0,
+        "saved_cost_today": 0.0,
+        "by_model": {},
+        "by_workflow": {},
     }
+    assert before["tenant_name"].startswith("tenant-")  # Api.tenant's names
     for expected in range(1, 4):
         assert (await api.trigger(caller)).status_code == 202
         now = (await api.client.get("/v1/usage", headers=caller.headers)).json()
@@ -483,7 +495,7 @@ async def test_units_the_gate_took_for_runs_not_stored_are_given_back(
         caller = await api.tenant("sandbox")
         tenant_id = TenantId(caller.tenant_id)
         plan = await PlansProvider(api.settings).get("sandbox")
-        quotas = RedisQuotaStore(REDIS_TEST_URL, prefix=deployment.prefix)
+        quotas = RedisQuotaStore(deployment.url, prefix=deployment.prefix)
         limiter = RateLimiter(api.settings)
         gate = RedisGate(limiter, quotas)
         rival = NewRun(

@@ -132,6 +132,32 @@ async def test_rerun_starts_a_linked_run_with_the_same_input(api: Api) -> None:
     assert hidden.status_code == 404
 
 
+async def test_a_rerun_sent_again_with_its_key_returns_the_first(api: Api) -> None:
+    caller = await api.tenant()
+    original = await failed_run(api, caller, input={"message": "once"})
+    other = await failed_run(api, caller, input={"message": "once"})
+    path = f"/v1/runs/{original}/rerun"
+    body = {"idempotency_key": "rerun-1"}
+
+    first = await api.client.post(path, json=body, headers=caller.headers)
+    again = await api.client.post(path, json=body, headers=caller.headers)
+    # The same key on a re-run of another run (same workflow and input) is a conflict, not
+    # a silent answer naming a re-run of something else.
+    elsewhere = await api.client.post(f"/v1/runs/{other}/rerun", json=body, headers=caller.headers)
+
+    assert first.status_code == 202, first.text
+    assert again.status_code == 200, again.text
+    assert again.json()["run_id"] == first.json()["run_id"]
+    assert again.json()["rerun_of"] == original
+    assert again.headers["location"] == first.headers["location"]
+    assert elsewhere.status_code == 409
+    assert elsewhere.json()["error"]["code"] == "idempotency_conflict"
+    listed = (await api.client.get("/v1/runs", headers=caller.headers)).json()["runs"]
+    assert [run["rerun_of"] for run in listed].count(original) == 1
+    bad = await api.client.post(path, json={"idempotency_key": ""}, headers=caller.headers)
+    assert bad.status_code == 422
+
+
 async def test_rerun_goes_through_admission(api: Api) -> None:
     caller = await api.tenant(plan="trickle")  # a daily quota of 2
     original = await failed_run(api, caller)

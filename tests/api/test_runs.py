@@ -128,6 +128,44 @@ async def test_listing_filters_and_pages_newest_first(api: Api) -> None:
     assert await listed(status="succeeded") == []
 
 
+async def test_listing_filters_on_a_created_range_and_on_ids(api: Api) -> None:
+    caller = await api.tenant()
+    first = (await api.trigger(caller, "add", input={"a": 1, "b": 1})).json()
+    second = (await api.trigger(caller, "add", input={"a": 2, "b": 2})).json()
+    third = (await api.trigger(caller, "add", input={"a": 3, "b": 3})).json()
+    between = second["created_at"]
+
+    async def listed(headers: dict[str, str] = caller.headers, **params: Any) -> list[str]:
+        path = "/v1/admin/runs" if headers is ADMIN else "/v1/runs"
+        response = await api.client.get(path, params=params, headers=headers)
+        assert response.status_code == 200, response.text
+        return [run["run_id"] for run in response.json()["runs"]]
+
+    wanted = [first["run_id"], third["run_id"]]
+    assert await listed(ids=wanted) == [third["run_id"], first["run_id"]]
+    assert await listed(ids=[*wanted, "no-such-run"], limit=1) == [third["run_id"]]
+    # Runs created in one group commit share an instant: the range is checked against the
+    # stored times, so each side holds the runs the other lacks and together all three.
+    after = await listed(created_after=between)
+    before = await listed(created_before=between)
+    assert second["run_id"] in after and second["run_id"] not in before
+    assert sorted(after + before) == sorted([first["run_id"], second["run_id"], third["run_id"]])
+    assert await listed(created_after="2999-01-01T00:00:00Z") == []
+    # The admin's listing takes the same filters; another tenant's ids show nothing.
+    assert await listed(ADMIN, ids=wanted) == [third["run_id"], first["run_id"]]
+    other = await api.tenant()
+    assert await listed(other.headers, ids=wanted) == []
+    for bad in (
+        {"created_after": "2026-11-28T00:00:00"},  # no offset: which instant?
+        {"created_before": "yesterday"},
+        {"ids": ["a b"]},
+        {"ids": [f"r{i}" for i in range(101)]},
+    ):
+        response = await api.client.get("/v1/runs", params=bad, headers=caller.headers)
+        assert response.status_code == 422, (bad, response.text)
+        assert response.json()["error"]["code"] == "invalid_request"
+
+
 async def test_limit_is_clamped_and_cursors_are_checked(api: Api) -> None:
     caller = await api.tenant()
     runs = RunsRepo(api.db)

@@ -4,6 +4,7 @@ import moorline
 
 EXPECTED = {
     "BackendUnavailable",
+    "BudgetExceeded",
     "Cancelled",
     "ChildFailed",
     "Client",

@@ -11,7 +11,13 @@ def test_waiting_event_types() -> None:
 
 
 def test_what_a_run_waits_for_and_why_it_resumed() -> None:
-    assert [kind.value for kind in WaitKind] == ["permission", "sleep", "message", "children"]
+    assert [kind.value for kind in WaitKind] == [
+        "permission",
+        "sleep",
+        "message",
+        "children",
+        "capacity",
+    ]
     assert [r.value for r in ResumeReason] == ["decision", "message", "timer", "children"]
 
 

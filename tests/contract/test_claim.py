@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text, update
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.claim_statements import lock_tenants_statement
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import run_from_row
 from moorline.db.schema import events, runs
@@ -32,7 +33,7 @@ from tests.contract.queue_helpers import (
     statuses,
     unique,
 )
-from tests.helpers import FULL_SIZE
+from tests.helpers import FULL_SIZE, wait_for
 
 DISJOINT_RUNS = 1_000
 DISJOINT_ROUNDS = 1_000 if FULL_SIZE else 250
@@ -367,3 +368,53 @@ async def test_a_run_locked_by_another_transaction_is_skipped_not_waited_for(
         assert sorted(ids(batch)) == sorted(free_runs)
     [late] = await queue.claim_batch(lane, "w", limit=10, lease_ttl_s=TTL_S, tenant_caps=NO_CAP)
     assert late.run.run_id == held
+
+
+async def waiting_on_a_lock(db: DatabaseManager) -> bool:
+    """Whether some transaction of this database waits for a row lock now."""
+    if db.backend.name == "postgresql":
+        query = (
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+    else:
+        # MariaDB may wait for the lock while it plans the statement, before the transaction
+        # shows in innodb_trx: the statement itself is what is in progress.
+        query = (
+            "SELECT count(*) FROM information_schema.processlist "
+            "WHERE db = DATABASE() AND info LIKE 'SELECT tenants.id%%FOR UPDATE'"
+        )
+    async with db.connect() as conn:
+        return bool((await conn.execute(text(query))).scalar_one())
+
+
+async def test_a_run_ending_while_a_claim_waits_for_its_tenant_still_reads_as_capped(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # The claim's first count sizes the tenant's allotment; a run of the tenant that ends
+    # before the recount (under the tenant's lock) leaves eligible runs unread. The batch must
+    # say "capped" (a freed slot may claim them), not "lane empty": the worker would wait for
+    # a wake-up those runs sent before the claim began, and sit out its slow poll.
+    if not db.backend.capabilities.row_locks:
+        pytest.skip("SQLite claims under one write lock: its first count is the last")
+    queue = QueueRepo(db)
+    caps = {CAPPED: CAP}
+    lane = unique("lane")
+    tenant = await tenants.new(CAPPED)
+    await add_runs(db, tenant, lane, CAP + 3)
+    first = await queue.claim(lane, "w", limit=CAP - 1, lease_ttl_s=TTL_S, tenant_caps=caps)
+    assert len(first.claims) == CAP - 1
+    async with db.transaction() as conn:
+        # A finish of the running run holds the tenant's row, as the completer's would.
+        await conn.execute(lock_tenants_statement(db.backend), {"ids": [tenant]})
+        ended = [claim.fence.run_id for claim in first.claims]
+        await conn.execute(
+            update(runs).where(runs.c.id.in_(ended)).values(status=RunStatus.SUCCEEDED.value)
+        )
+        claiming = asyncio.create_task(
+            queue.claim(lane, "w", limit=2, lease_ttl_s=TTL_S, tenant_caps=caps)
+        )
+        await wait_for(lambda: waiting_on_a_lock(db), message="the claim to wait for the tenant")
+    batch = await claiming
+    assert len(batch.claims) == 1  # allotted by the first count: CAP - 1 running, 1 free
+    assert batch.is_capped

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import (
@@ -38,6 +39,7 @@ from moorline.dispatch.reaper import (
     make_reaper,
 )
 from moorline.dispatch.wakeups import LocalWakeups
+from moorline.errors import BackendUnavailable
 from moorline.observability.metrics import Metrics
 from moorline.settings import Settings
 from moorline.types import Attempt, JSONValue, RunId, RunStatus, TenantId
@@ -508,6 +510,17 @@ async def test_the_loop_survives_the_database_going_away(
             run_sql, "postgresql", f"ALTER DATABASE {name} ALLOW_CONNECTIONS true"
         )
     assert not loop.done()
+
+    async def back() -> bool:
+        # Not at once through PgBouncer: it refuses logins for server_login_retry after a
+        # failed one.
+        try:
+            await statuses(db, [])
+        except (BackendUnavailable, DBAPIError):
+            return False
+        return True
+
+    await wait_for(back, message="the database to accept connections again")
     [after] = await add_running(db, tenant, lane, 1, lease_s=-1.0)
     await wait_for(lambda: reaped(after.run_id), message="a reap after the outage")
     assert not loop.done()

@@ -6,6 +6,7 @@ rows" is checked table by table.
 """
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -21,6 +22,7 @@ from moorline.db.repos.gauges import Gauges
 from moorline.db.repos.queue import QueueRepo
 from moorline.db.repos.retention import RUN_TABLES, Cursor, RetentionPolicy, RetentionRepo
 from moorline.db.schema import bulk_job_runs, bulk_jobs, metadata, runs, schedules
+from moorline.dispatch import retention
 from moorline.dispatch.leader import LeaderElector
 from moorline.dispatch.retention import LEADER_LEASE, RetentionCleaner
 from moorline.settings import Settings
@@ -361,16 +363,98 @@ async def test_a_run_that_changes_after_the_read_is_left_alone(
     }
 
 
-async def test_the_batch_shrinks_only_under_one_write_lock(db: DatabaseManager) -> None:
+async def test_the_batch_shrinks_while_deletions_take_long(db: DatabaseManager) -> None:
     async def policy() -> RetentionPolicy:
         return KEEP_30
 
     elector = LeaderElector(QueueRepo(db), name=unique(LEADER_LEASE), holder="a", ttl_s=30.0)
     cleaner = RetentionCleaner(db, elector, policy, interval_s=60.0, batch=500)
-    slow, quick = cleaner._next_limit(500, 0.2), cleaner._next_limit(100, 0.001)
-    if db.backend.capabilities.row_locks:
-        assert (slow, quick) == (500, 100)  # nothing waits for a deletion
+    # Too long: cut in proportion to MAX_HOLD_S (5 ms), and at least halved.
+    slow, a_little_slow = cleaner._next_limit(500, 0.05), cleaner._next_limit(500, 0.006)
+    assert (slow, a_little_slow) == (50, 250)
+    assert cleaner._next_limit(100, 0.001) == 200
+    assert cleaner._next_limit(500, 0.001) == 500
+    assert cleaner._next_limit(25, 1.0) == 20
+    assert cleaner._next_limit(300, 0.0) == 300  # nothing deleted: nothing learnt
+    # Alone with the database, a transaction may last up to ALONE_MAX_HOLD_S (100 ms).
+    assert cleaner._next_limit(500, 0.05, alone=True) == 500
+    assert cleaner._next_limit(100, 0.02, alone=True) == 200
+    assert cleaner._next_limit(500, 0.2, alone=True) == 250
+
+
+async def test_the_data_version_moves_with_other_connections_commits(
+    db: DatabaseManager, tenants: Tenants, backend: str
+) -> None:
+    first = await db.data_version()
+    if backend != "sqlite":
+        assert first is None  # the servers cannot tell: the cleaner keeps its short batches
+        return
+    assert first is not None
+    assert await db.data_version() == first  # nothing written meanwhile
+    await tenants.new()
+    assert await db.data_version() != first
+
+
+async def batch_sizes_of_a_pass(
+    db: DatabaseManager, monkeypatch: pytest.MonkeyPatch, *, others_write: bool, tenants: Tenants
+) -> list[int]:
+    """Sizes asked of each batch of one pass over 200 old runs, in batches of 40 at most.
+
+    Every transaction counts as too long for a busy database (MAX_HOLD_S near zero) and none
+    as too long for one the cleaner has alone, so only "alone" decides the sizes.
+    """
+    monkeypatch.setattr(retention, "MAX_HOLD_S", 1e-9)
+    monkeypatch.setattr(retention, "ALONE_MAX_HOLD_S", 600.0)
+    await clean_all(db)
+    tenant = await tenants.new()
+    await add_runs(db, tenant, 200)
+    [young] = await add_runs(db, tenant, 1, finished_days_ago=1)
+    sizes: list[int] = []
+    repo_batch = RetentionRepo.delete_batch
+
+    async def recorded(self: RetentionRepo, policy: RetentionPolicy, **kwargs: Any) -> Any:
+        sizes.append(kwargs["limit"])
+        return await repo_batch(self, policy, **kwargs)
+
+    monkeypatch.setattr(RetentionRepo, "delete_batch", recorded)
+
+    async def policy() -> RetentionPolicy:
+        return KEEP_30
+
+    elector = LeaderElector(QueueRepo(db), name=unique(LEADER_LEASE), holder="a", ttl_s=30.0)
+    cleaner = RetentionCleaner(db, elector, policy, interval_s=60.0, batch=40, pause_s=0.05)
+    stop_writing = asyncio.Event()
+
+    async def write_meanwhile() -> None:
+        for priority in itertools.count():
+            if stop_writing.is_set():
+                return
+            async with db.write_transaction() as conn:
+                await conn.execute(update(runs).where(runs.c.id == young).values(priority=priority))
+            await asyncio.sleep(0.002)
+
+    writer = asyncio.create_task(write_meanwhile()) if others_write else None
+    try:
+        await cleaner.tick()
+    finally:
+        stop_writing.set()
+        if writer is not None:
+            await writer
+    return sizes
+
+
+async def test_batches_stay_large_while_the_database_is_the_cleaners_alone(
+    db: DatabaseManager, tenants: Tenants, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes = await batch_sizes_of_a_pass(db, monkeypatch, others_write=False, tenants=tenants)
+    if backend == "sqlite":
+        assert sizes[:5] == [40] * 5, sizes  # nothing else wrote: no cut
     else:
-        assert (slow, quick) == (250, 200)
-        assert cleaner._next_limit(500, 0.001) == 500
-        assert cleaner._next_limit(25, 1.0) == 20
+        assert sizes[1:4] == [20] * 3, sizes  # cannot tell: every batch is cut to MIN_BATCH
+
+
+async def test_batches_are_cut_while_another_connection_writes(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes = await batch_sizes_of_a_pass(db, monkeypatch, others_write=True, tenants=tenants)
+    assert sizes[1:4] == [20] * 3, sizes

@@ -69,8 +69,16 @@ async def reclaim(db: DatabaseManager, lane: str, fence: Fence, owner: str = "ne
     """Expire ``fence``'s lease, reap it and claim the run again: the next attempt's fence."""
     queue = QueueRepo(db)
     await set_lease_expiry(db, [fence.run_id], -1.0)
-    reaped = await queue.reap_expired(limit=1_000)
-    assert fence.run_id in [r.run_id for r in reaped]
+
+    async def reap() -> bool:
+        try:
+            return fence.run_id in [r.run_id for r in await queue.reap_expired(limit=1_000)]
+        except OperationalError:
+            # MariaDB may pick the reap as a deadlock's victim against the old attempt's
+            # in-flight writes (nothing moved); the reaper's loop reaps again, as here.
+            return False
+
+    await wait_for(reap, message=f"reap of run {fence.run_id}")
 
     # A fenced write of the old attempt that is still in flight holds the run's row lock, and
     # the claim skips locked rows: poll until it is free.

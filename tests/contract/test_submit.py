@@ -302,3 +302,27 @@ def test_new_run_for_plan_takes_lane_and_priority_from_the_plan() -> None:
         for name, plan in community.items()
     }
     assert set(routed.values()) == {COMMUNITY_LANE}
+
+
+async def test_a_trace_context_is_stored_with_its_run_and_read_back(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # Each caller's own context, though the Submitter writes them in one batch.
+    tenant, lane = await tenants.new(), unique("lane")
+    contexts: list[JSONObject] = [
+        {"traceparent": f"00-{i:032x}-{i + 1:016x}-01", "tracestate": f"k=v{i}"} for i in range(3)
+    ]
+    submitter = Submitter(RunsRepo(db), max_batch=256)
+    try:
+        results = await asyncio.gather(
+            *(
+                submitter.submit(replace(new_run(tenant, lane, i), trace_context=context))
+                for i, context in enumerate([*contexts, None])
+            )
+        )
+    finally:
+        await submitter.close()
+    assert [run.trace_context for run in results] == [*contexts, None]
+    repo = RunsRepo(db)
+    stored = [await repo.get(run.run_id) for run in results]
+    assert [run.trace_context if run else "gone" for run in stored] == [*contexts, None]

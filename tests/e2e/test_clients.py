@@ -107,6 +107,14 @@ async def test_trigger_with_wait_returns_the_finished_run(cluster: Cluster, make
     assert [event.type for event in events][-1] == "succeeded"
     listed = await client("list_runs", workflow="greet")
     assert [summary.run_id for summary in listed.runs] == [run.run_id]
+    # Search: by the id's first characters, by a word of the input in any case.
+    for found in (
+        await client("list_runs", run_id=run.run_id[:8]),
+        await client("list_runs", input_contains="ADA"),
+    ):
+        assert [summary.run_id for summary in found.runs] == [run.run_id]
+    assert (await client("list_runs", input_contains="grace")).runs == []
+    assert (await client("usage")).tenant_name is not None
     assert {item.name for item in await client("workflows")} >= {"greet", "publish"}
 
 
@@ -192,9 +200,13 @@ async def test_retry_rerun_and_bulk_retry_through_the_clients(cluster: Cluster, 
         assert exc.code == "run_not_retryable"
     else:  # pragma: no cover - the assertion's message
         raise AssertionError("a queued run was retried")
-    rerun = await client("rerun", run.run_id)
+    rerun = await client("rerun", run.run_id, idempotency_key="again")
     assert rerun.rerun_of == run.run_id
     assert (await client("get_run", rerun.run_id)).rerun_of == run.run_id
+    repeated = await client("rerun", run.run_id, idempotency_key="again")
+    assert repeated.run_id == rerun.run_id
+    only = await client("list_runs", ids=[rerun.run_id, run.run_id])
+    assert {summary.run_id for summary in only.runs} == {rerun.run_id, run.run_id}
 
     others = list(await asyncio.gather(*(failed(client) for _ in range(2))))
     key = uuid.uuid4().hex
@@ -229,8 +241,18 @@ async def cli_retry_rerun_and_bulk(cluster: Cluster, client: Driver, key: str) -
     retried = cluster.cli("retry", run.run_id, "--json", MOORLINE_API_KEY=key)
     assert retried.returncode == 0, retried.stderr
     assert json.loads(retried.stdout)["status"] == "queued"
-    rerun = cluster.cli("rerun", run.run_id, MOORLINE_API_KEY=key)
-    assert rerun.returncode == 0 and f"re-run of {run.run_id}" in rerun.stdout
+    rerun = cluster.cli(
+        "rerun", run.run_id, "--json", "--idempotency-key", "k", MOORLINE_API_KEY=key
+    )
+    assert rerun.returncode == 0 and json.loads(rerun.stdout)["rerun_of"] == run.run_id
+    again = cluster.cli("rerun", run.run_id, "--idempotency-key", "k", MOORLINE_API_KEY=key)
+    assert again.returncode == 0 and f"re-run of {run.run_id}" in again.stdout
+    assert json.loads(rerun.stdout)["run_id"] in again.stdout
+    listed = cluster.cli(
+        "runs", "--id", run.run_id, "--created-after", "2020-01-01", MOORLINE_API_KEY=key
+    )
+    assert listed.returncode == 0 and run.run_id in listed.stdout
+    assert json.loads(rerun.stdout)["run_id"] not in listed.stdout
     await client("wait", run.run_id, timeout=TIMEOUT_S)
     bulk = cluster.cli("bulk", "retry", "--id", run.run_id, MOORLINE_API_KEY=key)
     assert bulk.returncode == 0, bulk.stderr

@@ -63,6 +63,17 @@ async def test_a_worker_process_is_woken_by_the_api_process(slow_poll_cluster: C
     await _runs_start_quickly(slow_poll_cluster, 3, STARTED_WITHIN_S)
 
 
+async def test_child_runs_wake_the_worker_that_started_them(slow_poll_cluster: Cluster) -> None:
+    # The children are queued by the worker's own workflow, not through the API: the worker
+    # wakes its lane itself, or they would wait for its 30 s poll.
+    async with Client(slow_poll_cluster.url, admin_token=ADMIN_TOKEN) as admin:
+        key = (await admin.create_tenant(f"fan-{uuid.uuid4().hex[:8]}", "team")).api_key
+    async with Client(slow_poll_cluster.url, key) as client:
+        accepted = await client.trigger("fan", {"children": 5})
+        run = await client.wait(accepted.run_id, timeout=STARTED_WITHIN_S * 2)
+    assert run.output == {"greeted": 5}
+
+
 def test_an_unusable_socket_directory_falls_back_to_the_poll(tmp_path: Path) -> None:
     database = _database(tmp_path)
     directory_for(str(database)).write_text("a file where the directory should be")

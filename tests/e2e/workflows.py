@@ -60,6 +60,13 @@ async def chat(ctx: Context) -> JSONObject:
         await asyncio.sleep(POLL_S)
 
 
+@app.workflow("fan")
+async def fan(ctx: Context, children: int) -> JSONObject:
+    """Greet ``children`` names, each in a child run, and join them."""
+    greetings = await ctx.map("greet", [{"name": f"c{n}"} for n in range(children)], key="g")
+    return {"greeted": len(greetings)}
+
+
 @app.workflow("explode", max_attempts=1)
 async def explode(ctx: Context) -> JSONObject:
     """Fail at once, and for good."""

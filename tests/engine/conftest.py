@@ -1,4 +1,10 @@
-"""Engine fixtures: the RuntimeStore fixtures of ``tests/runtime``, for tests on both stores."""
+"""Engine fixtures: the RuntimeStore fixtures of ``tests/runtime``, for tests on both stores.
+
+The engine runs on the in-memory store and on one Redis server: how Redis is run (Sentinel,
+Cluster) is the store's business, held to the same contract in ``tests/runtime``.
+"""
+
+import pytest
 
 from tests.runtime.conftest import (  # noqa: F401 - fixtures, found by name
     memory_store,
@@ -6,5 +12,10 @@ from tests.runtime.conftest import (  # noqa: F401 - fixtures, found by name
     redis_prefix,
     redis_store,
     store,
-    store_kind,
 )
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    kind: str = request.param
+    return kind

@@ -13,15 +13,19 @@ from sqlalchemy import select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EventsRepo
+from moorline.db.repos.parking import ParkingRepo
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import Event
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.schema import runs
+from moorline.dispatch.leader import LeaderElector
 from moorline.dispatch.retry import RetryPolicy
+from moorline.dispatch.timers import TimerSweep
 from moorline.engine.inbox import Inbox
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
 from moorline.engine.streams import EventStreams
+from moorline.llm.governance import CallHook
 from moorline.runtime.base import RuntimeStore
 from moorline.settings import Settings
 from moorline.types import JSONObject, RunId, RunStatus, TenantId
@@ -129,6 +133,29 @@ class EngineHarness:
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
+
+    def use_call_hook(self, hook: CallHook) -> None:
+        """Run the workflows with ``hook`` governing their model calls (a worker's governor)."""
+        self.runner = WorkflowRunner(
+            self.app, db=self.db, store=self.store, settings=self.settings, call_hook=hook
+        )
+
+    def timer_sweep(self) -> TimerSweep:
+        """A timer sweep of its own (its own leader lease), ticked by the test."""
+        elector = LeaderElector(self.queue, name=unique("timers"), holder="test", ttl_s=30)
+        return TimerSweep(ParkingRepo(self.db), elector, interval_s=0.1)
+
+    async def waiting_for_or_none(self, run_id: RunId) -> object:
+        """The run's stored ``waiting_for`` (None unless it is waiting)."""
+        async with self.db.connect() as conn:
+            found = await conn.execute(select(runs.c.waiting_for).where(runs.c.id == run_id))
+            return found.scalar_one()
+
+    async def waiting_for(self, run_id: RunId) -> dict[str, object]:
+        """The ``waiting_for`` of a run that is waiting."""
+        value = await self.waiting_for_or_none(run_id)
+        assert isinstance(value, dict), value
+        return value
 
     async def until_status(self, run_id: RunId, status: RunStatus, timeout_s: float = 20) -> None:
         async def reached() -> bool:

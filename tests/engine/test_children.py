@@ -12,6 +12,7 @@ import pytest
 from moorline import Context
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.children import ChildrenRepo
+from moorline.engine import children as children_module
 from moorline.errors import ChildFailed
 from moorline.runtime.base import RuntimeStore
 from moorline.types import JSONValue, RunStatus
@@ -117,3 +118,23 @@ async def test_cancelling_a_parent_cancels_its_unfinished_children(
     statuses = {c.status for c in await repo.list(parent)}
     assert statuses == {RunStatus.CANCELLED}
     assert await engine.status(parent) is RunStatus.CANCELLED
+
+
+async def test_a_join_in_memory_is_woken_by_its_children_ending_in_this_process(
+    db: DatabaseManager,
+    store: RuntimeStore,
+    tenants: Tenants,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The join's poll is 30 s here and the parent never parks: only the worker telling the
+    # runner that the children ended can bring the parent back within the test's 20 s.
+    monkeypatch.setattr(children_module, "JOIN_POLL_S", 30.0)
+    patient = EngineHarness(db, store, tenants, park_after_s=600.0)
+    calls: list[int] = []
+    register(patient, calls)
+    parent = await patient.new_run("fan_out", input={"numbers": [1, 2, 3]})
+    async with patient.worker(slots=4):
+        await patient.until_status(parent, RunStatus.SUCCEEDED)
+    run = await patient.runs.get(parent)
+    assert run is not None and run.output == {"sum": 12, "results": [2, 4, 6]}
+    assert "waiting" not in [e.type for e in await patient.stored(parent)]  # never parked

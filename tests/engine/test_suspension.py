@@ -15,14 +15,11 @@ from sqlalchemy import select, update
 from moorline import Context
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptsRepo
-from moorline.db.repos.parking import ParkingRepo
 from moorline.db.repos.records import Interrupt, InterruptStatus
 from moorline.db.schema import runs
-from moorline.dispatch.leader import LeaderElector
-from moorline.dispatch.timers import TimerSweep
 from moorline.runtime.base import RuntimeStore
 from moorline.types import RunId, RunStatus
-from tests.contract.queue_helpers import Tenants, unique
+from tests.contract.queue_helpers import Tenants
 from tests.engine.harness import EngineHarness
 from tests.helpers import wait_for
 
@@ -41,21 +38,6 @@ async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
 @pytest.fixture
 def engine(db: DatabaseManager, store: RuntimeStore, tenants: Tenants) -> EngineHarness:
     return EngineHarness(db, store, tenants, park_after_s=PARK_AFTER_S)
-
-
-def sweep(db: DatabaseManager) -> TimerSweep:
-    from moorline.db.repos.queue import QueueRepo
-
-    elector = LeaderElector(QueueRepo(db), name=unique("timers"), holder="test", ttl_s=30)
-    return TimerSweep(ParkingRepo(db), elector, interval_s=0.1)
-
-
-async def waiting_for(engine: EngineHarness, run_id: RunId) -> dict[str, object]:
-    async with engine.db.connect() as conn:
-        found = await conn.execute(select(runs.c.waiting_for).where(runs.c.id == run_id))
-        value = found.scalar_one()
-    assert isinstance(value, dict)
-    return value
 
 
 async def make_due(db: DatabaseManager, run_id: RunId) -> None:
@@ -88,7 +70,7 @@ async def test_a_slow_approval_parks_the_run_frees_its_slot_and_resumes_on_the_d
     parked = await engine.new_run("approve")
     async with engine.worker(slots=1) as worker:
         await engine.until_status(parked, RunStatus.WAITING)
-        described = await waiting_for(engine, parked)
+        described = await engine.waiting_for(parked)
         assert described["kind"] == "permission"
         assert described["interrupt_id"]
         # The only slot is free: another run of the lane runs while the first one waits.
@@ -129,10 +111,10 @@ async def test_a_long_sleep_parks_and_the_timer_sweep_resumes_it_once_due(
         return "rested"
 
     run_id = await engine.new_run("nap")
-    timers = sweep(engine.db)
+    timers = engine.timer_sweep()
     async with engine.worker(slots=1):
         await engine.until_status(run_id, RunStatus.WAITING)
-        assert (await waiting_for(engine, run_id))["kind"] == "sleep"
+        assert (await engine.waiting_for(run_id))["kind"] == "sleep"
         assert await timers.tick() == []  # not due yet: nothing moves
         [moved] = await wait_for(timers.tick, message="the sleep's timer to be due")
         assert moved.run_id == run_id and moved.status is RunStatus.QUEUED
@@ -162,7 +144,7 @@ async def test_a_message_wait_parks_and_a_posted_message_resumes_it(
         return [first, second]
 
     run_id = await engine.new_run("listen")
-    timers = sweep(engine.db)
+    timers = engine.timer_sweep()
     async with engine.worker(slots=1):
         await engine.until_status(run_id, RunStatus.WAITING)
         assert engine.tenant is not None
@@ -189,7 +171,7 @@ async def test_a_permission_that_expires_while_parked_is_denied_by_the_sweep(
         return decision.reason
 
     run_id = await engine.new_run("expire")
-    timers = sweep(engine.db)
+    timers = engine.timer_sweep()
     async with engine.worker(slots=1):
         await engine.until_status(run_id, RunStatus.WAITING)
         await make_due(engine.db, run_id)
@@ -215,7 +197,7 @@ async def test_a_waiting_run_past_its_deadline_ends_timed_out(engine: EngineHarn
         await conn.execute(
             update(runs).where(runs.c.id == run_id).values(wake_at=past, deadline_at=past)
         )
-    [moved] = await sweep(engine.db).tick()
+    [moved] = await engine.timer_sweep().tick()
     assert moved.status is RunStatus.TIMED_OUT
     assert await engine.status(run_id) is RunStatus.TIMED_OUT
 
@@ -236,7 +218,7 @@ async def test_cancelling_a_waiting_run_ends_it_at_once_and_closes_its_interrupt
     cancelled = await engine.runs.request_cancel(engine.tenant, run_id)
     assert cancelled.status is RunStatus.CANCELLED
     interrupts = InterruptsRepo(engine.db)
-    described = await waiting_for_or_none(engine, run_id)
+    described = await engine.waiting_for_or_none(run_id)
     assert described is None
     [closed] = [
         i
@@ -245,12 +227,6 @@ async def test_cancelling_a_waiting_run_ends_it_at_once_and_closes_its_interrupt
     ]
     assert closed.reason is not None and closed.reason.value == "cancelled"
     assert await interrupts.pending_for_run(run_id) == []
-
-
-async def waiting_for_or_none(engine: EngineHarness, run_id: RunId) -> object:
-    async with engine.db.connect() as conn:
-        found = await conn.execute(select(runs.c.waiting_for).where(runs.c.id == run_id))
-        return found.scalar_one()
 
 
 async def interrupts_of(engine: EngineHarness, run_id: RunId) -> list[Interrupt]:
@@ -300,7 +276,7 @@ async def test_emits_before_a_park_are_not_written_again_by_the_replay(
         return "done"
 
     run_id = await engine.new_run("chatty")
-    timers = sweep(engine.db)
+    timers = engine.timer_sweep()
     async with engine.worker(slots=1):
         await engine.until_status(run_id, RunStatus.WAITING)
         await wait_for(timers.tick, message="the sleep's timer to be due")

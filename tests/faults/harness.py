@@ -8,14 +8,26 @@ process can signal it); with one, they share Redis under ``redis_prefix`` with t
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
-from collections.abc import Sequence
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from moorline.api.app import create_app
+from moorline.db.manager import DatabaseManager
 from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.engine.registry import Moorline
+from moorline.settings import Settings
 from moorline.types import JSONObject, RunId, TenantId
+from tests.helpers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LANE = "workflow"  # the community edition's single lane
@@ -29,8 +41,10 @@ UNMEASURED = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG")
 """The variables through which coverage (``patch = subprocess``) measures child processes."""
 
 
-def plans_file(folder: Path, *, tenant_concurrency: int) -> Path:
+def plans_file(folder: Path, *, tenant_concurrency: int, daily_tokens: int | None = None) -> Path:
+    """The one plan of the fault tests (``PLAN``), with a ``daily_tokens`` budget if given."""
     path = folder / "plans.yaml"
+    budget = "" if daily_tokens is None else f"    daily_tokens: {daily_tokens}\n"
     path.write_text(
         "plans:\n"
         f"  {PLAN}:\n"
@@ -39,7 +53,7 @@ def plans_file(folder: Path, *, tenant_concurrency: int) -> Path:
         "    daily_quota: 1000000\n"
         '    rate_limit: "1000/second"\n'
         f"    tenant_concurrency: {tenant_concurrency}\n"
-        "    lane_slots: 20\n"
+        "    lane_slots: 20\n" + budget
     )
     return path
 
@@ -53,6 +67,8 @@ class Workers:
     slots: int = 20
     grace_s: float = 5.0
     tenant_concurrency: int = 1000
+    daily_tokens: int | None = None
+    """The plan's ``daily_tokens`` budget (None: none)."""
     redis_url: str | None = None
     """The Redis runtime store the workers share; None: each has its own in-memory store."""
     redis_prefix: str = "mo"
@@ -68,7 +84,9 @@ class Workers:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def env(self) -> dict[str, str]:
-        plans = plans_file(self.folder, tenant_concurrency=self.tenant_concurrency)
+        plans = plans_file(
+            self.folder, tenant_concurrency=self.tenant_concurrency, daily_tokens=self.daily_tokens
+        )
         env = dict(os.environ)
         env.update(
             MOORLINE_DATABASE_URL=self.database_url,
@@ -88,11 +106,13 @@ class Workers:
                 env.pop(name, None)
         return env
 
-    def start(self) -> subprocess.Popen[bytes]:
+    def start(self, wrapper: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """Start one more worker; ``wrapper`` prefixes its command (e.g. ``ip netns exec``)."""
         index = len(self.procs)
         log = (self.folder / f"worker-{index}.log").open("wb")
         proc = subprocess.Popen(
             [
+                *wrapper,
                 sys.executable,
                 "-m",
                 "moorline",
@@ -164,3 +184,90 @@ async def submit(
         for index, value in enumerate(inputs)
     ]
     return [run.run_id for run in await runs.submit_many(new)]
+
+
+async def others_hold_write_locks(db: DatabaseManager) -> bool:
+    """Whether a connection other than the test's holds a write lock.
+
+    SQLite: whether its one write lock is taken (a ``BEGIN IMMEDIATE`` that cannot wait).
+    The servers: whether another session of this database is in a transaction that has
+    written or locked rows (PostgreSQL gives such a transaction an id).
+    """
+    if db.backend.name == "sqlite":
+        probe = sqlite3.connect(str(make_url(db.urls[0]).database), timeout=0)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return False
+        except sqlite3.OperationalError as exc:
+            assert "locked" in str(exc), exc
+            return True
+        finally:
+            probe.close()
+    query = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND pid <> pg_backend_pid() AND backend_xid IS NOT NULL"
+        if db.backend.name == "postgresql"
+        else "SELECT count(*) FROM information_schema.innodb_trx "
+        "WHERE trx_mysql_thread_id <> CONNECTION_ID() "
+        "AND (trx_rows_locked > 0 OR trx_rows_modified > 0 OR trx_tables_locked > 0)"
+    )
+    async with db.connect() as conn:
+        return bool((await conn.execute(text(query))).scalar_one())
+
+
+async def pause_between_transactions(db: DatabaseManager, proc: subprocess.Popen[bytes]) -> None:
+    """SIGSTOP ``proc`` at an instant it holds no write lock, retrying until one is found.
+
+    A process stopped inside a transaction keeps its locks until it is continued: on SQLite
+    the database's one write lock, so no other process can write at all (a successor
+    starting then dies with "database is locked" after ``busy_timeout``); on the servers
+    the lock of the row it was updating, which the reaper's reclaim would wait on. Neither
+    a lease nor a fence can take back a lock from a stopped process: what this test proves
+    is what happens to a worker paused mid-run, between its writes, which is nearly always
+    where a pause lands (its transactions last milliseconds).
+    """
+
+    async def stopped_between_transactions() -> bool:
+        proc.send_signal(signal.SIGSTOP)
+        if not await others_hold_write_locks(db):
+            return True
+        proc.send_signal(signal.SIGCONT)
+        return False
+
+    await wait_for(
+        stopped_between_transactions, timeout_s=30, message="a pause between transactions"
+    )
+
+
+@asynccontextmanager
+async def in_process_api(
+    settings: Settings, workflows: Moorline
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The API of ``settings`` serving ``workflows`` in this process, and a client of it.
+
+    The app has its own manager, as a server process would; the schema is the test's to build.
+    """
+    manager = DatabaseManager(settings)
+    await manager.initialize()
+    app = create_app(settings, manager, workflows=workflows)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://moorline.test") as client,
+    ):
+        yield client
+
+
+async def new_tenant(
+    api: httpx.AsyncClient, admin_token: str, name: str
+) -> tuple[TenantId, dict[str, str]]:
+    """A tenant on ``PLAN`` made through the admin API: its id and its key's headers."""
+    made = await api.post(
+        "/v1/admin/tenants",
+        json={"name": f"{name}-{uuid.uuid4().hex[:8]}", "plan": PLAN},
+        headers={"Authorization": f"Bearer {admin_token}"},
+    )
+    assert made.status_code == 201, made.text
+    body = made.json()
+    return TenantId(body["tenant_id"]), {"Authorization": f"Bearer {body['api_key']}"}

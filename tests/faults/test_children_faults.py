@@ -31,7 +31,14 @@ from moorline.types import JSONObject, JSONValue, RunId, RunStatus, TenantId
 from tests.conftest import BACKENDS
 from tests.contract.queue_helpers import Tenants
 from tests.faults.children_app import MAX_ATTEMPTS
-from tests.faults.harness import PLAN, RECOVERY_BOUND_S, Workers, owner_pattern, submit
+from tests.faults.harness import (
+    PLAN,
+    RECOVERY_BOUND_S,
+    Workers,
+    owner_pattern,
+    pause_between_transactions,
+    submit,
+)
 from tests.faults.suspension import count_by_status, read_effects, running_under
 from tests.faults.test_cancel_faults import Runtime, started_after_cancel
 from tests.faults.test_cancel_faults import runtime as cancel_runtime
@@ -350,7 +357,9 @@ async def test_sigstop_of_a_parents_worker_past_its_lease_resumes_it_elsewhere(
         return len(held) == len(parents) and len(await children_of(db, parents)) == 2 * CHILDREN
 
     await wait_for(fanned_out, timeout_s=SETTLE_S, message="both parents fanned out")
-    paused.send_signal(signal.SIGSTOP)
+    # Between its transactions: the worker runs children too, and one stopped inside a write
+    # keeps its row locks, which no lease takes back (see pause_between_transactions).
+    await pause_between_transactions(db, paused)
     try:
         workers.start()
         await check_joined(db, parents, CHILDREN)

@@ -9,8 +9,6 @@ lease is taken, tenant caps hold throughout.
 import asyncio
 import random
 import signal
-import sqlite3
-import subprocess
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -18,8 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import func, select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.runs import RunsRepo
@@ -32,6 +29,7 @@ from tests.faults.harness import (
     RECOVERY_BOUND_S,
     Workers,
     owner_pattern,
+    pause_between_transactions,
     submit,
 )
 from tests.helpers import wait_for
@@ -112,60 +110,6 @@ async def reclaimed_at(db: DatabaseManager, run_id: str, attempt: int) -> dateti
             )
         ).scalar_one()
     return value
-
-
-async def others_hold_write_locks(db: DatabaseManager) -> bool:
-    """Whether a connection other than the test's holds a write lock.
-
-    SQLite: whether its one write lock is taken (a ``BEGIN IMMEDIATE`` that cannot wait).
-    The servers: whether another session of this database is in a transaction that has
-    written or locked rows (PostgreSQL gives such a transaction an id).
-    """
-    if db.backend.name == "sqlite":
-        probe = sqlite3.connect(str(make_url(db.urls[0]).database), timeout=0)
-        try:
-            probe.execute("BEGIN IMMEDIATE")
-            probe.execute("ROLLBACK")
-            return False
-        except sqlite3.OperationalError as exc:
-            assert "locked" in str(exc), exc
-            return True
-        finally:
-            probe.close()
-    query = (
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND pid <> pg_backend_pid() AND backend_xid IS NOT NULL"
-        if db.backend.name == "postgresql"
-        else "SELECT count(*) FROM information_schema.innodb_trx "
-        "WHERE trx_mysql_thread_id <> CONNECTION_ID() "
-        "AND (trx_rows_locked > 0 OR trx_rows_modified > 0 OR trx_tables_locked > 0)"
-    )
-    async with db.connect() as conn:
-        return bool((await conn.execute(text(query))).scalar_one())
-
-
-async def pause_between_transactions(db: DatabaseManager, proc: subprocess.Popen[bytes]) -> None:
-    """SIGSTOP ``proc`` at an instant it holds no write lock, retrying until one is found.
-
-    A process stopped inside a transaction keeps its locks until it is continued: on SQLite
-    the database's one write lock, so no other process can write at all (a successor
-    starting then dies with "database is locked" after ``busy_timeout``); on the servers
-    the lock of the row it was updating, which the reaper's reclaim would wait on. Neither
-    a lease nor a fence can take back a lock from a stopped process: what this test proves
-    is what happens to a worker paused mid-run, between its writes, which is nearly always
-    where a pause lands (its transactions last milliseconds).
-    """
-
-    async def stopped_between_transactions() -> bool:
-        proc.send_signal(signal.SIGSTOP)
-        if not await others_hold_write_locks(db):
-            return True
-        proc.send_signal(signal.SIGCONT)
-        return False
-
-    await wait_for(
-        stopped_between_transactions, timeout_s=30, message="a pause between transactions"
-    )
 
 
 async def test_kill_9_at_random_loses_and_doubles_nothing(

@@ -133,6 +133,21 @@ def test_a_bad_setting_is_one_line_naming_it(command: list[str], tmp_path: Path)
     assert_one_line_error(result, "MOORLINE_LEASE_TTL")
 
 
+@pytest.mark.parametrize(
+    "command", [["serve", "--workers", "0"], ["worker"]], ids=["serve", "worker"]
+)
+def test_a_bad_models_file_is_one_line_naming_the_key(command: list[str], tmp_path: Path) -> None:
+    models = tmp_path / "models.yaml"
+    models.write_text("models: {gpt-x: {input_per_million: 1}}\n", encoding="utf-8")
+    result = run_cli(
+        *command,
+        cwd=tmp_path,
+        MOORLINE_DATABASE_URL=f"sqlite+aiosqlite:///{tmp_path}/m.db",
+        MOORLINE_MODELS_FILE=str(models),
+    )
+    assert_one_line_error(result, str(models), "models.gpt-x.output_per_million")
+
+
 def test_an_unreachable_database_is_one_line(tmp_path: Path) -> None:
     url = "postgresql+asyncpg://moorline@127.0.0.1:1/none"
     result = run_cli("db", "upgrade", "--database-url", url, cwd=tmp_path)

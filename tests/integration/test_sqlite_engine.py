@@ -291,6 +291,21 @@ async def test_statements_run_on_the_event_loop_without_crossing(
     assert crossings == []
 
 
+async def test_background_work_runs_its_statements_on_the_thread(
+    sqlite_db: DatabaseManager, crossings: list[str]
+) -> None:
+    # The retention cleaner's small statements, inline, would hold the loop one after another.
+    with sqlite_db.backend.background():
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+    assert crossings == ["_run", "commit"]
+    crossings.clear()
+    # Only inside: the same transaction after it runs inline again.
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+    assert crossings == []
+
+
 async def test_a_statement_found_slow_goes_to_the_thread_from_then_on(
     sqlite_db: DatabaseManager, crossings: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

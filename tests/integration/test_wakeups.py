@@ -282,6 +282,27 @@ async def test_redis_wakes_another_process_within_100ms(
         assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms"
 
 
+@pytest.mark.parametrize("topology", ["sentinel", "cluster"])
+async def test_redis_wakes_another_process_through_sentinel_and_cluster(
+    topology: str, request: pytest.FixtureRequest, redis_prefix: str
+) -> None:
+    # On Cluster the two listen on whichever nodes they picked: PUBLISH reaches every node.
+    url = request.getfixturevalue(f"{topology}_redis").url
+    producer = RedisWakeups(url, prefix=redis_prefix)
+    consumer = RedisWakeups(url, prefix=redis_prefix)
+    await consumer.start()
+    try:
+        await producer.notify({lane()})  # connects (on Cluster: learns the slots) unmeasured
+        name = lane()
+        for _ in range(5):
+            task = await waiting(consumer, name)
+            elapsed = await woken_within(task, lambda: producer.notify({name}))
+            assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms"
+    finally:
+        await consumer.close()
+        await producer.close()
+
+
 async def test_redis_timeout_returns_false(redis_pair: tuple[RedisWakeups, RedisWakeups]) -> None:
     _, consumer = redis_pair
     assert await consumer.wait(lane(), 0.1) is False

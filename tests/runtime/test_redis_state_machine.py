@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from redis.asyncio import Redis
 
 from moorline.runtime.base import QueuedMessage
 from moorline.runtime.redis import RedisRuntimeStore
+from moorline.runtime.redis_client import RedisClient
 from moorline.types import RunId
 from tests.runtime.conftest import delete_keys, keys_without_ttl, make_redis_store
 from tests.servers import require_server, unique_name
@@ -36,7 +36,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.runner = asyncio.Runner()
         self.prefix = unique_name("mo_test")
         self.store: RedisRuntimeStore = self.sync(self._make_store())
-        self.client: Redis = self.store.client
+        self.client: RedisClient = self.store.client
         self.holders: dict[str, str] = {}
         self.messages: dict[RunId, deque[QueuedMessage]] = {}
         self.sent = 0

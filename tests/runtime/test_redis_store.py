@@ -4,6 +4,7 @@ docs/reliability.md D1 (approval lost-wakeup), D5 (script cache) and the "no key
 """
 
 import asyncio
+import contextlib
 import random
 import statistics
 import time
@@ -192,6 +193,28 @@ async def test_resolve_racing_the_waiter_at_random(quiet_store: RedisRuntimeStor
 
     for start in range(0, 1000, BATCH):
         await asyncio.gather(*(trial(i) for i in range(start, start + BATCH)))
+
+
+async def test_a_wait_ends_at_its_deadline_even_when_a_call_lost_the_cancel(
+    quiet_store: RedisRuntimeStore,
+) -> None:
+    """On Python 3.11 redis-py's ``wait_for`` can return instead of raising the cancel that
+    asyncio.timeout sends at the deadline (CPython gh-86296): the watch must end all the same.
+    Here a hook in the watch loses that cancel as such a call would; before the watch checked
+    its deadline itself, it polled for ever (a child run's 50 ms message poll never returned,
+    so the run never parked)."""
+
+    async def lose_the_cancel(step: str, run: RunId) -> None:
+        if step == "wait":
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(1.0)  # the wait's 0.2 s deadline passes in here
+
+    quiet_store._between_steps = lose_the_cancel
+    try:
+        waited = quiet_store.wait_cancelled(RunId("lost-cancel"), 0.2)
+        assert await asyncio.wait_for(waited, 10.0) is False
+    finally:
+        quiet_store._between_steps = None
 
 
 async def kill_pubsub_connections(client: Redis, name: str | None) -> int:

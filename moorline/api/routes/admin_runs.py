@@ -26,9 +26,14 @@ from moorline.api.routes.runs import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
     AfterQuery,
+    CreatedAfterQuery,
+    CreatedBeforeQuery,
     CursorQuery,
+    IdsQuery,
+    InputContainsQuery,
     LastEventIdHeader,
     RunIdPath,
+    RunIdPrefixQuery,
     cancel_owned,
     decode_cursor,
     describe_run,
@@ -52,6 +57,7 @@ from moorline.api.schemas import (
 )
 from moorline.db.repos.interrupts import InterruptResolved
 from moorline.db.repos.listing import RunFilter
+from moorline.db.repos.usage import utc_day
 from moorline.errors import (
     Forbidden,
     InterruptNotFound,
@@ -84,10 +90,24 @@ async def list_all_runs(
         int, Query(ge=1, description=f"Runs per page; above {MAX_PAGE_SIZE} counts as that.")
     ] = DEFAULT_PAGE_SIZE,
     cursor: CursorQuery = None,
+    run_id: RunIdPrefixQuery = None,
+    input_contains: InputContainsQuery = None,
+    created_after: CreatedAfterQuery = None,
+    created_before: CreatedBeforeQuery = None,
+    ids: IdsQuery = None,
 ) -> RunList:
     """Every tenant's runs, newest first, a page at a time."""
     page = await services.listing.page_all_tenants(
-        where=RunFilter(status=status, workflow=workflow, lane=lane),
+        where=RunFilter(
+            status=status,
+            workflow=workflow,
+            lane=lane,
+            run_id_prefix=run_id,
+            input_contains=input_contains,
+            created_after=created_after,
+            created_before=created_before,
+            run_ids=None if ids is None else tuple(sorted(set(ids))),
+        ),
         limit=min(limit, MAX_PAGE_SIZE),
         after=None if cursor is None else decode_cursor(cursor),
         tenant_id=None if tenant_id is None else TenantId(tenant_id),
@@ -156,6 +176,7 @@ async def list_tenants(
         [(tenant.tenant_id, plan) for tenant, plan in zip(page, plans, strict=True)]
     )
     running = await services.listing.running_by_tenant(t.tenant_id for t in page)
+    llm = await services.usage.tenants_day((t.tenant_id for t in page), utc_day())
     loads = [
         TenantLoad(
             tenant_id=tenant.tenant_id,
@@ -167,6 +188,8 @@ async def list_tenants(
             tenant_concurrency=plan.tenant_concurrency,
             running=running.get(tenant.tenant_id, 0),
             created_at=tenant.created_at,
+            tokens_today=llm.get(tenant.tenant_id, (0, 0.0))[0],
+            cost_today=llm.get(tenant.tenant_id, (0, 0.0))[1],
         )
         for tenant, plan, usage in zip(page, plans, usages, strict=True)
     ]

@@ -14,7 +14,7 @@ not fit the schema, no items or more than 1,000 among it (422), a body over
 ``MOORLINE_MAX_BODY_BYTES`` (413).
 """
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from moorline.admission.admit import Admitted
 from moorline.admission.submission import admit_each
@@ -25,11 +25,16 @@ from moorline.api.routes.runs import WorkflowPath, origin_of
 from moorline.api.schemas import ItemError, RunBatch, RunBatchAnswer, RunBatchItem
 from moorline.engine.submitting import Submission
 from moorline.errors import MoorlineError, QuotaExceeded, Unauthorized, WorkflowNotFound
+from moorline.observability import tracing
 from moorline.types import RunStatus
 
 
 async def trigger_batch(
-    workflow: WorkflowPath, body: RunBatch, caller: TriggerCallerDep, services: ServicesDep
+    workflow: WorkflowPath,
+    body: RunBatch,
+    caller: TriggerCallerDep,
+    services: ServicesDep,
+    request: Request,
 ) -> Response:
     """Start up to 1,000 runs of a workflow; each item is answered on its own."""
     services.workflows.get(workflow)  # an unknown workflow refuses the request, not each item
@@ -43,9 +48,10 @@ async def trigger_batch(
         )
         for item in body.runs
     ]
-    outcomes = await admit_each(
-        services.admission, services.workflows, origin_of(caller), submissions, checked=True
-    )
+    with tracing.trigger_span(workflow, request.headers):
+        outcomes = await admit_each(
+            services.admission, services.workflows, origin_of(caller), submissions, checked=True
+        )
     items = [answer_item(outcome) for outcome in outcomes]
     answer = RunBatchAnswer(
         workflow=workflow,

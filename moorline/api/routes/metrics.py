@@ -1,7 +1,8 @@
 """``GET /metrics``: the Prometheus text exposition (see :mod:`moorline.observability.metrics`).
 
 Unauthenticated, like the health probes: a Prometheus server scrapes it, and it names lanes,
-statuses and workflows only, never a tenant, a run or an input.
+statuses, workflows and models only, never a run or an input, and a tenant only when
+``MOORLINE_METRICS_TENANT_LABEL`` asks for the LLM usage per tenant.
 """
 
 import asyncio
@@ -12,13 +13,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from moorline.api.deps import ServicesDep
 from moorline.db.repos.gauges import Gauges
 from moorline.db.repos.workers import WorkersRepo
-from moorline.observability.metrics import LaneFigures, Snapshot, render
+from moorline.observability.metrics import LaneFigures, LLMFigures, Snapshot, render
 
 
 async def metrics(services: ServicesDep) -> Response:
     """Every metric of this deployment, read now."""
     gauges = Gauges(services.db)
-    runs, interrupts_pending, loads, unserved, deleted, oldest = await asyncio.gather(
+    by_tenant = services.settings.metrics_tenant_label
+    state = asyncio.gather(
         gauges.runs_by_lane_and_status(),
         gauges.pending_interrupts(),
         services.listing.lane_loads(await services.plans.lane_slots()),
@@ -26,6 +28,8 @@ async def metrics(services: ServicesDep) -> Response:
         gauges.deleted(),
         gauges.oldest_finished_age_s(),
     )
+    figures, llm = await asyncio.gather(state, services.usage.totals(by_tenant=by_tenant))
+    runs, interrupts_pending, loads, unserved, deleted, oldest = figures
     checked_out, pool_size = services.db.pool_usage()
     snapshot = Snapshot(
         runs=runs,
@@ -42,6 +46,20 @@ async def metrics(services: ServicesDep) -> Response:
         runs_deleted=deleted.runs,
         rows_deleted=deleted.rows,
         oldest_finished_age_s=oldest,
+        llm=tuple(
+            LLMFigures(
+                model=model,
+                tenant=tenant if by_tenant else None,
+                prompt_tokens=row.totals.prompt_tokens,
+                completion_tokens=row.totals.completion_tokens,
+                cached_tokens=row.totals.cached_tokens,
+                saved_tokens=row.saved_tokens,
+                requests=row.totals.requests,
+                failed_requests=row.totals.failed_requests,
+                cost=row.totals.cost,
+            )
+            for tenant, model, row in llm
+        ),
     )
     return Response(render(services.metrics, snapshot), media_type=CONTENT_TYPE_LATEST)
 

@@ -6,7 +6,8 @@
   is the same run: no quota unit is taken again.
 - ``POST /v1/runs/{run_id}/rerun``: a new run of the same workflow with the same input (and
   conversation), through admission like any trigger (rate limit, quota, conversation), with
-  ``rerun_of`` naming the original.
+  ``rerun_of`` naming the original. An optional body ``{"idempotency_key"}`` makes a repeated
+  request (a lost answer sent again) return the first re-run with 200 instead of a second.
 
 The admin's routes (``/v1/admin/runs/{run_id}/retry|rerun``) call the same functions on any
 tenant's run; the admin's re-run counts against the run's tenant's plan, quota included.
@@ -23,13 +24,15 @@ from moorline.api.deps import (
     any_run,
     owned_run,
 )
-from moorline.api.errors import responses
+from moorline.api.errors import BODY_ERRORS, responses
 from moorline.api.routes.admin_runs import ADMIN_ERRORS
 from moorline.api.routes.runs import RunIdPath, TenantRoute, accepted, location_of
-from moorline.api.schemas import RerunAccepted, RunAccepted
+from moorline.api.schemas import RerunAccepted, RerunRequest, RunAccepted
 from moorline.db.repos.records import Run
 from moorline.errors import (
+    BudgetExhausted,
     ConversationBusy,
+    IdempotencyConflict,
     InvalidRequest,
     QuotaExceeded,
     RateLimited,
@@ -68,15 +71,23 @@ async def retry(services: Services, run: Run) -> RunAccepted:
 
 
 async def rerun_run(
-    run_id: RunIdPath, caller: CallerDep, services: ServicesDep, response: Response
+    run_id: RunIdPath,
+    caller: CallerDep,
+    services: ServicesDep,
+    response: Response,
+    body: RerunRequest | None = None,
 ) -> RerunAccepted:
     """Start a new run with the run's workflow and input, linked to it (``rerun_of``)."""
     run = await owned_run(services, caller, run_id)
-    return await rerun(services, run, caller.plan, caller.rate_identity, response)
+    key = None if body is None else body.idempotency_key
+    return await rerun(services, run, caller.plan, caller.rate_identity, response, key)
 
 
 async def rerun_any_run(
-    run_id: RunIdPath, services: ServicesDep, response: Response
+    run_id: RunIdPath,
+    services: ServicesDep,
+    response: Response,
+    body: RerunRequest | None = None,
 ) -> RerunAccepted:
     """Re-run any tenant's run, against that tenant's plan and quota."""
     run = await any_run(services, run_id)
@@ -84,18 +95,29 @@ async def rerun_any_run(
     if tenant is None:  # pragma: no cover - a run's tenant is deleted with its runs
         raise TenantNotFound(f"no tenant {run.tenant_id}")
     plan = await services.plans.get(tenant.plan)
-    return await rerun(services, run, plan, f"{ADMIN_RATE_IDENTITY}:{run.tenant_id}", response)
+    identity = f"{ADMIN_RATE_IDENTITY}:{run.tenant_id}"
+    key = None if body is None else body.idempotency_key
+    return await rerun(services, run, plan, identity, response, key)
 
 
 async def rerun(
-    services: Services, run: Run, plan: Plan, rate_identity: str, response: Response
+    services: Services,
+    run: Run,
+    plan: Plan,
+    rate_identity: str,
+    response: Response,
+    idempotency_key: str | None,
 ) -> RerunAccepted:
     """Admit a new run of ``run``'s workflow with its input and conversation.
+
+    With ``idempotency_key``, a repeat answers the first re-run (200, no new run): the key is
+    the trigger's, so it is unique per tenant among all its runs, as a trigger's key is.
 
     Raises:
         WorkflowNotFound: the served app no longer has the workflow.
         InvalidInput: the input no longer fits the workflow's parameters.
         ConversationBusy, QuotaExceeded, RateLimited: as for a trigger.
+        IdempotencyConflict: the key belongs to a run that is not a re-run of ``run``.
     """
     if not isinstance(run.input, dict):  # pragma: no cover - inputs are stored as objects
         raise InvalidRequest(f"run {run.run_id} has no input object to re-run")
@@ -108,8 +130,16 @@ async def rerun(
             input=run.input,
             conversation_id=run.conversation_id,
             rerun_of=run.run_id,
+            idempotency_key=idempotency_key,
         )
     )
+    if not admitted.created:
+        if admitted.run.rerun_of != run.run_id:
+            raise IdempotencyConflict(
+                f"idempotency key {idempotency_key!r} was used by run {admitted.run.run_id}, "
+                f"which is not a re-run of {run.run_id}"
+            )
+        response.status_code = 200
     response.headers["location"] = location_of(admitted.run)
     return RerunAccepted(**accepted(admitted.run).model_dump(), rerun_of=run.run_id)
 
@@ -135,15 +165,21 @@ def _add_routes(router: APIRouter, *, admin: bool) -> None:
         methods=["POST"],
         status_code=202,
         response_model=RerunAccepted,
-        responses=responses(
-            *errors,
-            InvalidRequest,
-            RunNotFound,
-            WorkflowNotFound,
-            ConversationBusy,
-            QuotaExceeded,
-            RateLimited,
-        ),
+        responses={
+            200: {"model": RerunAccepted, "description": "The re-run of a repeated key"},
+            **responses(
+                *errors,
+                *BODY_ERRORS,
+                InvalidRequest,
+                RunNotFound,
+                WorkflowNotFound,
+                ConversationBusy,
+                IdempotencyConflict,
+                QuotaExceeded,
+                RateLimited,
+                BudgetExhausted,
+            ),
+        },
         summary=f"Start a new run with {whose} run's input",
     )
 

@@ -53,9 +53,11 @@ from moorline.api.deps import (
 )
 from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
 from moorline.api.guards import JSONRequest, authenticated_by, solved_by
+from moorline.api.routes.usage import run_usage_out, step_usage_out
 from moorline.api.schemas import (
     CONVERSATION,
     WORKFLOW,
+    ApprovalOut,
     Cancelled,
     ChildOut,
     MessageAccepted,
@@ -65,20 +67,23 @@ from moorline.api.schemas import (
     Resumed,
     RunAccepted,
     RunCreate,
+    RunIdText,
     RunList,
     RunOut,
     RunSummary,
     StepOut,
+    StorableTime,
     WaitingFor,
 )
 from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.interrupts import InterruptResolved
-from moorline.db.repos.listing import RunCursor, RunFilter, RunPage
-from moorline.db.repos.records import DecisionReason, Event, Run
+from moorline.db.repos.listing import SEARCH_WINDOW, RunCursor, RunFilter, RunPage
+from moorline.db.repos.records import DecisionReason, Event, InterruptStatus, Run
 from moorline.dispatch.cancel import cancel_run
 from moorline.engine.streams import EventStream
 from moorline.engine.submitting import Submission
 from moorline.errors import (
+    BudgetExhausted,
     ConversationBusy,
     IdempotencyConflict,
     InterruptNotFound,
@@ -95,6 +100,7 @@ from moorline.errors import (
     Unauthorized,
     WorkflowNotFound,
 )
+from moorline.observability import tracing
 from moorline.runtime.base import RuntimeStore
 from moorline.settings import Settings
 from moorline.types import JSONObject, RunId, RunStatus
@@ -118,6 +124,38 @@ CursorQuery = Annotated[
         pattern=CURSOR_PATTERN,
         description="A `next_cursor` of an earlier page, as returned; anything else is 422.",
     ),
+]
+RunIdPrefixQuery = Annotated[
+    str | None,
+    Query(
+        min_length=4,
+        max_length=36,
+        pattern=r"^[0-9a-f-]+$",
+        description="Only runs whose id starts with this (a whole id or its first characters).",
+    ),
+]
+InputContainsQuery = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=200,
+        description=f"Only runs whose input's JSON text contains this, in any case; among the "
+        f"newest {SEARCH_WINDOW:,} runs the other filters select.",
+    ),
+]
+CreatedAfterQuery = Annotated[
+    StorableTime,
+    Query(description="Only runs created at or after this instant (with its UTC offset)."),
+]
+CreatedBeforeQuery = Annotated[
+    StorableTime,
+    Query(description="Only runs created before this instant (with its UTC offset)."),
+]
+MAX_LISTED_IDS = 100
+"""The most run ids one listing may name (``ids`` repeated): one page's worth."""
+IdsQuery = Annotated[
+    list[RunIdText] | None,
+    Query(max_length=MAX_LISTED_IDS, description="Only these runs (repeat `ids` for more)."),
 ]
 AfterQuery = Annotated[
     int | None,
@@ -216,18 +254,20 @@ async def trigger_run(
     Its arguments are solved by :func:`solve_trigger`, not by FastAPI (:data:`TriggerRoute`).
     """
     services: Services = request.app.state.services
-    admitted = await admit_submission(
-        services.admission,
-        services.workflows,
-        origin_of(caller),
-        Submission(
-            workflow=workflow,
-            input=body.input,
-            idempotency_key=body.idempotency_key,
-            conversation_id=body.conversation_id,
-            delay=body.delay_seconds,
-        ),
-    )
+    with tracing.trigger_span(workflow, request.headers):
+        admitted = await admit_submission(
+            services.admission,
+            services.workflows,
+            origin_of(caller),
+            Submission(
+                workflow=workflow,
+                input=body.input,
+                idempotency_key=body.idempotency_key,
+                conversation_id=body.conversation_id,
+                delay=body.delay_seconds,
+            ),
+        )
+        tracing.record(run_id=admitted.run.run_id, created=admitted.created)
     return answer_trigger(admitted, fast=services.settings.fast_paths)
 
 
@@ -349,7 +389,8 @@ async def describe_run(services: Services, run: Run) -> RunOut:
     """``run`` with its steps and the decision it waits for, if any."""
     steps = await services.steps.list(run.run_id)
     children = await ChildrenRepo(services.db).list(run.run_id)
-    pending = await services.interrupts.pending_for_run(run.run_id)
+    asked = await services.interrupts.for_run(run.run_id)
+    pending = [i for i in asked if i.status is InterruptStatus.PENDING]
     waiting = pending[0] if pending and not run.status.is_terminal else None
     return RunOut(
         **summary(run).model_dump(),
@@ -371,9 +412,22 @@ async def describe_run(services: Services, run: Run) -> RunOut:
                 attempt=step.attempt,
                 started_at=step.started_at,
                 finished_at=step.finished_at,
+                usage=step_usage_out(step.usage),
             )
             for step in steps
         ],
+        approvals=[
+            ApprovalOut(
+                interrupt_id=i.interrupt_id,
+                action=i.action,
+                status=i.status.value,
+                reason=None if i.reason is None else i.reason.value,
+                requested_at=i.created_at,
+                decided_at=i.resolved_at,
+            )
+            for i in asked
+        ],
+        usage=run_usage_out(run, steps),
         pending_interrupt=(
             None
             if waiting is None
@@ -400,6 +454,11 @@ async def list_runs(
     parent_run_id: Annotated[
         str | None, Query(max_length=36, description="Only this run's child runs.")
     ] = None,
+    run_id: RunIdPrefixQuery = None,
+    input_contains: InputContainsQuery = None,
+    created_after: CreatedAfterQuery = None,
+    created_before: CreatedBeforeQuery = None,
+    ids: IdsQuery = None,
 ) -> RunList:
     """The tenant's runs, newest first, a page at a time."""
     page = await services.listing.page(
@@ -409,6 +468,11 @@ async def list_runs(
             workflow=workflow,
             conversation_id=conversation_id,
             parent_run_id=parent_run_id,
+            run_id_prefix=run_id,
+            input_contains=input_contains,
+            created_after=created_after,
+            created_before=created_before,
+            run_ids=None if ids is None else tuple(sorted(set(ids))),
         ),
         limit=min(limit, MAX_PAGE_SIZE),
         after=None if cursor is None else decode_cursor(cursor),
@@ -627,6 +691,7 @@ def _add_trigger_route(
                 ConversationBusy,
                 QuotaExceeded,
                 RateLimited,
+                BudgetExhausted,
             ),
         },
         summary="Start a run of a workflow",

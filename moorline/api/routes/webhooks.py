@@ -36,6 +36,7 @@ from moorline.api.openapi import CHECKED_BY_ROUTE
 from moorline.api.routes.runs import answer_trigger
 from moorline.api.schemas import RunAccepted, WebhookCreate, WebhookCreated
 from moorline.errors import (
+    BudgetExhausted,
     ConversationBusy,
     IdempotencyConflict,
     InvalidInput,
@@ -185,6 +186,7 @@ def build_router() -> APIRouter:
                 ConversationBusy,
                 QuotaExceeded,
                 RateLimited,
+                BudgetExhausted,
             ),
         },
         openapi_extra={

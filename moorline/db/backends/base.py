@@ -9,7 +9,7 @@ backend object costs nothing to make.
 
 import abc
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, ClassVar, Literal, TypeVar
@@ -58,6 +58,11 @@ class Capabilities:
     """A submission (runs and their events) is one statement, stamped with the server's time."""
     listen_notify: bool
     """``LISTEN``/``NOTIFY``, a wake-up transport without Redis."""
+    session_state: bool
+    """A pooled connection is one server session from its opening to its end, so what a
+    session keeps between transactions (a ``LISTEN``, named prepared statements) is there
+    for its next transaction. False behind a transaction pooler (PgBouncer), where the next
+    transaction may run on another server session."""
     terminate_backend: bool
     """The server can end another session (``pg_terminate_backend``), as fault tests do."""
     migrations: bool
@@ -203,12 +208,14 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
-        """An INSERT of counter rows that adds ``column`` to the rows that exist already.
+    def add_to_counters(
+        self, table: Table, *, keys: Sequence[str], columns: Sequence[str]
+    ) -> Insert:
+        """An INSERT of counter rows that adds ``columns`` to the rows that exist already.
 
         One statement for many rows (``.values([...])``): a row whose key (``keys``, the
         table's primary key) is new is inserted as given, an existing one gets the given
-        value added to its ``column``.
+        values added to its ``columns``.
         """
 
     def analyze_statement(self, tables: Sequence[str]) -> str:
@@ -247,6 +254,15 @@ class Backend(abc.ABC):
     ) -> list[Row[Any]]:
         """As :meth:`write_statement`, for a statement with ``RETURNING``: its rows."""
 
+    def background(self) -> AbstractContextManager[None]:
+        """Within it, the current task's database work yields to the hot path where it can.
+
+        SQLite runs small statements inline on the event loop; background work (the retention
+        cleaner) sends them to the connection's thread instead. Nothing on the servers, whose
+        statements never run on the loop.
+        """
+        return nullcontext()
+
     async def reclaim_space(self, pools: Pools, max_pages: int) -> int:
         """Give up to ``max_pages`` pages freed by deletions back to the file system.
 
@@ -254,6 +270,15 @@ class Backend(abc.ABC):
         (PostgreSQL's autovacuum, InnoDB's purge) makes the space of deleted rows reusable.
         """
         return 0
+
+    async def data_version(self) -> int | None:
+        """A number that changes whenever another connection commits a write; else None.
+
+        The retention cleaner compares two readings to learn whether anything else wrote
+        meanwhile. None where the backend cannot tell cheaply (the servers: other sessions'
+        commits are not visible to one session without reading statistics).
+        """
+        return None
 
     def wal_bytes(self) -> int | None:
         """Size of the write-ahead log file where the backend watches one; else None."""

@@ -50,6 +50,7 @@ class MySQLBackend(ServerBackend):
         upsert_returning=False,
         one_statement_submit=False,
         listen_notify=False,
+        session_state=True,
         terminate_backend=False,
         migrations=True,
     )
@@ -87,10 +88,14 @@ class MySQLBackend(ServerBackend):
         """
         return mysql.insert(table).on_duplicate_key_update({column: table.c[column]})
 
-    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
+    def add_to_counters(
+        self, table: Table, *, keys: Sequence[str], columns: Sequence[str]
+    ) -> Insert:
         """``ON DUPLICATE KEY UPDATE``, which needs no key columns named."""
         insert = mysql.insert(table)
-        return insert.on_duplicate_key_update({column: table.c[column] + insert.inserted[column]})
+        return insert.on_duplicate_key_update(
+            {column: table.c[column] + insert.inserted[column] for column in columns}
+        )
 
     def increment_below(
         self, table: Table, *, column: str, limit: int, keys: dict[str, Any]

@@ -51,6 +51,7 @@ class PostgreSQLBackend(ServerBackend):
         upsert_returning=True,
         one_statement_submit=True,
         listen_notify=True,
+        session_state=True,
         terminate_backend=True,
         migrations=True,
     )
@@ -89,10 +90,13 @@ class PostgreSQLBackend(ServerBackend):
         """``ON CONFLICT DO NOTHING``, which locks nothing."""
         return postgresql.insert(table).on_conflict_do_nothing()
 
-    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
+    def add_to_counters(
+        self, table: Table, *, keys: Sequence[str], columns: Sequence[str]
+    ) -> Insert:
         insert = postgresql.insert(table)
         return insert.on_conflict_do_update(
-            index_elements=list(keys), set_={column: table.c[column] + insert.excluded[column]}
+            index_elements=list(keys),
+            set_={column: table.c[column] + insert.excluded[column] for column in columns},
         )
 
     def increment_below(

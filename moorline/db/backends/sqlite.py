@@ -13,8 +13,9 @@ import asyncio
 import functools
 import logging
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -71,6 +72,7 @@ class SQLiteBackend(Backend):
         upsert_returning=True,
         one_statement_submit=False,
         listen_notify=False,
+        session_state=True,
         terminate_backend=False,
         migrations=False,
     )
@@ -90,6 +92,7 @@ class SQLiteBackend(Backend):
         return self._file
 
     _warned_no_vacuum = False
+    _versions: "_DataVersion | None" = None
 
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
@@ -100,10 +103,13 @@ class SQLiteBackend(Backend):
     def insert_ignoring_duplicates(self, table: Table) -> Insert:
         return sqlite.insert(table).on_conflict_do_nothing()
 
-    def add_to_counters(self, table: Table, *, keys: Sequence[str], column: str) -> Insert:
+    def add_to_counters(
+        self, table: Table, *, keys: Sequence[str], columns: Sequence[str]
+    ) -> Insert:
         insert = sqlite.insert(table)
         return insert.on_conflict_do_update(
-            index_elements=list(keys), set_={column: table.c[column] + insert.excluded[column]}
+            index_elements=list(keys),
+            set_={column: table.c[column] + insert.excluded[column] for column in columns},
         )
 
     def increment_below(
@@ -143,6 +149,9 @@ class SQLiteBackend(Backend):
             async with conn.begin():
                 yield conn
         self._after_write()
+
+    def background(self) -> AbstractContextManager[None]:
+        return sqlite_driver.off_loop()
 
     async def write_statement(
         self, pools: Pools, statement: Executable, params: dict[str, Any]
@@ -193,6 +202,19 @@ class SQLiteBackend(Backend):
             return 0
         return freed
 
+    async def data_version(self) -> int | None:
+        """``PRAGMA data_version`` of a connection kept for it; None in memory.
+
+        It changes when any other connection, of this process or another, commits to the
+        file; a read on a connection of the pool would not do, as the number is only
+        comparable on the connection that gave it.
+        """
+        if self._file is None:
+            return None
+        if self._versions is None:
+            self._versions = _DataVersion(self._file)
+        return await asyncio.to_thread(self._versions.read)
+
     def wal_bytes(self) -> int | None:
         """Size of the WAL file; None in memory."""
         return None if self._checkpointer is None else self._checkpointer.wal_bytes()
@@ -200,6 +222,8 @@ class SQLiteBackend(Backend):
     async def close(self) -> None:
         if self._checkpointer is not None:
             await self._checkpointer.close()
+        if self._versions is not None:
+            self._versions.close()
 
     def _after_write(self) -> None:
         if self._checkpointer is not None:
@@ -237,6 +261,32 @@ def _begin(conn: Connection) -> None:
         driver.hold_begin(f"BEGIN {mode}")
     else:
         conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+class _DataVersion:
+    """One connection that reads ``PRAGMA data_version``, from whichever thread asks."""
+
+    def __init__(self, database: str) -> None:
+        self._database = database
+        self._lock = threading.Lock()
+        self._connection: sqlite3.Connection | None = None
+
+    def read(self) -> int:
+        with self._lock:
+            if self._connection is None:
+                self._connection = sqlite3.connect(
+                    self._database,
+                    timeout=BUSY_TIMEOUT_MS / 1000,
+                    isolation_level=None,
+                    check_same_thread=False,
+                )
+            return int(self._connection.execute("PRAGMA data_version").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
 
 
 def _incremental_vacuum(database: str, max_pages: int) -> int | None:

@@ -41,6 +41,7 @@ from moorline.db.repos.parking import (
 from moorline.db.repos.records import Fence, Run, run_from_row
 from moorline.db.schema import runs
 from moorline.errors import LimitExceeded
+from moorline.observability import tracing
 from moorline.types import TERMINAL_STATUSES, Attempt, JSONObject, RunId, RunStatus
 
 EVENT_CHILD_STARTED = "child_started"
@@ -224,6 +225,8 @@ class ChildrenRepo:
             "detached": int(child.detached),
             "awaited": 0,
             "emits": 0,
+            # Made in the parent's attempt: the child's spans join the parent's trace.
+            "trace_context": tracing.carrier(),
         }
 
     async def unfinished_count(self, parent_id: RunId, child_ids: Sequence[str]) -> int:

@@ -222,8 +222,13 @@ class ClaimsRepo:
                 await self._db.commit_with_next_statement(conn)
                 await conn.execute(events_from_runs_statement(), params)
         taken: Counter[str] = Counter(claim.run.tenant_id for claim in claims)
+        # A tenant's first count (``t.busy``) sized its allotment, and so how many of its runs
+        # were read; a run of it that ended before the recount leaves the fresh count lower.
+        # Capped by either count: a cap that kept runs unread must not read as "lane empty",
+        # or the worker waits for a wake-up that those runs already sent.
         is_capped = any(
-            busy[t.tenant_id] + taken[t.tenant_id] >= tenant_cap(tenant_caps, default_cap, t.plan)
+            max(t.busy, busy[t.tenant_id]) + taken[t.tenant_id]
+            >= tenant_cap(tenant_caps, default_cap, t.plan)
             for t in waiting
         )
         return ClaimBatch(claims=claims, is_capped=is_capped, began_monotonic_s=began)

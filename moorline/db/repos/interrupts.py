@@ -311,11 +311,19 @@ class InterruptsRepo:
 
     async def pending_for_run(self, run_id: RunId) -> builtins.list[Interrupt]:
         """The run's pending interrupts, oldest first."""
+        return await self.for_run(run_id, pending_only=True)
+
+    async def for_run(
+        self, run_id: RunId, *, pending_only: bool = False
+    ) -> builtins.list[Interrupt]:
+        """The run's interrupts (decided ones too unless ``pending_only``), oldest first."""
         stmt = (
             select(interrupts)
-            .where(interrupts.c.run_id == run_id, interrupts.c.status == _PENDING)
+            .where(interrupts.c.run_id == run_id)
             .order_by(interrupts.c.created_at, interrupts.c.id)
         )
+        if pending_only:
+            stmt = stmt.where(interrupts.c.status == _PENDING)
 
         async def read() -> builtins.list[Interrupt]:
             async with self._db.connect() as conn:

@@ -15,8 +15,9 @@ import builtins
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import FromClause, Text, and_, cast, func, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from moorline.db.backends import Backend
@@ -24,6 +25,9 @@ from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import LaneLoad, Run, run_from_row
 from moorline.db.schema import runs
 from moorline.types import RunId, RunStatus, TenantId
+
+SEARCH_WINDOW = 5_000
+"""Newest runs an input search reads at most: its cost is bounded, its reach is too."""
 
 ACTIVE_STATUSES = (RunStatus.PENDING, RunStatus.QUEUED, RunStatus.RUNNING)
 """The statuses of a run that has not ended: it holds its conversation."""
@@ -52,6 +56,11 @@ class RunFilter:
     """Only runs created before this instant."""
     run_ids: tuple[str, ...] | None = None
     """Only these runs (a bulk action's ``ids``; at most a few thousand)."""
+    run_id_prefix: str | None = None
+    """Only runs whose id starts with this (a range of the primary key)."""
+    input_contains: str | None = None
+    """Only runs whose input's JSON text contains this, in any case, among the newest
+    :data:`SEARCH_WINDOW` runs the other conditions select (a bounded scan)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +131,21 @@ class RunListing:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         conditions = [*scope, *filter_conditions(where)]
+        source: FromClause = runs
+        if where.input_contains is not None:
+            # Only the newest SEARCH_WINDOW runs of the listing are read for the text: a
+            # derived table (MySQL refuses LIMIT in an IN subquery), joined back by id.
+            window = (
+                select(runs.c.id)
+                .where(*conditions)
+                .order_by(runs.c.created_at.desc(), runs.c.id.desc())
+                .limit(SEARCH_WINDOW)
+                .subquery("window")
+            )
+            source = runs.join(window, window.c.id == runs.c.id)
+            conditions.append(
+                _text_of(runs.c.input).contains(where.input_contains.lower(), autoescape=True)
+            )
         if after is not None:
             # ``created_at <= …`` is a range every planner can start the index walk from;
             # the OR alone would make some of them read the skipped pages again.
@@ -134,6 +158,7 @@ class RunListing:
             )
         stmt = (
             select(runs)
+            .select_from(source)
             .where(*conditions)
             .order_by(runs.c.created_at.desc(), runs.c.id.desc())
             .limit(limit + 1)  # one more than asked: whether a next page exists
@@ -260,4 +285,14 @@ def filter_conditions(where: RunFilter) -> builtins.list[ColumnElement[bool]]:
         conditions.append(runs.c.created_at < where.created_before)
     if where.run_ids is not None:
         conditions.append(runs.c.id.in_(list(where.run_ids)))
+    if where.run_id_prefix is not None:
+        # A range, so the primary key's index finds it (LIKE would not on every backend).
+        prefix = where.run_id_prefix
+        conditions.append(runs.c.id >= prefix)
+        conditions.append(runs.c.id < prefix[:-1] + chr(ord(prefix[-1]) + 1))
     return conditions
+
+
+def _text_of(document: ColumnElement[Any]) -> ColumnElement[str]:
+    """A JSON column's text, lower-cased (``jsonb::text``, ``CAST(… AS CHAR)``, the text)."""
+    return func.lower(cast(document, Text))

@@ -30,6 +30,7 @@ class NewRun:
         delay_s: Seconds after the database's current time before the run may be claimed.
         run_id: The id to store it under; a new uuid4 when None.
         rerun_of: The run whose input this one re-runs, if any.
+        trace_context: The W3C trace context the worker's spans join (tracing on), if any.
     """
 
     tenant_id: TenantId
@@ -44,6 +45,7 @@ class NewRun:
     delay_s: float = 0.0
     run_id: RunId | None = None
     rerun_of: RunId | None = None
+    trace_context: JSONObject | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -92,5 +94,6 @@ def row_of(new: NewRun) -> dict[str, Any]:
         "prompt_tokens": 0,
         "completion_tokens": 0,
         "rerun_of": new.rerun_of,
+        "trace_context": new.trace_context,
         "delay_s": new.delay_s,
     }

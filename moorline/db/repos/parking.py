@@ -65,6 +65,8 @@ class WaitKind(StrEnum):
     SLEEP = "sleep"
     MESSAGE = "message"
     CHILDREN = "children"
+    CAPACITY = "capacity"
+    """Provider capacity for a model call (the limiter's wait was longer than park_after)."""
 
 
 class ResumeReason(StrEnum):

@@ -1,7 +1,7 @@
 """Frozen values the repositories return, and the fence every worker write carries."""
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -11,6 +11,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from moorline.db.schema import runs
 from moorline.types import Attempt, JSONObject, JSONValue, RunId, RunStatus, StepStatus, TenantId
+from moorline.usage import StepUsage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +96,16 @@ class Run:
     """``ctx.emit`` calls outside steps made before the run last parked (its replay skips)."""
     rerun_of: RunId | None = None
     """The run whose input this one was started with (``POST …/rerun``; None: not a re-run)."""
+    trace_context: JSONObject | None = None
+    """The trigger's W3C trace context, which the attempts' spans join (None: not traced)."""
+    cached_tokens: int = 0
+    """Prompt tokens of its model calls the provider served from cache (part of prompt_tokens)."""
+    cost: float = 0.0
+    """What its model calls cost, priced by the models file when they were made."""
+    saved_tokens: int = 0
+    """Tokens its replayed steps did not spend again."""
+    saved_cost: float = 0.0
+    """What those tokens would have cost."""
 
 
 def run_from_row(row: Mapping[Any, Any]) -> Run:
@@ -142,6 +153,11 @@ def run_from_row(row: Mapping[Any, Any]) -> Run:
         detached=bool(row.get("detached")),
         emits=row.get("emits") or 0,
         rerun_of=row.get("rerun_of"),
+        trace_context=row.get("trace_context"),
+        cached_tokens=row.get("cached_tokens") or 0,
+        cost=row.get("cost") or 0.0,
+        saved_tokens=row.get("saved_tokens") or 0,
+        saved_cost=row.get("saved_cost") or 0.0,
     )
 
 
@@ -178,6 +194,8 @@ class Step:
     finished_at: datetime | None
     seq: int | None = None
     """Its place among the run's steps by first start (None: stored before revision 0004)."""
+    usage: StepUsage = field(default_factory=dict)
+    """The model calls it made, by model (empty: none)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -166,6 +166,13 @@ class RetentionRepo:
         shortest = policy.shortest_days()
         if shortest is None:
             return Cleaned(examined=0)
+        # Background work: on SQLite its statements leave the event loop to the hot path.
+        with self._db.backend.background():
+            return await self._examine(policy, shortest, after, limit)
+
+    async def _examine(
+        self, policy: RetentionPolicy, shortest: float, after: Cursor | None, limit: int
+    ) -> Cleaned:
         chunk = await self._db.with_retry(lambda: self._read_chunk(shortest, after, limit))
         if not chunk:
             return Cleaned(examined=0)
@@ -263,7 +270,7 @@ class RetentionRepo:
             ]
             await conn.execute(
                 backend.add_to_counters(
-                    retention_tallies, keys=("table_name", "lane", "status"), column="deleted"
+                    retention_tallies, keys=("table_name", "lane", "status"), columns=("deleted",)
                 ).values(tallies)
             )
         return {name: n for name, n in counted.items() if n}

@@ -47,6 +47,7 @@ _SUBMITTED = (
     "prompt_tokens",
     "completion_tokens",
     "rerun_of",
+    "trace_context",
 )
 """The columns :func:`submit_in_one_statement` binds per run (``row_of``'s)."""
 

@@ -69,11 +69,13 @@ from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.fences import fence_by_parameters, fence_parameters, hold_fence_txn
 from moorline.db.repos.records import Fence, Step
+from moorline.db.repos.usage import Charge, add_usage_txn
 from moorline.db.schema import runs, steps
 from moorline.errors import CancelRequested as CancelRequested  # re-exported (old home)
 from moorline.errors import LeaseLost as LeaseLost
 from moorline.errors import MoorlineError, TransitionRejected
 from moorline.types import Attempt, JSONValue, RunId, StepStatus
+from moorline.usage import usage_from_json, usage_to_json
 
 _RUNNING = StepStatus.RUNNING.value
 _SUCCEEDED = StepStatus.SUCCEEDED.value
@@ -180,11 +182,11 @@ def _insert_new_statement(backend: Backend, *, numbered: bool) -> Insert:
     )
 
 
-def _finish_statement(backend: Backend, status: StepStatus) -> Update:
+def _finish_statement(backend: Backend, status: StepStatus, *, counted: bool = False) -> Update:
     """``UPDATE steps … WHERE <running under the attempt> AND EXISTS (<fenced run, locked>)``.
 
     Parameters: the fence's, ``step_key``, and ``step_output`` (succeeded) or ``step_error``
-    (failed).
+    (failed); with ``counted``, ``step_usage`` too (the step's model calls).
     """
     fenced_run = backend.lock_rows(select(runs.c.id).where(fence_by_parameters()))
     values: dict[str, Any] = (
@@ -193,6 +195,8 @@ def _finish_statement(backend: Backend, status: StepStatus) -> Update:
         # The output stays SQL NULL: start() cleared it when this attempt took the step.
         else {"error": bindparam("step_error", type_=steps.c.error.type)}
     )
+    if counted:
+        values["usage"] = bindparam("step_usage", type_=steps.c.usage.type)
     return (
         update(steps)
         .where(
@@ -216,6 +220,10 @@ class StepsRepo:
         self._insert_numbered = _insert_new_statement(self._backend, numbered=True)
         self._finishes = {
             status: _finish_statement(self._backend, status)
+            for status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
+        }
+        self._counted_finishes = {
+            status: _finish_statement(self._backend, status, counted=True)
             for status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
         }
 
@@ -395,11 +403,14 @@ class StepsRepo:
         step = await self._reread_txn(conn, fence, key)
         return StepStart(step=step, replay=False, repeated=True)
 
-    async def succeed(self, fence: Fence, key: str, output: JSONValue) -> None:
+    async def succeed(
+        self, fence: Fence, key: str, output: JSONValue, *, charge: Charge | None = None
+    ) -> None:
         """Record that step ``key`` returned ``output``; a finished step is never overwritten.
 
         Idempotent: recording the same output again under the same attempt is a no-op (a
-        retried checkpoint whose first commit went through).
+        retried checkpoint whose first commit went through). ``charge``, the model calls the
+        step made, is written in the same transaction (:mod:`moorline.db.repos.usage`).
 
         Raises:
             LeaseLost: The fence no longer holds; nothing was written.
@@ -412,9 +423,12 @@ class StepsRepo:
             StepStatus.SUCCEEDED,
             {"output": output, "error": None},
             {"step_output": output},
+            charge,
         )
 
-    async def fail(self, fence: Fence, key: str, error: str) -> None:
+    async def fail(
+        self, fence: Fence, key: str, error: str, *, charge: Charge | None = None
+    ) -> None:
         """Record that step ``key`` raised ``error`` in this attempt.
 
         A failed step is taken over by the next :meth:`start` of the same key (a per-step
@@ -425,7 +439,9 @@ class StepsRepo:
             StepNotRunning: The step is not running under this attempt.
         """
         # The output stays SQL NULL: start() cleared it when this attempt took the step.
-        await self._finish(fence, key, StepStatus.FAILED, {"error": error}, {"step_error": error})
+        await self._finish(
+            fence, key, StepStatus.FAILED, {"error": error}, {"step_error": error}, charge
+        )
 
     async def _finish(
         self,
@@ -434,6 +450,7 @@ class StepsRepo:
         status: StepStatus,
         values: dict[str, Any],
         outcome: dict[str, Any],
+        charge: Charge | None = None,
     ) -> None:
         """Record ``status`` with ``values`` (``outcome``: the same, as statement parameters)."""
         action = f"{status.value} of step {key!r}"
@@ -441,8 +458,22 @@ class StepsRepo:
         stmt = self._finishes[status]
         parameters = {**fence_parameters(fence), "step_key": key, **outcome}
 
+        async def finish_with_usage() -> bool:
+            # The same statement, then the usage, in one transaction: the step's usage is
+            # counted exactly when its outcome is recorded (a step that made no call skips it).
+            assert charge is not None
+            counted = {**parameters, "step_usage": usage_to_json(charge.spent)}
+            async with self._db.write_transaction() as conn:
+                if (await conn.execute(self._counted_finishes[status], counted)).rowcount != 1:
+                    return False
+                await add_usage_txn(conn, self._backend, fence.run_id, charge)
+            return True
+
         async def attempt() -> None:
-            if await self._db.write_statement(stmt, parameters) == 1:
+            if charge is not None and not charge.empty:
+                if await finish_with_usage():
+                    return
+            elif await self._db.write_statement(stmt, parameters) == 1:
                 return
             # Nothing written: a stale fence, or a step not running under this attempt (both
             # final: only this attempt writes its steps while the fence holds).
@@ -497,4 +528,5 @@ def _step_from_row(row: RowMapping) -> Step:
         started_at=row["started_at"],
         finished_at=row["finished_at"],
         seq=row["seq"],
+        usage=usage_from_json(row["usage"]),
     )

@@ -124,9 +124,16 @@ function svg(tag, attrs = {}) {
   return node;
 }
 
+// Times are shown in UTC, with the zone written: the same instant reads the same for every
+// operator, and matches the API's and the logs' times.
+function utc(iso) {
+  if (!iso) return "—";
+  return `${new Date(iso).toISOString().slice(0, 19).replace("T", " ")} UTC`;
+}
+
 // A parked run holds no worker slot: say what brings it back, and when it gives up.
 const describeWait = (wait) => wait.kind +
-  (wait.until ? ` until ${new Date(wait.until).toLocaleString()}` : " (no time limit)");
+  (wait.until ? ` until ${utc(wait.until)}` : " (no time limit)");
 const badge = (status) => h("span", { class: `badge ${status}`, "data-status": status }, status);
 // A failed run's error: its fields as JSON, then its traceback as written (one frame a line).
 function errorParts(error) {
@@ -236,7 +243,7 @@ async function signIn(token) {
     if (error.status !== 403) throw error;
   }
   const usage = await api("/v1/usage", { token });
-  session.save(token, "tenant", `tenant ${usage.tenant_id.slice(0, 8)} (${usage.plan})`);
+  session.save(token, "tenant", `tenant ${usage.tenant_name} (${usage.plan})`);
 }
 
 // Lanes: the load of each lane, polled; throughput is counted here from the newest runs
@@ -293,30 +300,64 @@ function throughputChart(lane) {
     if (slice >= 0 && slice < SLICES) counts[slice] += 1;
   }
   const top = Math.max(1, ...counts);
+  // A y axis (runs per slice, 0 and the peak) left of the bars, an x axis (minutes ago) below.
+  const left = 22;
   const width = 240;
   const height = 48;
   const chart = svg("svg", {
-    class: "chart", width, height: height + 14, viewBox: `0 0 ${width} ${height + 14}`,
-    role: "img", "aria-label": `runs finished per ${SLICE_S} s`,
+    class: "chart", width: width + left, height: height + 26,
+    viewBox: `0 0 ${width + left} ${height + 26}`,
+    role: "img", "aria-label": `runs finished per ${SLICE_S} s over the last ${SLICE_S * SLICES / 60} min`,
   });
-  chart.append(svg("line", { x1: 0, x2: width, y1: height, y2: height }));
+  chart.append(svg("line", { x1: left, x2: left + width, y1: height, y2: height }));
+  chart.append(svg("line", { x1: left, x2: left, y1: 0, y2: height }));
+  const axisText = (x, y, text, anchor = "start") => {
+    const node = svg("text", { x, y, "font-size": 9, fill: "#66707c", "text-anchor": anchor });
+    node.textContent = text;
+    chart.append(node);
+  };
+  axisText(left - 3, 8, String(top), "end");
+  axisText(left - 3, height, "0", "end");
+  axisText(left, height + 10, `−${SLICE_S * SLICES / 60} min`);
+  axisText(left + width, height + 10, "now", "end");
   const step = width / SLICES;
   counts.forEach((count, index) => {
     const barHeight = (count / top) * (height - 4);
     const bar = svg("rect", {
-      x: index * step + 1, width: step - 2, y: height - barHeight, height: barHeight,
+      x: left + index * step + 1, width: step - 2, y: height - barHeight, height: barHeight,
     });
     bar.append(svg("title"));
     bar.firstChild.textContent = `${count} finished`;
     chart.append(bar);
   });
-  const label = svg("text", { x: 0, y: height + 12, "font-size": 10, fill: "#66707c" });
-  label.textContent = `${counts.reduce((a, b) => a + b, 0)} finished, peak ${top}/${SLICE_S} s`;
+  const label = svg("text", { class: "total", x: left, y: height + 22, "font-size": 10,
+    fill: "#66707c" });
+  label.textContent = `${counts.reduce((a, b) => a + b, 0)} finished; bars: runs per ${SLICE_S} s`;
   chart.append(label);
   return chart;
 }
 
 // Runs: a filtered page, refreshed in place; older pages by the API's cursor.
+// The search box takes a run id (or its first characters) or a word of the input; the API
+// searches the input among the newest runs only (its `input_contains`).
+const RUN_ID_PREFIX = /^[0-9a-f]{8}[0-9a-f-]{0,28}$/i;
+// Time ranges offered by the filters, in seconds back from now ("" = any time).
+const RANGES = [["", "any time"], ["900", "last 15 min"], ["3600", "last hour"],
+  ["86400", "last 24 h"], ["604800", "last 7 days"]];
+
+function rangeSelect(id, chosen, offered = RANGES) {
+  return h("select", { id, title: "time range" },
+    offered.map(([value, label]) => h("option", { value, selected: value === chosen }, label)));
+}
+
+// Tenant names for the admin's tables (ids when a tenant is not among the first 200).
+const tenantNames = new Map();
+async function loadTenantNames() {
+  const page = await api("/v1/admin/tenants?limit=200");
+  for (const t of page.tenants) tenantNames.set(t.tenant_id, t.name);
+}
+const tenantName = (id) => tenantNames.get(id) || id.slice(0, 8);
+
 function viewRuns(params) {
   const filters = {
     status: params.get("status") || "",
@@ -324,11 +365,16 @@ function viewRuns(params) {
     lane: params.get("lane") || "",
     tenant_id: params.get("tenant_id") || "",
   };
+  const q = params.get("q") || "";
+  const range = params.get("range") || "";
   const cursors = [];  // cursors of the pages before the one shown
   let cursor = params.get("cursor") || null;
   let next = null;
   const status = h("select", { id: "filter-status" }, h("option", { value: "" }, "any status"),
     STATUSES.map((s) => h("option", { value: s, selected: s === filters.status }, s)));
+  const search = h("input", { id: "search", type: "search", placeholder: "run id or input text",
+    value: q, maxlength: 200 });
+  const ranges = rangeSelect("filter-range", range);
   const fields = [h("input", { id: "filter-workflow", placeholder: "workflow", value: filters.workflow })];
   if (session.isAdmin) {
     fields.push(h("input", { id: "filter-lane", placeholder: "lane", value: filters.lane }),
@@ -342,6 +388,8 @@ function viewRuns(params) {
       query.set("lane", fields[1].value.trim());
       query.set("tenant_id", fields[2].value.trim());
     }
+    query.set("q", search.value.trim());
+    query.set("range", ranges.value);
     for (const [name, value] of [...query]) if (!value) query.delete(name);
     location.hash = `#/runs?${query}`;
   };
@@ -352,40 +400,71 @@ function viewRuns(params) {
   const older = h("button", { type: "button", disabled: true, onclick: () => {
     cursors.push(cursor); cursor = next; refresh();
   } }, "Older →");
-  const columns = ["run", "workflow", session.isAdmin && "tenant", "status", "lane", "attempt",
-    "age", "duration"].filter(Boolean);
+  // Columns marked wide are left out on a narrow screen (app.css), so the table fits.
+  const columns = [["run"], ["workflow"], session.isAdmin && ["tenant"], ["status"],
+    ["lane", "wide"], ["attempt", "wide"], ["age", "num"], ["duration", "num"]].filter(Boolean);
+  // Ticked runs stay ticked across refreshes and pages, until a bulk action takes them.
+  const selection = new Set();
+  let shown = [];
+  // The page's filters as a bulk action's body; null where the bulk routes cannot say them
+  // (a lane, a search), since "every match" would then reach runs the page does not show.
+  const matching = () => {
+    if (filters.lane || q) return null;
+    const body = {};
+    for (const name of ["status", "workflow", "tenant_id"]) if (filters[name]) body[name] = filters[name];
+    if (range) body.created_after = new Date(Date.now() - Number(range) * 1000).toISOString();
+    return body;
+  };
+  const bulk = bulkBar(selection, matching, () => refresh());
+  const selectAll = selectAllCell(selection, () => shown, () => { bulk.update(); refresh(); });
   main.replaceChildren(h("h1", {}, "Runs"),
     h("form", { class: "row", onsubmit: (e) => { e.preventDefault(); apply(); } },
-      status, fields, h("button", { type: "submit" }, "Filter")),
-    h("table", { id: "runs" }, h("thead", {}, h("tr", {}, columns.map((c) => h("th", {}, c)))), body),
+      search, ranges, status, fields, h("button", { type: "submit" }, "Filter")),
+    bulk.element,
+    h("table", { id: "runs" }, h("thead", {}, h("tr", {}, selectAll,
+      columns.map(([c, cls]) => h("th", { class: cls }, c)))), body),
     h("div", { class: "row" }, newer, older, h("span", { class: "note", id: "runs-note" })));
   status.addEventListener("change", apply);
+  ranges.addEventListener("change", apply);
+  if (session.isAdmin) loadTenantNames().catch(() => {});
 
   async function refresh() {
     const query = new URLSearchParams({ limit: "25" });
     for (const [name, value] of Object.entries(filters)) if (value) query.set(name, value);
+    if (range) query.set("created_after", new Date(Date.now() - Number(range) * 1000).toISOString());
     if (cursor) query.set("cursor", cursor);
-    const page = await api(`${runsBase()}?${query}`);
+    let page;
+    if (q && RUN_ID_PREFIX.test(q)) {
+      // Looks like a run id: that run; if none, the word may be in an input after all.
+      page = await api(`${runsBase()}?${query}&run_id=${encodeURIComponent(q.toLowerCase())}`);
+    }
+    if (q && !(page && page.runs.length)) {
+      page = await api(`${runsBase()}?${query}&input_contains=${encodeURIComponent(q)}`);
+    }
+    if (!q) page = await api(`${runsBase()}?${query}`);
     next = page.next_cursor;
     newer.disabled = cursors.length === 0 && !cursor;
     older.disabled = !next;
+    shown = page.runs.map((run) => run.run_id);
     body.replaceChildren(...page.runs.map((run) => h("tr", {
       class: "clickable", "data-run-id": run.run_id,
       onclick: () => { location.hash = `#/runs/${run.run_id}`; },
     },
+    selectCell(selection, run.run_id, () => bulk.update()),
     h("td", {}, h("a", { href: `#/runs/${run.run_id}` }, h("code", {}, run.run_id.slice(0, 8)))),
     h("td", {}, run.workflow),
-    session.isAdmin && h("td", {}, h("code", {}, run.tenant_id.slice(0, 8))),
+    session.isAdmin && h("td", { title: run.tenant_id }, tenantName(run.tenant_id)),
     h("td", {}, badge(run.status)),
-    h("td", {}, run.queue),
-    h("td", { class: "num" }, run.attempt),
+    h("td", { class: "wide" }, run.queue),
+    h("td", { class: "num wide" }, run.attempt),
     h("td", { class: "num" }, age(run.created_at)),
     h("td", { class: "num" }, duration(run.elapsed_time)))));
     if (!page.runs.length) {
-      body.append(h("tr", {}, h("td", { colspan: columns.length, class: "note" }, "No runs.")));
+      body.append(h("tr", {}, h("td", { colspan: columns.length + 1, class: "note" },
+        q ? `No runs match “${q}”.` : "No runs.")));
     }
     document.getElementById("runs-note").textContent =
-      `${page.runs.length} runs on this page · refreshed ${new Date().toLocaleTimeString()}`;
+      `${page.runs.length} runs on this page · refreshed ${utc(new Date().toISOString())}`;
   }
   every(POLL_MS, refresh);
 }
@@ -452,7 +531,7 @@ function viewRun(runId) {
     interrupt.replaceChildren(h("div", { class: "panel interrupt", id: "interrupt" },
       h("h2", {}, "Waiting for a decision: ", h("code", {}, pending.action)),
       json(pending.data),
-      h("p", { class: "note" }, `Expires ${new Date(pending.expires_at).toLocaleString()}`),
+      h("p", { class: "note" }, `Expires ${utc(pending.expires_at)}`),
       h("div", { class: "row" },
         h("button", { id: "approve", class: "approve", type: "button", onclick: () => act("resume",
           { interrupt_id: pending.interrupt_id, approved: true }) }, "Approve"),
@@ -460,33 +539,58 @@ function viewRun(runId) {
           { interrupt_id: pending.interrupt_id, approved: false }) }, "Deny"))));
   }
 
+  // Steps and approval waits on one time axis from the run's start: a wait is drawn from
+  // the request to the decision (or now), so the time a run spent waiting for a person shows.
   function drawSteps() {
-    if (!run.steps.length) { timeline.replaceChildren(h("span", { class: "note" }, "No steps yet.")); return; }
-    const start = Date.parse(run.started_at || run.created_at);
+    const approvals = run.approvals || [];
+    if (!run.steps.length && !approvals.length) {
+      timeline.replaceChildren(h("span", { class: "note" }, "No steps yet."));
+      return;
+    }
+    const rows = [
+      ...run.steps.map((s) => ({ key: s.key, cls: s.status, from: s.started_at, to: s.finished_at,
+        open: s.status === "running" })),
+      ...approvals.map((a) => ({ key: `approval: ${a.action}`, cls: "wait", from: a.requested_at,
+        to: a.decided_at, open: a.status === "pending",
+        note: a.status === "pending" ? "waiting" : a.reason })),
+    ].sort((a, b) => Date.parse(a.from) - Date.parse(b.from));
+    const start = Math.min(Date.parse(run.started_at || run.created_at),
+      ...rows.map((r) => Date.parse(r.from)));
     const end = Math.max(run.finished_at ? Date.parse(run.finished_at) : Date.now(),
-      ...run.steps.map((s) => Date.parse(s.finished_at || s.started_at)));
+      ...rows.map((r) => (r.to ? Date.parse(r.to) : Date.now())));
     const span = Math.max(1, end - start);
-    timeline.replaceChildren(...run.steps.map((step) => {
-      const from = Date.parse(step.started_at);
-      const to = step.finished_at ? Date.parse(step.finished_at) : Date.now();
-      const bar = h("div", { class: `bar ${step.status}` });
+    timeline.replaceChildren(...rows.map((row) => {
+      const from = Date.parse(row.from);
+      const to = row.to ? Date.parse(row.to) : Date.now();
+      const bar = h("div", { class: `bar ${row.cls}`, title: `${utc(row.from)} → ${row.to ? utc(row.to) : "now"}` });
       bar.style.left = `${((from - start) / span) * 100}%`;
       bar.style.width = `${Math.max(0.5, ((to - from) / span) * 100)}%`;
-      return h("div", { class: "step" }, h("code", {}, step.key), h("div", { class: "track" }, bar),
-        h("span", { class: "num" }, `${step.status === "running" ? "… " : ""}${duration((to - from) / 1000)}`));
-    }));
+      return h("div", { class: row.cls === "wait" ? "wait-row" : "step" },
+        h("code", {}, row.key), h("div", { class: "track" }, bar),
+        h("span", { class: "num" }, `${row.open ? "… " : ""}${duration((to - from) / 1000)}`
+          + (row.note ? ` (${row.note})` : "")));
+    }), h("div", { class: "axis" }, h("span", { class: "note" }, "seconds from start"),
+      h("div", { class: "ticks" }, h("span", {}, "0 s"), h("span", {}, duration(span / 2000)),
+        h("span", {}, duration(span / 1000))), h("span")));
   }
 
   async function refresh() {
     run = await api(base);
     title.replaceChildren("Run ", h("code", {}, run.run_id), " ", badge(run.status));
     facts.replaceChildren(...[
-      ["workflow", run.workflow], ["tenant", run.tenant_id], ["lane", run.queue],
+      ["workflow", run.workflow],
+      ["tenant", session.isAdmin ? `${tenantName(run.tenant_id)} (${run.tenant_id})` : run.tenant_id],
+      ["lane", run.queue],
       ["attempts", run.attempt], ["conversation", run.conversation_id || "—"],
-      ["created", new Date(run.created_at).toLocaleString()],
-      ["started", run.started_at ? new Date(run.started_at).toLocaleString() : "—"],
-      ["finished", run.finished_at ? new Date(run.finished_at).toLocaleString() : "—"],
+      ["created", utc(run.created_at)],
+      ["started", utc(run.started_at)],
+      ["finished", utc(run.finished_at)],
       ["elapsed", duration(run.elapsed_time)],
+      ...(run.usage ? [
+        ["tokens", describeTokens(run.usage)],
+        ["cost", money(run.usage.cost)],
+        ["saved", `${run.usage.saved_tokens} tokens, ${money(run.usage.saved_cost)}`],
+      ] : []),
       ...(run.waiting_for ? [["waiting for", describeWait(run.waiting_for)]] : []),
     ].flatMap(([name, value]) => [h("dt", {}, name), h("dd", { "data-fact": name }, String(value))]));
     io.replaceChildren(
@@ -575,7 +679,8 @@ function viewTenants() {
   const plan = h("input", { id: "tenant-plan", placeholder: "plan", value: "team", required: true });
   main.replaceChildren(h("h1", {}, "Tenants"),
     h("table", { id: "tenants" }, h("thead", {}, h("tr", {},
-      ["name", "tenant id", "plan", "lane", "quota today", "", "running", ""].map((c) => h("th", {}, c)))),
+      ["name", "tenant id", "plan", "lane", "quota today", "", "running", "", "tokens today",
+        "cost today"].map((c) => h("th", {}, c)))),
     body),
     h("h2", {}, "New tenant"),
     h("form", { class: "row", onsubmit: async (event) => {
@@ -599,21 +704,46 @@ function viewTenants() {
       h("td", { class: "num" }, `${t.used_today} / ${t.daily_quota}`),
       h("td", {}, meter(t.used_today, t.daily_quota)),
       h("td", { class: "num" }, `${t.running} / ${t.tenant_concurrency}`),
-      h("td", {}, meter(t.running, t.tenant_concurrency)))));
+      h("td", {}, meter(t.running, t.tenant_concurrency)),
+      h("td", { class: "num" }, String(t.tokens_today)),
+      h("td", { class: "num" }, money(t.cost_today)))));
   });
 }
 
-// Usage (a tenant's own): its daily quota.
+// A run's or a day's LLM tokens: "prompt + completion (cached)".
+function describeTokens(u) {
+  return `${u.prompt_tokens} prompt + ${u.completion_tokens} completion (${u.cached_tokens} cached)`;
+}
+
+// A cost as the models file prices it (its currency is the file's).
+function money(value) { return (value || 0).toFixed(6); }
+
+// Usage (a tenant's own): its daily quota, and its LLM tokens and cost today by model/workflow.
 function viewUsage() {
   const box = h("div", { class: "panel" });
-  main.replaceChildren(h("h1", {}, "Usage"), box);
+  const tables = h("div", { id: "llm-usage" });
+  main.replaceChildren(h("h1", {}, "Usage"), box, tables);
+  const breakdown = (title, rows) => h("div", {}, h("h2", {}, title),
+    h("table", {}, h("thead", {}, h("tr", {},
+      [title === "By model" ? "model" : "workflow", "requests", "tokens", "cost", "saved tokens"]
+        .map((c) => h("th", {}, c)))),
+    h("tbody", {}, ...Object.entries(rows).map(([name, u]) => h("tr", {},
+      h("td", {}, name), h("td", { class: "num" }, String(u.requests)),
+      h("td", {}, describeTokens(u)), h("td", { class: "num" }, money(u.cost)),
+      h("td", { class: "num" }, String(u.saved_tokens)))))));
   every(POLL_MS * 2, async () => {
     const usage = await api("/v1/usage");
     box.replaceChildren(h("dl", { class: "facts" },
       h("dt", {}, "plan"), h("dd", {}, usage.plan),
       h("dt", {}, "quota today"), h("dd", {}, `${usage.used_today} / ${usage.daily_quota}`,
         meter(usage.used_today, usage.daily_quota)),
-      h("dt", {}, "resets"), h("dd", {}, new Date(usage.resets_at).toLocaleString())));
+      h("dt", {}, "resets"), h("dd", {}, utc(usage.resets_at)),
+      h("dt", {}, "LLM tokens today"), h("dd", { "data-fact": "tokens" }, String(usage.tokens_today)),
+      h("dt", {}, "LLM cost today"), h("dd", { "data-fact": "cost" }, money(usage.cost_today)),
+      h("dt", {}, "saved by replays"),
+      h("dd", {}, `${usage.saved_tokens_today} tokens, ${money(usage.saved_cost_today)}`)));
+    tables.replaceChildren(breakdown("By model", usage.by_model),
+      breakdown("By workflow", usage.by_workflow));
   });
 }
 
@@ -642,7 +772,7 @@ function viewSchedules() {
       h("td", {}, h("code", {}, s.schedule_id.slice(0, 8))),
       h("td", {}, s.workflow),
       h("td", {}, s.cron ? `${s.cron} (${s.timezone})` : `every ${s.every_seconds} s`),
-      h("td", { class: "state" }, s.paused ? "paused" : new Date(s.next_at).toLocaleString()),
+      h("td", { class: "state" }, s.paused ? "paused" : utc(s.next_at)),
       h("td", {}, s.last_run_id
         ? h("a", { href: `#/runs/${encodeURIComponent(s.last_run_id)}` }, `${age(s.last_fired_at)} ago`)
         : "—"),
@@ -655,6 +785,16 @@ function viewSchedules() {
         h("button", { type: "button", onclick: () => act(s, "delete") }, "Delete")))));
   }
   every(POLL_MS * 2, refresh);
+}
+
+// A page of the other role: say so, rather than showing another page in its place.
+function viewForbidden(page, role) {
+  const who = session.isAdmin ? "the admin" : "a tenant";
+  main.replaceChildren(h("h1", {}, `${page}: not for this sign-in`),
+    h("p", { class: "error", id: "forbidden", role: "alert" },
+      `The ${page} page is for ${role === "admin" ? "the admin" : "a tenant's API key"}; `
+      + `you are signed in as ${who}.`),
+    h("a", { href: "#/runs" }, "Runs"));
 }
 
 // ---- routing ----------------------------------------------------------------------------
@@ -675,7 +815,13 @@ function route() {
   }
   if (!signedIn) { viewSignIn(); return; }
   const parts = path.split("/").filter(Boolean);
+  const link = document.querySelector(`#nav a[data-page="${CSS.escape(parts[0] || "")}"]`);
+  if (link && link.dataset.role && link.dataset.role !== session.role) {
+    viewForbidden(link.textContent, link.dataset.role);
+    return;
+  }
   if (parts[0] === "runs" && parts[1]) viewRun(decodeURIComponent(parts[1]));
+  else if (parts[0] === "stats") viewStats(params);
   else if (parts[0] === "lanes" && session.isAdmin) viewLanes();
   else if (parts[0] === "workers" && parts[1] && session.isAdmin) {
     viewWorker(decodeURIComponent(parts[1]));

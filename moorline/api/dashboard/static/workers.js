@@ -79,7 +79,7 @@ function viewWorker(workerId) {
       ["host", w.host], ["pid", w.pid], ["version", w.version || "—"],
       ["lanes", lanesText(w.lanes)],
       ["workflows", w.workflows === null ? "all" : w.workflows.join(", ")],
-      ["started", new Date(w.started_at).toLocaleString()],
+      ["started", utc(w.started_at)],
       ["last seen", `${duration(w.last_seen_age_s)} ago`], ["runs held", w.runs],
     ].flatMap(([name, value]) => [h("dt", {}, name), h("dd", { "data-fact": name }, String(value))]));
     body.replaceChildren(...(w.held.length ? w.held.map((run) => h("tr", {
@@ -89,7 +89,7 @@ function viewWorker(workerId) {
     h("td", {}, h("code", {}, run.run_id)), h("td", {}, run.workflow), h("td", {}, run.queue),
     h("td", {}, h("code", {}, run.tenant_id.slice(0, 8))), h("td", { class: "num" }, run.attempt),
     h("td", {}, age(run.started_at)),
-    h("td", {}, run.lease_expires_at ? new Date(run.lease_expires_at).toLocaleTimeString() : "—")))
+    h("td", {}, utc(run.lease_expires_at))))
       : [h("tr", {}, h("td", { colspan: 7, class: "note" }, "It holds no run."))]));
   });
 }
