@@ -33,6 +33,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 ADMIN_TOKEN = "dashboard-admin-token"
 STARTUP_S = 30.0
 UI_TIMEOUT_MS = 15_000
+"""How long a page action or an assertion waits. Generous: on a loaded 2-core CI machine Swagger
+UI's bundle alone took more than Playwright's default 5 s to render."""
+expect.set_options(timeout=UI_TIMEOUT_MS)  # every module here imports this one
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists() and os.environ.get("CI") != "true",

@@ -27,10 +27,11 @@ from moorline.worker.worker import Worker
 from tests.contract.queue_helpers import Tenants, no_caps, statuses, unique
 from tests.helpers import sampled, wait_for
 
-LEASE_TTL_S = 1.5
-"""Heartbeats every 0.5 s."""
-CLEANUP_S = 1.0
-"""The workflow's clean-up after a park: longer than a heartbeat interval, well within a lease."""
+LEASE_TTL_S = 3.0
+"""Heartbeats every second: a loaded CI machine's event-loop stalls stay well inside a lease."""
+CLEANUP_S = 2.0
+"""The workflow's clean-up after a park: two heartbeat intervals, within a lease."""
+SETTLE_S = 40.0
 
 
 @pytest.fixture
@@ -81,7 +82,7 @@ async def test_a_heartbeat_during_a_parked_attempts_cleanup_loses_no_lease(
             found = await statuses(db, [run.run_id])
             return found[run.run_id][0] == status.value and worker.in_flight == 0
 
-        await wait_for(lambda: settled(RunStatus.WAITING), timeout_s=20, message="the park")
+        await wait_for(lambda: settled(RunStatus.WAITING), timeout_s=SETTLE_S, message="the park")
         assert cleanups == ["done"], "the parked attempt's clean-up was cut short"
         assert sampled(metrics.lease_losses, "moorline_lease_losses_total") == 0
         assert sampled(metrics.parks, "moorline_parks_total") == 1
@@ -90,7 +91,7 @@ async def test_a_heartbeat_during_a_parked_attempts_cleanup_loses_no_lease(
         await interrupts.resolve(
             run.run_id, pending.interrupt_id, approved=True, reason="approved", data=None
         )
-        await wait_for(lambda: settled(RunStatus.SUCCEEDED), timeout_s=20, message="the end")
+        await wait_for(lambda: settled(RunStatus.SUCCEEDED), timeout_s=SETTLE_S, message="the end")
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)

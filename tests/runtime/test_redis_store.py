@@ -33,6 +33,10 @@ STEPS = ("subscribe", "recheck", "wait")
 QUIET_POLL_S = 30.0
 """Poll interval of the stores below: far beyond every assertion, so polling cannot hide a
 lost wake-up; only the signal (or the re-check after a re-subscription) can wake a waiter."""
+WOKEN_BY_SIGNAL_S = QUIET_POLL_S / 3
+"""A waiter woken sooner than this after the resolve was woken by the signal or the re-check.
+The latencies themselves are printed, not asserted: on a loaded 2-core machine 200 waiters
+sharing one event loop queue for seconds, which says nothing about a lost wake-up."""
 
 
 @pytest.fixture
@@ -155,7 +159,9 @@ async def test_lost_wakeup_trials(quiet_store: RedisRuntimeStore) -> None:
         step = plans[run][0]
         assert decision == plans[run][1], f"trial {index} ({step}) got {decision}"
         latency = woke_at - resolved_at[run]
-        assert latency < 5.0, f"trial {index} ({step}) woke {latency:.1f}s after the resolve"
+        assert latency < WOKEN_BY_SIGNAL_S, (
+            f"trial {index} ({step}) woke {latency:.1f}s after the resolve: by a poll?"
+        )
         latencies.append(latency)
 
     began = time.monotonic()
@@ -169,7 +175,6 @@ async def test_lost_wakeup_trials(quiet_store: RedisRuntimeStore) -> None:
         f"median {statistics.median(latencies) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
     )
     assert len(latencies) == LOST_WAKEUP_TRIALS
-    assert p99 < 1.0, "p99 resume latency must stay under the (usual) poll interval"
 
 
 # Untraced by coverage: its trials repeat paths other tests cover, and tracing would double
