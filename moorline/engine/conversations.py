@@ -109,8 +109,8 @@ class Conversations:
             if key is not None:
                 await self._acquire(claim, key)
                 live.holds_lease = True
-            await self._store.mark_interactive(
-                window_key(claim.run), claim.fence.run_id, self._ttl_s
+            await _bounded(
+                self._store.mark_interactive(window_key(claim.run), claim.fence.run_id, self._ttl_s)
             )
             live.window_open = True
         except BackendUnavailable as exc:
@@ -176,13 +176,13 @@ class Conversations:
 
     async def _acquire(self, claim: Claim, key: str) -> None:
         mine = lease_holder(claim)
-        acquired, holder = await self._store.acquire_lease(key, mine, self._ttl_s)
+        acquired, holder = await _bounded(self._store.acquire_lease(key, mine, self._ttl_s))
         if acquired:
             return
         if await self._is_stale(holder):
             # Compare-and-delete: only that holder's lease goes, never a newer one.
-            await self._store.release_lease(key, holder)
-            acquired, holder = await self._store.acquire_lease(key, mine, self._ttl_s)
+            await _bounded(self._store.release_lease(key, holder))
+            acquired, holder = await _bounded(self._store.acquire_lease(key, mine, self._ttl_s))
             if acquired:
                 return
         parsed = parse_holder(holder)
@@ -223,3 +223,22 @@ def _extra(claim: Claim) -> dict[str, object]:
         "attempt": claim.fence.attempt,
         "tenant_id": claim.run.tenant_id,
     }
+
+
+async def _bounded(call: Awaitable[T]) -> T:
+    """Await a store call at an attempt's start, as an unreachable store if it hangs.
+
+    A store behind a dropping network answers nothing until the client's connect timeouts and
+    retries give up (about 20 s measured with redis-py's defaults): the attempt would wait that
+    long before running, though it runs on without the store anyway.
+
+    Raises:
+        BackendUnavailable: The call failed, or took longer than ``STORE_CALL_TIMEOUT_S``.
+    """
+    try:
+        async with asyncio.timeout(STORE_CALL_TIMEOUT_S):
+            return await call
+    except TimeoutError as exc:
+        raise BackendUnavailable(
+            f"the runtime store did not answer within {STORE_CALL_TIMEOUT_S:g} s"
+        ) from exc

@@ -342,11 +342,25 @@ async def self_fenced(workers: Workers, proc: subprocess.Popen[bytes], count: in
 
 
 async def all_ended(db: DatabaseManager, run_ids: Sequence[str], timeout_s: float) -> None:
-    await wait_for(
-        lambda: _equal(terminal_count(db, run_ids), len(run_ids)),
-        timeout_s=timeout_s,
-        message="every run to end",
-    )
+    try:
+        await wait_for(
+            lambda: _equal(terminal_count(db, run_ids), len(run_ids)),
+            timeout_s=timeout_s,
+            message="every run to end",
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; not ended: {await unended(db, run_ids)}") from None
+
+
+async def unended(db: DatabaseManager, run_ids: Sequence[str]) -> list[tuple[str, ...]]:
+    """Each unfinished run's status, attempt, lease owner and lease expiry: what a failure says."""
+    async with db.connect() as conn:
+        rows = await conn.execute(
+            select(
+                runs.c.status, runs.c.attempt, runs.c.lease_owner, runs.c.lease_expires_at
+            ).where(runs.c.id.in_(run_ids), runs.c.status.not_in(TERMINAL))
+        )
+        return [tuple(str(value) for value in row) for row in rows]
 
 
 async def ended_once(db: DatabaseManager, run_ids: Sequence[str]) -> None:
@@ -392,7 +406,13 @@ async def test_partitions(
             if fault == "drop":
                 # Worker 1 stops its runs before its lease can expire.
                 checks.append(self_fenced(workers, w1, fenced_before + len(held)))
-            await asyncio.gather(*checks)
+            try:
+                await asyncio.gather(*checks)
+            except AssertionError:
+                for index, proc in enumerate(workers.procs):
+                    tail = workers.log(proc).splitlines()[-25:]
+                    print(f"--- worker {index + 1} (pid {proc.pid}):", *tail, sep="\n")
+                raise
             statuses = await answering
             # The API answers 503, not a hang, while its database is unreachable; through a
             # 10 % loss it answers, slower.

@@ -1,0 +1,76 @@
+"""A runtime store that hangs when an attempt starts delays the run by a bounded time only.
+
+Behind a network that drops packets, a Redis call answers nothing until the client's connect
+timeouts and retries give up: about 20 s in the partition test (docs/reliability.md P6). The
+attempt runs on without the store in any case (its conversation lease and interactive window
+are coordination, the database fences every write), so it must not wait that long first.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from moorline import Context
+from moorline.db.manager import DatabaseManager
+from moorline.engine import conversations
+from moorline.runtime.base import LeaseAcquisition
+from moorline.runtime.memory import InMemoryRuntimeStore
+from moorline.types import RunId
+from tests.contract.queue_helpers import Tenants
+from tests.engine.harness import EngineHarness
+
+BOUND_S = 0.3
+"""The store-call bound for this test (``STORE_CALL_TIMEOUT_S`` is 5 s)."""
+
+
+class HangingStore(InMemoryRuntimeStore):
+    """The in-memory store, except that taking a lease or opening a window never answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hung: list[str] = []
+
+    async def acquire_lease(
+        self, conversation_id: str, holder: str, ttl_s: float
+    ) -> LeaseAcquisition:
+        self.hung.append("acquire_lease")
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def mark_interactive(self, conversation_id: str, run_id: RunId, ttl_s: float) -> None:
+        self.hung.append("mark_interactive")
+        await asyncio.Event().wait()
+
+
+@pytest.fixture
+async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
+    made = Tenants(db)
+    yield made
+    await made.purge()
+
+
+@pytest.mark.parametrize(
+    ("conversation_id", "first_call"), [("c1", "acquire_lease"), (None, "mark_interactive")]
+)
+async def test_an_attempt_starts_when_the_store_hangs_past_its_bound(
+    db: DatabaseManager,
+    tenants: Tenants,
+    monkeypatch: pytest.MonkeyPatch,
+    conversation_id: str | None,
+    first_call: str,
+) -> None:
+    monkeypatch.setattr(conversations, "STORE_CALL_TIMEOUT_S", BOUND_S)
+    store = HangingStore()
+    engine = EngineHarness(db, store, tenants)
+
+    @engine.app.workflow("chatty")
+    async def chatty(ctx: Context) -> str:
+        return "answered"
+
+    await engine.new_run("chatty", conversation_id=conversation_id)
+    # Before the bound, the attempt waited for the store for ever (here) or for the client's
+    # own timeouts (behind a partition).
+    assert await asyncio.wait_for(engine.runner.run(await engine.claim()), 10) == "answered"
+    assert store.hung == [first_call]  # given up as unreachable: the attempt ran on
+    await store.close()
