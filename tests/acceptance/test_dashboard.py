@@ -143,7 +143,7 @@ async def test_sign_in_watch_approve_and_isolate(
 
     # The runs table shows a run submitted over HTTP without a reload.
     await page.click("#nav a[data-page=runs]")
-    await expect(page.locator("#runs-note")).to_contain_text("runs on this page")
+    await expect(page.locator("#runs-note")).to_contain_text(" on this page")
     async with httpx.AsyncClient(base_url=server.url) as client:
         submitted = await client.post(
             "/v1/workflows/publish_notes/runs",

@@ -189,6 +189,7 @@ async def test_statistics_search_and_narrow_screens(
     await admin.goto(f"{server.url}/#/runs?q={lighthouse[:8]}")
     row = admin.locator(f"#runs-body tr[data-run-id='{lighthouse}']")
     await expect(row).to_contain_text(name)
+    await expect(admin.locator("#runs-note")).to_contain_text("1 run on this page")
     await admin.screenshot(path=str(shots / "admin-runs.png"), full_page=True)
     notes.append(
         f"admin-runs.png: the admin's runs table found by id, the tenant column showing its "

@@ -464,7 +464,7 @@ function viewRuns(params) {
         q ? `No runs match “${q}”.` : "No runs.")));
     }
     document.getElementById("runs-note").textContent =
-      `${page.runs.length} runs on this page · refreshed ${utc(new Date().toISOString())}`;
+      `${page.runs.length} ${page.runs.length === 1 ? "run" : "runs"} on this page · refreshed ${utc(new Date().toISOString())}`;
   }
   every(POLL_MS, refresh);
 }
