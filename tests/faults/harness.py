@@ -12,21 +12,23 @@ import sqlite3
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 
 from moorline.api.app import create_app
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.db.schema import events, runs
 from moorline.engine.registry import Moorline
 from moorline.settings import Settings
-from moorline.types import JSONObject, RunId, TenantId
+from moorline.types import TERMINAL_STATUSES, JSONObject, RunId, RunStatus, TenantId
 from tests.helpers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -271,3 +273,37 @@ async def new_tenant(
     assert made.status_code == 201, made.text
     body = made.json()
     return TenantId(body["tenant_id"]), {"Authorization": f"Bearer {body['api_key']}"}
+
+
+async def held_by(db: DatabaseManager, pattern: str) -> list[tuple[str, int]]:
+    """(run, attempt) of the runs still ``running`` under a lease owner matching ``pattern``."""
+    async with db.connect() as conn:
+        rows = await conn.execute(
+            select(runs.c.id, runs.c.attempt).where(
+                runs.c.status == RunStatus.RUNNING.value, runs.c.lease_owner.like(pattern)
+            )
+        )
+        return [(row.id, row.attempt) for row in rows]
+
+
+async def terminal_count(db: DatabaseManager, run_ids: Sequence[str]) -> int:
+    """How many of the runs have ended."""
+    terminal = [status.value for status in TERMINAL_STATUSES]
+    async with db.connect() as conn:
+        count: int = (
+            await conn.execute(
+                select(func.count()).where(runs.c.id.in_(run_ids), runs.c.status.in_(terminal))
+            )
+        ).scalar_one()
+    return count
+
+
+async def terminal_events(db: DatabaseManager, run_ids: Sequence[str]) -> Counter[str]:
+    """How many times each run ended (its ``succeeded``/``failed`` events)."""
+    async with db.connect() as conn:
+        rows = await conn.execute(
+            select(events.c.run_id).where(
+                events.c.run_id.in_(run_ids), events.c.type.in_(["succeeded", "failed"])
+            )
+        )
+        return Counter(row.run_id for row in rows)

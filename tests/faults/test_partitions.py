@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from moorline.db.dsn import PROBE_TIMEOUT_S, UNACKNOWLEDGED_TIMEOUT_S
 from moorline.db.manager import RETRY_ATTEMPTS, DatabaseManager
@@ -47,8 +47,11 @@ from tests.faults.harness import (
     RECOVERY_BOUND_S,
     REPO_ROOT,
     Workers,
+    held_by,
     owner_pattern,
     submit,
+    terminal_count,
+    terminal_events,
 )
 from tests.helpers import FULL_SIZE, wait_for
 from tests.netns import REDIS_PORT, SERVER_PORTS, DatabaseHost, Host, Network, run, unavailable
@@ -228,37 +231,6 @@ async def request(
     return response.status_code, time.monotonic() - started
 
 
-async def held_by(db: DatabaseManager, pattern: str) -> list[tuple[str, int]]:
-    async with db.connect() as conn:
-        rows = await conn.execute(
-            select(runs.c.id, runs.c.attempt).where(
-                runs.c.status == RunStatus.RUNNING.value, runs.c.lease_owner.like(pattern)
-            )
-        )
-        return [(row.id, row.attempt) for row in rows]
-
-
-async def terminal_count(db: DatabaseManager, run_ids: Sequence[str]) -> int:
-    async with db.connect() as conn:
-        count: int = (
-            await conn.execute(
-                select(func.count()).where(runs.c.id.in_(run_ids), runs.c.status.in_(TERMINAL))
-            )
-        ).scalar_one()
-    return count
-
-
-async def ends(db: DatabaseManager, run_ids: Sequence[str]) -> Counter[str]:
-    """How many times each run ended (its ``succeeded``/``failed`` events)."""
-    async with db.connect() as conn:
-        rows = await conn.execute(
-            select(events.c.run_id).where(
-                events.c.run_id.in_(run_ids), events.c.type.in_(["succeeded", "failed"])
-            )
-        )
-        return Counter(row.run_id for row in rows)
-
-
 async def written_after_reclaim(db: DatabaseManager, lost: Sequence[tuple[str, int]]) -> list[str]:
     """Events of a lost attempt written after its ``reclaimed`` event: the old worker's."""
     found: list[str] = []
@@ -365,7 +337,7 @@ async def unended(db: DatabaseManager, run_ids: Sequence[str]) -> list[tuple[str
 
 async def ended_once(db: DatabaseManager, run_ids: Sequence[str]) -> None:
     """Every run succeeded, and ended exactly once."""
-    ended = await ends(db, run_ids)
+    ended = await terminal_events(db, run_ids)
     assert set(ended) == set(run_ids)
     assert [run_id for run_id, count in ended.items() if count != 1] == []
     async with db.connect() as conn:

@@ -38,9 +38,8 @@ from moorline.errors import BackendUnavailable
 from moorline.runtime.redis import RedisRuntimeStore
 from moorline.types import JSONObject, RunId, RunStatus, TenantId
 from tests.contract.queue_helpers import Tenants, statuses
-from tests.faults.harness import PLAN, RECOVERY_BOUND_S, Workers, submit
+from tests.faults.harness import PLAN, RECOVERY_BOUND_S, Workers, submit, terminal_events
 from tests.faults.test_cancel_faults import started_after_cancel
-from tests.faults.test_worker_faults import terminal_events
 from tests.helpers import FULL_SIZE, wait_for
 from tests.redis_topologies import SentinelRedis
 from tests.runtime.conftest import keys_without_ttl, make_redis_store

@@ -11,7 +11,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -20,17 +20,20 @@ from sqlalchemy import func, select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.runs import RunsRepo
-from moorline.db.schema import events, runs
-from moorline.types import TERMINAL_STATUSES, JSONObject, RunStatus, TenantId
+from moorline.db.schema import events
+from moorline.types import TERMINAL_STATUSES, JSONObject, TenantId
 from tests.contract.queue_helpers import Tenants, event_types, running_per_tenant, statuses
 from tests.faults.harness import (
     LEASE_TTL_S,
     PLAN,
     RECOVERY_BOUND_S,
     Workers,
+    held_by,
     owner_pattern,
     pause_between_transactions,
     submit,
+    terminal_count,
+    terminal_events,
 )
 from tests.helpers import wait_for
 
@@ -65,37 +68,6 @@ async def database_time(db: DatabaseManager) -> datetime:
     async with db.connect() as conn:
         value: datetime = (await conn.execute(select(db.backend.now()))).scalar_one()
     return value
-
-
-async def held_by(db: DatabaseManager, pattern: str) -> list[tuple[str, int]]:
-    """(run, attempt) of the runs still ``running`` under a lease owner matching ``pattern``."""
-    async with db.connect() as conn:
-        rows = await conn.execute(
-            select(runs.c.id, runs.c.attempt).where(
-                runs.c.status == RunStatus.RUNNING.value, runs.c.lease_owner.like(pattern)
-            )
-        )
-        return [(row.id, row.attempt) for row in rows]
-
-
-async def terminal_count(db: DatabaseManager, run_ids: Sequence[str]) -> int:
-    async with db.connect() as conn:
-        count: int = (
-            await conn.execute(
-                select(func.count()).where(runs.c.id.in_(run_ids), runs.c.status.in_(TERMINAL))
-            )
-        ).scalar_one()
-    return count
-
-
-async def terminal_events(db: DatabaseManager, run_ids: Sequence[str]) -> Counter[str]:
-    async with db.connect() as conn:
-        rows = await conn.execute(
-            select(events.c.run_id).where(
-                events.c.run_id.in_(run_ids), events.c.type.in_(["succeeded", "failed"])
-            )
-        )
-        return Counter(row.run_id for row in rows)
 
 
 async def reclaimed_at(db: DatabaseManager, run_id: str, attempt: int) -> datetime | None:
