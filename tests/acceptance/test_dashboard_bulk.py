@@ -76,6 +76,10 @@ async def test_bulk_retry_and_cancel_from_the_runs_page(
         await page.goto(f"{server.url}/#/runs?status=failed&tenant_id={tenant_id}")
         await expect(page.locator("#runs-body tr")).to_have_count(3)
         await expect(page.locator("#bulk-retry")).to_be_disabled()
+        # Nothing selected: "Cancel selected" is disabled, and drawn plain, not in pale red.
+        cancel_selected = page.locator("#bulk-cancel")
+        await expect(cancel_selected).to_be_disabled()
+        await expect(cancel_selected).to_have_css("background-color", "rgb(255, 255, 255)")
 
         for run_id in failed[:2]:
             await page.check(f"input.select-run[data-run-id='{run_id}']")
