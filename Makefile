@@ -117,8 +117,8 @@ bench-retention: install
 	PYTHONPATH=. $(BIN)/python bench/retention.py --full --finish $(BENCH_ARGS)
 
 # The scaling curve (issue 22): drain rate with 1-8 `moorline worker` processes per backend
-# (bench/scale.py; 2,000 runs per drain took 16-18 minutes on a loaded 2-core machine, the
-# default is 4,000); BENCH_ARGS e.g. "--backends postgresql --runs 2000".
+# (bench/scale.py; 2,000 runs per drain took about 4 minutes on a quiet 2-core machine, 16-18
+# on a loaded one; the default is 4,000); BENCH_ARGS e.g. "--backends postgresql --runs 2000".
 bench-scale: install
 	PYTHONPATH=. $(BIN)/python bench/scale.py $(BENCH_ARGS)
 
