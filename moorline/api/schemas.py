@@ -354,6 +354,8 @@ class WaitingFor(BaseModel):
     """The interrupt a ``permission`` wait waits for."""
     children: int | None = None
     """How many child runs a ``children`` wait awaits."""
+    model: str | None = None
+    """The model whose provider limits a ``capacity`` wait waits for."""
 
 
 RUN_ERROR_SCHEMA: dict[str, Any] = {

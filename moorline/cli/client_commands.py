@@ -352,7 +352,8 @@ async def status(
     if run.waiting_for is not None:
         waiting = run.waiting_for
         until = "no time limit" if waiting.until is None else f"until {waiting.until.isoformat()}"
-        table.add_row(Text("parked", style="bold"), Text(f"{waiting.kind}, {until}"))
+        kind = waiting.kind if waiting.model is None else f"{waiting.kind} of {waiting.model}"
+        table.add_row(Text("parked", style="bold"), Text(f"{kind}, {until}"))
     if run.pending_interrupt is not None:
         pending = run.pending_interrupt
         asked = f"{pending.action} {json.dumps(pending.data)} (id {pending.interrupt_id})"

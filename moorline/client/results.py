@@ -253,10 +253,12 @@ class WaitingFor(Result):
     """What a ``waiting`` run waits for (it holds no worker slot meanwhile)."""
 
     kind: str
-    """``permission``, ``sleep`` or ``message``."""
+    """``permission``, ``sleep``, ``message``, ``children`` or ``capacity``."""
     until: datetime | None
     interrupt_id: str | None = None
     children: int | None = None
+    model: str | None = None
+    """The model whose provider limits a ``capacity`` wait waits for."""
 
 
 class RunSummary(Result):

@@ -209,7 +209,8 @@ class Waits:
             RunParked: The run is ``waiting`` (kind ``capacity``) until then.
         """
         await self._check_boundary()
-        await self._park(Wait(kind=WaitKind.CAPACITY, until=_now() + timedelta(seconds=wait_s)))
+        until = _now() + timedelta(seconds=wait_s)
+        await self._park(Wait(kind=WaitKind.CAPACITY, until=until, model=model))
 
     # --- shared ------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ async def test_a_parked_run_is_listed_as_waiting_with_what_it_waits_for(api: Api
     [summary] = listed.json()["runs"]
     assert summary["run_id"] == run_id and summary["status"] == "waiting"
     expected = {"kind": "permission", "until": summary["waiting_for"]["until"]}
-    described = {**expected, "interrupt_id": opened.interrupt_id, "children": None}
+    described = {**expected, "interrupt_id": opened.interrupt_id, "children": None, "model": None}
     assert summary["waiting_for"] == described
     assert datetime.fromisoformat(summary["waiting_for"]["until"]) == until
     detail = (await api.client.get(f"/v1/runs/{run_id}", headers=caller.headers)).json()

@@ -95,6 +95,7 @@ async def test_a_long_wait_for_capacity_parks_the_run_until_the_limiter_answers(
         await harness.until_status(run_id, RunStatus.WAITING)
         wait = await harness.waiting_for(run_id)
         assert wait["kind"] == "capacity"
+        assert wait["model"] == MODEL  # which provider's limits the run waits for
         until = datetime.fromisoformat(str(wait["until"]))
         assert PAUSE_S * 0.5 < (until - paused_at).total_seconds() <= PAUSE_S + 1.0
         # The waiting run holds no slot: the only slot runs another run meanwhile.

@@ -94,9 +94,11 @@ class Wait:
     interrupt_id: str | None = None
     children: tuple[str, ...] = ()
     """The child runs a ``children`` wait awaits (every one must end)."""
+    model: str | None = None
+    """The model a ``capacity`` wait waits for."""
 
     def describe(self) -> JSONObject:
-        """``waiting_for`` as stored and shown: ``{"kind", "until", "interrupt_id"?}``."""
+        """``waiting_for`` as stored and shown: ``{"kind", "until", "interrupt_id"?, …}``."""
         described: JSONObject = {
             "kind": self.kind.value,
             "until": None if self.until is None else self.until.isoformat(),
@@ -105,6 +107,8 @@ class Wait:
             described["interrupt_id"] = self.interrupt_id
         if self.kind is WaitKind.CHILDREN:
             described["children"] = len(self.children)
+        if self.model is not None:
+            described["model"] = self.model
         return described
 
 

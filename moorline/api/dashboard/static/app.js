@@ -132,7 +132,7 @@ function utc(iso) {
 }
 
 // A parked run holds no worker slot: say what brings it back, and when it gives up.
-const describeWait = (wait) => wait.kind +
+const describeWait = (wait) => wait.kind + (wait.model ? ` of ${wait.model}` : "") +
   (wait.until ? ` until ${utc(wait.until)}` : " (no time limit)");
 const badge = (status) => h("span", { class: `badge ${status}`, "data-status": status }, status);
 // A failed run's error: its fields as JSON, then its traceback as written (one frame a line).
