@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from moorline.admission.quotas import QuotaStore, next_reset, quota_day, seconds_until
+from moorline.admission.quotas import QuotaStore
 from moorline.admission.ratelimit import RateLimiter, RateLimitState
 from moorline.concurrency import KeyedLock
 from moorline.db.repos.listing import RunListing
@@ -64,6 +64,7 @@ from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo, hash_input
 from moorline.dispatch.budgets import BudgetStore, exhausted
+from moorline.dispatch.days import next_reset, quota_day, seconds_until
 from moorline.dispatch.submit import RateClaim, Submitter, new_run_for_plan
 from moorline.engine.registry import WorkflowDefinition
 from moorline.errors import (

@@ -21,13 +21,13 @@ quota" holds for any number of API processes. Days are UTC and come from the API
 clock; the quota resets at 00:00 UTC.
 """
 
-import math
 from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.quotas import QuotaClaim, QuotasRepo
+from moorline.dispatch.days import counter_ttl_ms
 from moorline.errors import BackendUnavailable, ConfigError
 from moorline.runtime.keys import RedisKeys
 from moorline.settings import Settings
@@ -36,31 +36,9 @@ from moorline.types import TenantId
 if TYPE_CHECKING:
     from moorline.runtime.redis import ScriptCall
 
-DAY_FORMAT = "%Y-%m-%d"
-
 REDIS_CONNECTIONS = 50
 """Connections of one process's quota store (and of its rate limiter's Redis storage); callers
 beyond them wait for a free one."""
-
-COUNTER_MARGIN_S = 3600.0
-"""Seconds a Redis counter outlives its day: API processes whose clocks disagree by less than
-this around midnight still find the day's counter instead of starting a fresh one."""
-
-
-def quota_day(now: datetime) -> str:
-    """The UTC day ``now`` falls on, as the counters name it (``YYYY-MM-DD``)."""
-    return now.astimezone(UTC).strftime(DAY_FORMAT)
-
-
-def next_reset(now: datetime) -> datetime:
-    """The next 00:00 UTC after ``now``: when the day's quota starts again."""
-    today = now.astimezone(UTC).date()
-    return datetime.combine(today + timedelta(days=1), time(0), tzinfo=UTC)
-
-
-def seconds_until(now: datetime, then: datetime) -> int:
-    """Whole seconds from ``now`` until ``then``, rounded up and at least 1 (``Retry-After``)."""
-    return max(1, math.ceil((then - now).total_seconds()))
 
 
 class QuotaStore(Protocol):
@@ -187,15 +165,11 @@ class RedisQuotaStore(QuotaStore):
     def taken_with_runs(self) -> bool:
         return False
 
-    def _ttl_ms(self, day: str) -> int:
-        start = datetime.combine(date.fromisoformat(day), time(0), tzinfo=UTC)
-        ends_at = start + timedelta(days=1, seconds=COUNTER_MARGIN_S)
-        return max(1, math.ceil((ends_at - self._clock()).total_seconds() * 1000))
-
     async def consume(self, tenant_id: TenantId, day: str, limit: int) -> int | None:
         try:
             taken, used = await self._consume(
-                keys=[self.keys.quota(tenant_id, day)], args=[limit, self._ttl_ms(day)]
+                keys=[self.keys.quota(tenant_id, day)],
+                args=[limit, counter_ttl_ms(day, self._clock())],
             )
         except self._redis_error as exc:
             raise BackendUnavailable(f"Redis quota store: {exc}") from exc
@@ -218,7 +192,7 @@ class RedisQuotaStore(QuotaStore):
             (
                 self._consume,
                 [self.keys.quota(tenant_id, claim.day)],
-                [claim.limit, self._ttl_ms(claim.day), wanted],
+                [claim.limit, counter_ttl_ms(claim.day, self._clock()), wanted],
             )
             for tenant_id, claim, wanted in wants
         ]

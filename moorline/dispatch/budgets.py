@@ -31,13 +31,14 @@ add exactly and no float drifts across processes.
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import UTC, datetime
 from typing import Protocol
 
 from sqlalchemy import select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.schema import budget_spend
+from moorline.dispatch.days import counter_ttl_ms
 from moorline.errors import BackendUnavailable, ConfigError
 from moorline.plans import Plan
 from moorline.runtime.keys import RedisKeys
@@ -46,9 +47,6 @@ from moorline.types import TenantId
 
 REDIS_CONNECTIONS = 20
 """Connections of one process's budget store."""
-
-COUNTER_MARGIN_S = 3600.0
-"""Seconds a day's hash outlives its day (as the quota's counters, for clocks that disagree)."""
 
 MICROS = 1_000_000
 """Micro-units of cost per price unit."""
@@ -172,11 +170,6 @@ class RedisBudgetStore(BudgetStore):
         self._clock = clock or (lambda: datetime.now(UTC))
         self._charge = self._client.register_script(load_script("charge_budget"))
 
-    def _ttl_ms(self, day: str) -> int:
-        start = datetime.combine(date.fromisoformat(day), time(0), tzinfo=UTC)
-        ends_at = start + timedelta(days=1, seconds=COUNTER_MARGIN_S)
-        return max(1, math.ceil((ends_at - self._clock()).total_seconds() * 1000))
-
     async def spent(self, tenant_id: TenantId, day: str) -> Spend:
         try:
             tokens, cost = await self._client.hmget(
@@ -190,7 +183,7 @@ class RedisBudgetStore(BudgetStore):
         try:
             after = await self._charge(
                 keys=[self.keys.budget(tenant_id, day)],
-                args=[tokens, cost_micros, self._ttl_ms(day)],
+                args=[tokens, cost_micros, counter_ttl_ms(day, self._clock())],
             )
         except self._redis_error as exc:
             raise BackendUnavailable(f"Redis budget store: {exc}") from exc

@@ -29,6 +29,7 @@ from moorline.concurrency import TTLCache
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.tenants import TenantsRepo
 from moorline.dispatch.budgets import BudgetStore, exhausted, make_budget_store, to_micros
+from moorline.dispatch.days import quota_day
 from moorline.errors import BudgetExceeded, ConfigError
 from moorline.llm.governance import CallHook, CallRequest
 from moorline.llm.limiter import MemoryLimiter, ModelLimits, ProviderLimiter, RedisLimiter
@@ -93,7 +94,7 @@ class Governor(CallHook):
         self._clock = clock or (lambda: datetime.now(UTC))
 
     def _day(self) -> str:
-        return self._clock().astimezone(UTC).strftime("%Y-%m-%d")
+        return quota_day(self._clock())
 
     async def _limited(self, model: str) -> ModelLimits | None:
         if self._limiter is None:

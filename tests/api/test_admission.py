@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 
 from moorline.admission.admit import Admission, Trigger
 from moorline.admission.gate import RedisGate
-from moorline.admission.quotas import DatabaseQuotaStore, QuotaStore, RedisQuotaStore, quota_day
+from moorline.admission.quotas import DatabaseQuotaStore, QuotaStore, RedisQuotaStore
 from moorline.admission.ratelimit import RateLimiter
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.listing import RunListing
@@ -27,6 +27,7 @@ from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.repos.tenants import TenantsRepo
+from moorline.dispatch.days import quota_day
 from moorline.dispatch.submit import Submitter
 from moorline.errors import RateLimited
 from moorline.plans import PlansProvider

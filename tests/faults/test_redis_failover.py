@@ -28,12 +28,13 @@ from pathlib import Path
 
 import pytest
 
-from moorline.admission.quotas import RedisQuotaStore, quota_day
+from moorline.admission.quotas import RedisQuotaStore
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.records import DecisionReason
 from moorline.db.repos.runs import RunsRepo
 from moorline.dispatch.cancel import cancel_run
+from moorline.dispatch.days import quota_day
 from moorline.errors import BackendUnavailable
 from moorline.runtime.redis import RedisRuntimeStore
 from moorline.types import JSONObject, RunId, RunStatus, TenantId

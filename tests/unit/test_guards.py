@@ -5,9 +5,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from moorline.admission.quotas import next_reset, quota_day, seconds_until
 from moorline.api.guards import MAX_JSON_DEPTH, parse_json
 from moorline.api.redaction import has_credentials, redact
+from moorline.dispatch.days import next_reset, quota_day, seconds_until
 from moorline.errors import InvalidJson, InvalidRequest
 
 KEY = "ml_" + "Ab9_-" * 8 + "xyz"
