@@ -41,3 +41,13 @@ def sampled(metric: Collector, sample: str, **labels: str) -> float:
         for found in family.samples
         if found.name == sample and wanted <= set(found.labels.items())
     )
+
+
+class FakeClock:
+    """A monotonic clock that moves only when a test sets :attr:`now` (TTL caches' tests)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now

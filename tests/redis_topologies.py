@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import pytest
 from redis.asyncio import Redis
@@ -128,7 +128,33 @@ def server_args(port: int, folder: Path, *extra: str) -> list[str]:
     ]
 
 
-class SentinelRedis:
+class _Topology:
+    """Redis servers started together: ``async with`` starts them and stops them all, even
+    when the start fails half-way."""
+
+    processes: _Processes
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self.processes.stop()
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class SentinelRedis(_Topology):
     """A master, a replica and three sentinels; :attr:`url` is the ``redis+sentinel://`` URL."""
 
     def __init__(self, folder: Path) -> None:
@@ -203,22 +229,6 @@ class SentinelRedis:
         await wait_until("the sentinels to promote the replica", promoted, timeout_s)
         return await self.master()
 
-    def stop(self) -> None:
-        self.processes.stop()
-
-    async def __aenter__(self) -> "SentinelRedis":
-        try:
-            await self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
 
 async def _sentinel_masters(port: int) -> dict[str, dict[str, object]]:
     """``SENTINEL MASTERS`` of the sentinel on ``port``, by name."""
@@ -231,7 +241,7 @@ async def _sentinel_masters(port: int) -> dict[str, dict[str, object]]:
         await client.aclose()
 
 
-class ClusterRedis:
+class ClusterRedis(_Topology):
     """Six cluster nodes, three masters with a replica each; :attr:`url` is ``redis+cluster://``."""
 
     def __init__(self, folder: Path) -> None:
@@ -276,22 +286,6 @@ class ClusterRedis:
             if info.get("cluster_state") != "ok" or info.get("cluster_known_nodes") != "6":
                 return False
         return True
-
-    def stop(self) -> None:
-        self.processes.stop()
-
-    async def __aenter__(self) -> "ClusterRedis":
-        try:
-            await self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def _pings(port: int) -> Check:

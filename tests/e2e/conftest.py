@@ -143,6 +143,19 @@ def unexpected_tracebacks(output: str) -> list[str]:
     ]
 
 
+def upgrade_with_cli(settings: dict[str, str]) -> None:
+    """``moorline db upgrade`` as an operator runs it, with these settings."""
+    upgrade = subprocess.run(
+        [sys.executable, "-m", "moorline", "db", "upgrade"],
+        env=cli_env(**settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert upgrade.returncode == 0, upgrade.stderr
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """The deployment on a SQLite file, without Redis."""
@@ -169,15 +182,7 @@ def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "MOORLINE_REDIS_PREFIX": prefix,
     }
     try:
-        upgrade = subprocess.run(
-            [sys.executable, "-m", "moorline", "db", "upgrade"],
-            env=cli_env(**settings),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert upgrade.returncode == 0, upgrade.stderr
+        upgrade_with_cli(settings)
         with run_cluster(root, **settings) as c:
             yield c
     finally:

@@ -8,8 +8,6 @@ decided. Without ``MOORLINE_LISTEN_URL`` the processes say once that they poll, 
 """
 
 import asyncio
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +17,8 @@ import pytest
 from moorline import Client
 from moorline.types import RunStatus
 from tests.api.conftest import ADMIN_TOKEN
-from tests.e2e.conftest import Cluster, run_cluster
+from tests.e2e.conftest import Cluster, run_cluster, upgrade_with_cli
 from tests.helpers import wait_for
-from tests.integration.test_cli import cli_env
 from tests.pgbouncer import PrivateBouncer, direct_url
 from tests.servers import run_sql, unique_name
 
@@ -45,16 +42,7 @@ def bounced_database(pgbouncer: PrivateBouncer) -> Iterator[dict[str, str]]:
         "MOORLINE_DATABASE_POOLER": "pgbouncer",
     }
     try:
-        # The migrations run through PgBouncer too.
-        upgrade = subprocess.run(
-            [sys.executable, "-m", "moorline", "db", "upgrade"],
-            env=cli_env(**settings),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert upgrade.returncode == 0, upgrade.stderr
+        upgrade_with_cli(settings)  # the migrations run through PgBouncer too
         yield {**settings, "MOORLINE_LISTEN_URL": direct_url(name)}
     finally:
         run_sql("postgresql", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

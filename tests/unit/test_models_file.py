@@ -7,6 +7,7 @@ import pytest
 from moorline.errors import ConfigError
 from moorline.llm.models import ModelEntry, ModelsProvider, load_models_file, unpriced
 from moorline.settings import Settings
+from tests.helpers import FakeClock
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "models.yaml"
 
@@ -22,14 +23,6 @@ models:
     input_per_million: 0
     output_per_million: 0
 """
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -17,6 +17,7 @@ from moorline.plans import (
     tenant_caps,
 )
 from moorline.settings import Edition, Settings, load_settings, unknown_variables
+from tests.helpers import FakeClock
 
 TEAM_OVERRIDE = """
 plans:
@@ -28,14 +29,6 @@ plans:
     tenant_concurrency: 5
     lane_slots: 6
 """
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def write(tmp_path: Path, text: str) -> Path:
