@@ -228,9 +228,9 @@ def _extra(claim: Claim) -> dict[str, object]:
 async def _bounded(call: Awaitable[T]) -> T:
     """Await a store call at an attempt's start, as an unreachable store if it hangs.
 
-    A store behind a dropping network answers nothing until the client's connect timeouts and
-    retries give up (about 20 s measured with redis-py's defaults): the attempt would wait that
-    long before running, though it runs on without the store anyway.
+    A store behind a dropping network answers nothing until the client's own connect timeouts
+    and retries give up (docs/reliability.md, P6): the attempt would wait that long before
+    running, though it runs on without the store anyway.
 
     Raises:
         BackendUnavailable: The call failed, or took longer than ``STORE_CALL_TIMEOUT_S``.
