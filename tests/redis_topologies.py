@@ -13,15 +13,17 @@ managers, or through the module-scoped fixtures ``sentinel_redis`` and ``cluster
 """
 
 import asyncio
+import itertools
+import os
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import pytest
 from redis.asyncio import Redis
@@ -38,22 +40,41 @@ CLUSTER_NODE_TIMEOUT_MS = 2000
 START_TIMEOUT_S = 60.0
 
 
+PORTS_FROM = 12000
+PORTS_PER_PROCESS = 500
+"""Each test process takes its servers' ports from its own block of 500 above 12,000, counting
+up, so no two servers of one run are given one port. Asking the kernel for a free port instead
+(bind to 0) can hand the same port out twice in a row, and hands out ports from the range that
+outgoing connections use; a cluster node's bus port is its port + 10,000, so blocks and buses all
+stay below that range (32,768 on Linux). A block is used round, a stopped server's port again."""
+_next_port: Iterator[int] | None = None
+
+
+def _port_block() -> Iterator[int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    first = PORTS_FROM + (int(worker) if worker.isdigit() else 0) % 20 * PORTS_PER_PROCESS
+    return itertools.cycle(range(first, first + PORTS_PER_PROCESS))
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(*, bus: bool = False) -> int:
-    """A port nobody listens on; with ``bus``, port + 10000 is free too (a cluster's bus)."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port: int = probe.getsockname()[1]
-        if not bus:
+    """The next port of this process's block that nobody listens on; with ``bus``, port + 10000
+    is free too (a cluster node's bus)."""
+    global _next_port
+    if _next_port is None:
+        _next_port = _port_block()
+    for port in itertools.islice(_next_port, PORTS_PER_PROCESS):
+        if _free(port) and (not bus or _free(port + 10000)):
             return port
-        if port + 10000 >= 65536:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
+    raise RuntimeError(f"none of this test process's {PORTS_PER_PROCESS} Redis ports is free")
 
 
 def binary(name: str) -> str:
@@ -73,6 +94,8 @@ class _Processes:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def spawn(self, port: int, args: list[str], name: str) -> None:
+        if port in self.procs:
+            raise RuntimeError(f"port {port} is given to two servers")
         with (self.folder / f"{name}-{port}.log").open("ab") as log:
             self.procs[port] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
@@ -307,14 +330,18 @@ def _require_binaries() -> None:
     pytest.skip(message)
 
 
-def _run_apart(work: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` to its end in a loop of its own, on a thread.
+def _start_apart(topology: _Topology) -> None:
+    """Start ``topology`` in a loop of its own, on a thread; a failed start says what its
+    servers logged.
 
     A fixture asked for from an async test (``request.getfixturevalue``) is set up while that
     test's loop runs, where ``asyncio.run`` would refuse.
     """
     with ThreadPoolExecutor(1) as thread:
-        thread.submit(asyncio.run, work).result()
+        try:
+            thread.submit(asyncio.run, topology.start()).result()
+        except Exception as exc:
+            raise RuntimeError(f"{exc}; the servers' logs:\n{topology.processes.logs()}") from exc
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +350,7 @@ def sentinel_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sentine
     _require_binaries()
     topology = SentinelRedis(tmp_path_factory.mktemp("sentinel"))
     try:
-        _run_apart(topology.start())
+        _start_apart(topology)
         yield topology
     finally:
         topology.stop()
@@ -335,7 +362,7 @@ def cluster_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterR
     _require_binaries()
     topology = ClusterRedis(tmp_path_factory.mktemp("cluster"))
     try:
-        _run_apart(topology.start())
+        _start_apart(topology)
         yield topology
     finally:
         topology.stop()
