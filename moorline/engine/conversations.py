@@ -34,6 +34,7 @@ from typing import TypeVar
 from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import RunsRepo
+from moorline.engine.windows import Windows, within
 from moorline.errors import BackendUnavailable, ConversationBusy
 from moorline.runtime.base import RuntimeStore, conversation_key
 from moorline.types import Attempt, RunId, RunStatus
@@ -93,6 +94,7 @@ class Conversations:
 
     def __init__(self, store: RuntimeStore, runs: RunsRepo, *, lease_ttl_s: float) -> None:
         self._store = store
+        self._windows = Windows(store, ttl_s=lease_ttl_s, timeout_s=STORE_CALL_TIMEOUT_S)
         self._runs = runs
         self._ttl_s = lease_ttl_s
         self._live: dict[tuple[RunId, Attempt], _Live] = {}
@@ -109,9 +111,7 @@ class Conversations:
             if key is not None:
                 await self._acquire(claim, key)
                 live.holds_lease = True
-            await _bounded(
-                self._store.mark_interactive(window_key(claim.run), claim.fence.run_id, self._ttl_s)
-            )
+            await self._windows.open(window_key(claim.run), claim.fence.run_id)
             live.window_open = True
         except BackendUnavailable as exc:
             logger.warning(
@@ -130,9 +130,7 @@ class Conversations:
         if live is None or not live.window_open:
             return
         live.window_open = False
-        await self._quietly(
-            claim, self._store.clear_interactive(window_key(claim.run), claim.fence.run_id)
-        )
+        await self._quietly(claim, self._windows.close(window_key(claim.run), claim.fence.run_id))
 
     async def release(self, claim: Claim) -> None:
         """The attempt is over: close its window and give its conversation lease up."""
@@ -168,10 +166,7 @@ class Conversations:
                     )
         if live.window_open:
             await self._quietly(
-                claim,
-                self._store.mark_interactive(
-                    window_key(claim.run), claim.fence.run_id, self._ttl_s
-                ),
+                claim, self._windows.open(window_key(claim.run), claim.fence.run_id)
             )
 
     async def _acquire(self, claim: Claim, key: str) -> None:
@@ -226,19 +221,9 @@ def _extra(claim: Claim) -> dict[str, object]:
 
 
 async def _bounded(call: Awaitable[T]) -> T:
-    """Await a store call at an attempt's start, as an unreachable store if it hangs.
-
-    A store behind a dropping network answers nothing until the client's own connect timeouts
-    and retries give up (docs/reliability.md, P6): the attempt would wait that long before
-    running, though it runs on without the store anyway.
+    """Await a store call at an attempt's start, bounded by ``STORE_CALL_TIMEOUT_S``.
 
     Raises:
-        BackendUnavailable: The call failed, or took longer than ``STORE_CALL_TIMEOUT_S``.
+        BackendUnavailable: The call failed, or took longer.
     """
-    try:
-        async with asyncio.timeout(STORE_CALL_TIMEOUT_S):
-            return await call
-    except TimeoutError as exc:
-        raise BackendUnavailable(
-            f"the runtime store did not answer within {STORE_CALL_TIMEOUT_S:g} s"
-        ) from exc
+    return await within(call, STORE_CALL_TIMEOUT_S)

@@ -313,6 +313,20 @@ class RuntimeStore(Protocol):
         """Close the window, only if ``run_id`` holds it; True when it was closed."""
         ...
 
+    async def mark_interactive_many(
+        self, windows: Sequence[tuple[str, RunId]], ttl_s: float
+    ) -> None:
+        """:meth:`mark_interactive` for each ``(conversation id, run id)``, in one round trip."""
+        ...
+
+    async def clear_interactive_many(self, windows: Sequence[tuple[str, RunId]]) -> list[bool]:
+        """:meth:`clear_interactive` for each ``(conversation id, run id)``, in one round trip.
+
+        Returns:
+            For each window, in order, whether it was closed.
+        """
+        ...
+
     async def open_interrupt(self, run_id: RunId, interrupt_id: str, ttl_s: float) -> None:
         """Create a pending interrupt, or keep the existing one (a replayed run re-opens it).
 

@@ -179,6 +179,15 @@ class InMemoryRuntimeStore(RuntimeStore):
         del self._interactive[conversation_id]
         return True
 
+    async def mark_interactive_many(
+        self, windows: Sequence[tuple[str, RunId]], ttl_s: float
+    ) -> None:
+        for conversation_id, run_id in windows:
+            await self.mark_interactive(conversation_id, run_id, ttl_s)
+
+    async def clear_interactive_many(self, windows: Sequence[tuple[str, RunId]]) -> list[bool]:
+        return [await self.clear_interactive(key, run_id) for key, run_id in windows]
+
     # -- interrupts --------------------------------------------------------------------------
 
     async def open_interrupt(self, run_id: RunId, interrupt_id: str, ttl_s: float) -> None:

@@ -296,6 +296,21 @@ class RedisRuntimeStore(RuntimeStore):
         )
         return bool(cleared)
 
+    @_translate
+    async def mark_interactive_many(
+        self, windows: Sequence[tuple[str, RunId]], ttl_s: float
+    ) -> None:
+        pipeline = self._client.pipeline(transaction=False)
+        for conversation_id, run_id in windows:
+            pipeline.set(self.keys.interactive(conversation_id), run_id, px=to_ms(ttl_s))
+        await pipeline.execute()
+
+    @_translate
+    async def clear_interactive_many(self, windows: Sequence[tuple[str, RunId]]) -> list[bool]:
+        script = self._scripts["compare_and_delete"]
+        calls = [(script, [self.keys.interactive(key)], [run_id]) for key, run_id in windows]
+        return [bool(cleared) for cleared in await run_scripts(self._client, calls)]
+
     # -- interrupts --------------------------------------------------------------------------
 
     @_translate

@@ -112,6 +112,27 @@ async def test_interactive_window(store: RuntimeStore) -> None:
     assert not await store.clear_interactive(CONV, RUN)
 
 
+async def test_interactive_windows_change_many_at_once(store: RuntimeStore) -> None:
+    # On a Cluster the windows' keys fall in different slots, so one pipeline reaches several
+    # nodes.
+    windows = [(f"conv-{index}", RunId(f"run-{index}")) for index in range(20)]
+    await store.mark_interactive_many(windows, LONG_S)
+    assert [await store.get_interactive_run(key) for key, _ in windows] == [
+        run for _, run in windows
+    ]
+    others = [(key, RunId("someone-else")) for key, _ in windows[:5]]
+    assert await store.clear_interactive_many(others) == [False] * 5
+    assert await store.clear_interactive_many(windows[:10]) == [True] * 10
+    assert await store.clear_interactive_many(windows) == [False] * 10 + [True] * 10
+    assert [await store.get_interactive_run(key) for key, _ in windows] == [None] * 20
+    await store.mark_interactive_many(windows[:1], SHORT_S)
+
+    async def is_closed() -> bool:
+        return await store.get_interactive_run(windows[0][0]) is None
+
+    await wait_for(is_closed, timeout_s=5, message="the window to expire")
+
+
 async def test_interactive_window_expires_and_marking_extends_it(store: RuntimeStore) -> None:
     await store.mark_interactive(CONV, RUN, SHORT_S)
     await store.mark_interactive(CONV, RUN, LONG_S)

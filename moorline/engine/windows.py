@@ -1,0 +1,141 @@
+"""The interactive windows of a worker's attempts, opened and closed in shared round trips.
+
+Every attempt opens its window as its workflow starts and closes it as the workflow returns
+(:mod:`moorline.engine.conversations` says why). With a Redis store that is two round trips
+per run, made while the run holds its slot: for short runs they cost as much CPU as the rest
+of the run's bookkeeping, and they break up the batches of the claims and group commits around
+them. Attempts of one worker start and end together (a claim hands out several runs; their
+outcomes are committed together), so their windows change together too.
+
+:class:`Windows` sends the changes asked for while the previous round trip was in flight as
+one batch (:meth:`~moorline.runtime.base.RuntimeStore.mark_interactive_many`,
+:meth:`~moorline.runtime.base.RuntimeStore.clear_interactive_many`): an idle worker pays one
+round trip per change, as before, and a busy one a round trip per batch. Each caller still
+waits until its own change is in the store, so the window's promise is unchanged: it is open
+before the workflow's code runs and closed before the attempt's last events and outcome are
+written.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
+
+from moorline.errors import BackendUnavailable
+from moorline.runtime.base import RuntimeStore
+from moorline.types import RunId
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+Window = tuple[str, RunId]
+"""A window's key and the run that holds it."""
+
+
+class Coalescer(Generic[T, R]):
+    """Sends the items of many callers in batches, one batch in flight at a time.
+
+    The items that arrive while a batch is in flight go together in the next, so under load
+    each caller waits for one round trip shared by all. A failed batch fails every caller in
+    it; a caller that stops waiting (a timeout) leaves its item in the batch.
+
+    Args:
+        send: Sends a batch; returns one result per item, in order.
+        name: The sending task's name.
+    """
+
+    def __init__(self, send: Callable[[list[T]], Awaitable[Sequence[R]]], *, name: str) -> None:
+        self._send = send
+        self._name = name
+        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._sender: asyncio.Task[None] | None = None
+
+    async def __call__(self, item: T) -> R:
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
+        if self._sender is None:
+            # Scheduled, not run: the items asked for in this turn of the loop join the batch.
+            self._sender = asyncio.create_task(self._send_all(), name=self._name)
+        return await future
+
+    async def _send_all(self) -> None:
+        batch: list[tuple[T, asyncio.Future[R]]] = []
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    results = await self._send([item for item, _ in batch])
+                except Exception as exc:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                else:
+                    for (_, future), result in zip(batch, results, strict=True):
+                        if not future.done():
+                            future.set_result(result)
+                batch = []
+        finally:
+            # Cancelled (the loop is closing): nobody may wait for ever on a batch not sent.
+            for _, future in (*batch, *self._pending):
+                future.cancel()
+            self._pending = []
+            self._sender = None
+
+
+class Windows:
+    """Opens, keeps open and closes interactive windows through shared round trips.
+
+    Args:
+        store: The RuntimeStore.
+        ttl_s: A window's TTL; the heartbeat opens it again every third of it.
+        timeout_s: Longest a batch may take before its callers are told the store is
+            unreachable (the next batch is sent then).
+    """
+
+    def __init__(self, store: RuntimeStore, *, ttl_s: float, timeout_s: float) -> None:
+        self._opens: Coalescer[Window, None] = Coalescer(self._open_many, name="windows-open")
+        self._closes: Coalescer[Window, bool] = Coalescer(self._close_many, name="windows-close")
+        self._store = store
+        self._ttl_s = ttl_s
+        self._timeout_s = timeout_s
+
+    async def open(self, key: str, run_id: RunId) -> None:
+        """Open (or extend) ``key``'s window for ``run_id``.
+
+        Raises:
+            BackendUnavailable: The store could not be reached, or did not answer in time.
+        """
+        await self._opens((key, run_id))
+
+    async def close(self, key: str, run_id: RunId) -> bool:
+        """Close ``key``'s window if ``run_id`` holds it; True when it was closed.
+
+        Raises:
+            BackendUnavailable: The store could not be reached, or did not answer in time.
+        """
+        return await self._closes((key, run_id))
+
+    async def _open_many(self, windows: list[Window]) -> list[None]:
+        await within(self._store.mark_interactive_many(windows, self._ttl_s), self._timeout_s)
+        return [None] * len(windows)
+
+    async def _close_many(self, windows: list[Window]) -> list[bool]:
+        return await within(self._store.clear_interactive_many(windows), self._timeout_s)
+
+
+async def within(call: Awaitable[T], timeout_s: float) -> T:
+    """Await a store call; one that takes longer than ``timeout_s`` counts as unreachable.
+
+    A store behind a dropping network answers nothing until the client's own connect timeouts
+    and retries give up (docs/reliability.md, P6), and an attempt runs on without the store
+    anyway: waiting that long would only delay it.
+
+    Raises:
+        BackendUnavailable: The call failed, or took longer than ``timeout_s``.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await call
+    except TimeoutError as exc:
+        raise BackendUnavailable(
+            f"the runtime store did not answer within {timeout_s:g} s"
+        ) from exc

@@ -1,0 +1,138 @@
+"""Interactive windows change in shared round trips (moorline/engine/windows.py)."""
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from moorline.engine.windows import Coalescer, Windows
+from moorline.errors import BackendUnavailable
+from moorline.runtime.memory import InMemoryRuntimeStore
+from moorline.types import RunId
+
+
+class Recorder:
+    """A batch sender that records its batches; each waits for ``gate`` when one is set."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.gate: asyncio.Event | None = None
+        self.failure: Exception | None = None
+        self.sending = asyncio.Event()
+
+    async def send(self, items: list[str]) -> list[str]:
+        self.batches.append(items)
+        self.sending.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.failure is not None:
+            raise self.failure
+        return [item.upper() for item in items]
+
+
+async def test_the_items_of_one_turn_go_in_one_batch() -> None:
+    recorder = Recorder()
+    coalescer = Coalescer(recorder.send, name="test")
+    assert await asyncio.gather(*(coalescer(f"w{index}") for index in range(8))) == [
+        f"W{index}" for index in range(8)
+    ]
+    assert recorder.batches == [[f"w{index}" for index in range(8)]]
+
+
+async def test_the_items_asked_for_during_a_flight_go_in_the_next_batch() -> None:
+    recorder = Recorder()
+    recorder.gate = asyncio.Event()
+    coalescer = Coalescer(recorder.send, name="test")
+    first = asyncio.create_task(coalescer("a"))
+    await recorder.sending.wait()
+    rest = [asyncio.create_task(coalescer(item)) for item in "bcd"]
+    await asyncio.sleep(0.01)
+    assert recorder.batches == [["a"]]  # one batch in flight at a time
+    recorder.gate.set()
+    assert await first == "A"
+    assert await asyncio.gather(*rest) == ["B", "C", "D"]
+    assert recorder.batches == [["a"], ["b", "c", "d"]]
+
+
+async def test_a_failed_batch_fails_its_callers_and_the_next_is_sent() -> None:
+    recorder = Recorder()
+    recorder.failure = BackendUnavailable("down")
+    coalescer = Coalescer(recorder.send, name="test")
+    results = await asyncio.gather(coalescer("a"), coalescer("b"), return_exceptions=True)
+    assert [type(result) for result in results] == [BackendUnavailable, BackendUnavailable]
+    recorder.failure = None
+    assert await coalescer("c") == "C"
+
+
+async def test_a_caller_that_stops_waiting_leaves_the_others_their_answers() -> None:
+    recorder = Recorder()
+    recorder.gate = asyncio.Event()
+    coalescer = Coalescer(recorder.send, name="test")
+    impatient = asyncio.create_task(coalescer("a"))
+    patient = asyncio.create_task(coalescer("b"))
+    await recorder.sending.wait()
+    impatient.cancel()
+    recorder.gate.set()
+    assert await patient == "B"
+    assert impatient.cancelled()
+    assert await coalescer("c") == "C"
+
+
+async def test_a_cancelled_sender_cancels_the_callers_waiting_on_it() -> None:
+    recorder = Recorder()
+    recorder.gate = asyncio.Event()
+    coalescer = Coalescer(recorder.send, name="test")
+    caller = asyncio.create_task(coalescer("a"))
+    await recorder.sending.wait()
+    senders = [task for task in asyncio.all_tasks() if task.get_name() == "test"]
+    assert len(senders) == 1
+    senders[0].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+
+
+class CountingStore(InMemoryRuntimeStore):
+    """The in-memory store, counting its batched window calls; ``hang`` makes them hang."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: list[int] = []
+        self.closed: list[int] = []
+        self.hang = False
+
+    async def mark_interactive_many(
+        self, windows: Sequence[tuple[str, RunId]], ttl_s: float
+    ) -> None:
+        self.opened.append(len(windows))
+        if self.hang:
+            await asyncio.Event().wait()
+        await super().mark_interactive_many(windows, ttl_s)
+
+    async def clear_interactive_many(self, windows: Sequence[tuple[str, RunId]]) -> list[bool]:
+        self.closed.append(len(windows))
+        return await super().clear_interactive_many(windows)
+
+
+async def test_windows_opened_and_closed_together_share_a_store_call() -> None:
+    store = CountingStore()
+    windows = Windows(store, ttl_s=30.0, timeout_s=5.0)
+    runs = [RunId(f"run-{index}") for index in range(8)]
+    await asyncio.gather(*(windows.open(run, run) for run in runs))
+    assert store.opened == [8]
+    assert [await store.get_interactive_run(run) for run in runs] == runs
+    assert await asyncio.gather(*(windows.close(run, run) for run in runs)) == [True] * 8
+    assert store.closed == [8]
+    assert [await store.get_interactive_run(run) for run in runs] == [None] * 8
+    await store.close()
+
+
+async def test_a_hung_batch_counts_as_an_unreachable_store_and_the_next_is_sent() -> None:
+    store = CountingStore()
+    windows = Windows(store, ttl_s=30.0, timeout_s=0.2)
+    store.hang = True
+    with pytest.raises(BackendUnavailable, match=r"did not answer within 0\.2 s"):
+        await asyncio.wait_for(windows.open("c1", RunId("run-1")), 5)
+    store.hang = False
+    await asyncio.wait_for(windows.open("c1", RunId("run-1")), 5)
+    assert await store.get_interactive_run("c1") == "run-1"
+    await store.close()
