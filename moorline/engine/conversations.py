@@ -18,7 +18,8 @@ different lifetimes (seed 000):
   opens when the workflow starts and closes as soon as it returns or raises, before the
   attempt's post-processing (final events, outcome), so messages are accepted only while
   something can still drain them. Runs without a conversation use their run id as the window's
-  key.
+  key. The worker's attempts open and close their windows in shared round trips
+  (:mod:`moorline.engine.windows`).
 
 The store is coordination that may be lost: when it cannot be reached, the attempt runs on
 (the database still fences every write); its window stays closed, so messages are refused
