@@ -42,14 +42,13 @@ def make_store(kind: str, prefix: str) -> RuntimeStore:
         async def skipped(*_args: object, **_kwargs: object) -> bool:
             return True
 
-        async def skipped_many(windows: list[object], *_args: object) -> list[bool]:
-            return [True] * len(windows)
+        async def skipped_many(changes: list[object], *_args: object) -> list[bool]:
+            return [True] * len(changes)
 
         # The experiment: the window's round trips made no-ops on this instance only.
         store.mark_interactive = skipped  # type: ignore[method-assign,assignment]
         store.clear_interactive = skipped  # type: ignore[method-assign]
-        store.mark_interactive_many = skipped_many  # type: ignore[method-assign,assignment]
-        store.clear_interactive_many = skipped_many  # type: ignore[method-assign,assignment]
+        store.change_windows = skipped_many  # type: ignore[method-assign,assignment]
     return store
 
 

@@ -8,12 +8,11 @@ them. Attempts of one worker start and end together (a claim hands out several r
 outcomes are committed together), so their windows change together too.
 
 :class:`Windows` sends the changes asked for while the previous round trip was in flight as
-one batch (:meth:`~moorline.runtime.base.RuntimeStore.mark_interactive_many`,
-:meth:`~moorline.runtime.base.RuntimeStore.clear_interactive_many`): an idle worker pays one
-round trip per change, as before, and a busy one a round trip per batch. Each caller still
-waits until its own change is in the store, so the window's promise is unchanged: it is open
-before the workflow's code runs and closed before the attempt's last events and outcome are
-written.
+one batch (:meth:`~moorline.runtime.base.RuntimeStore.change_windows`), in order: an idle
+worker pays one round trip per change, as before, and a busy one a round trip per batch.
+Each caller still waits until its own change is in the store, so the window's promise is
+unchanged: it is open before the workflow's code runs and closed before the attempt's last
+events and outcome are written.
 """
 
 import asyncio
@@ -21,14 +20,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 from moorline.errors import BackendUnavailable
-from moorline.runtime.base import RuntimeStore
+from moorline.runtime.base import RuntimeStore, WindowChange
 from moorline.types import RunId
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-Window = tuple[str, RunId]
-"""A window's key and the run that holds it."""
 
 
 class Coalescer(Generic[T, R]):
@@ -84,6 +80,10 @@ class Coalescer(Generic[T, R]):
 class Windows:
     """Opens, keeps open and closes interactive windows through shared round trips.
 
+    Opens and closes go in one stream, in the order they were asked for, one batch in flight
+    at a time: a close asked for after an open (the heartbeat's, say) is applied after it, so
+    a window never opens again behind its own close.
+
     Args:
         store: The RuntimeStore.
         ttl_s: A window's TTL; the heartbeat opens it again every third of it.
@@ -92,8 +92,7 @@ class Windows:
     """
 
     def __init__(self, store: RuntimeStore, *, ttl_s: float, timeout_s: float) -> None:
-        self._opens: Coalescer[Window, None] = Coalescer(self._open_many, name="windows-open")
-        self._closes: Coalescer[Window, bool] = Coalescer(self._close_many, name="windows-close")
+        self._changes: Coalescer[WindowChange, bool] = Coalescer(self._send, name="windows")
         self._store = store
         self._ttl_s = ttl_s
         self._timeout_s = timeout_s
@@ -104,7 +103,7 @@ class Windows:
         Raises:
             BackendUnavailable: The store could not be reached, or did not answer in time.
         """
-        await self._opens((key, run_id))
+        await self._changes(WindowChange(key, run_id, opens=True))
 
     async def close(self, key: str, run_id: RunId) -> bool:
         """Close ``key``'s window if ``run_id`` holds it; True when it was closed.
@@ -112,14 +111,10 @@ class Windows:
         Raises:
             BackendUnavailable: The store could not be reached, or did not answer in time.
         """
-        return await self._closes((key, run_id))
+        return await self._changes(WindowChange(key, run_id, opens=False))
 
-    async def _open_many(self, windows: list[Window]) -> list[None]:
-        await within(self._store.mark_interactive_many(windows, self._ttl_s), self._timeout_s)
-        return [None] * len(windows)
-
-    async def _close_many(self, windows: list[Window]) -> list[bool]:
-        return await within(self._store.clear_interactive_many(windows), self._timeout_s)
+    async def _send(self, changes: list[WindowChange]) -> list[bool]:
+        return await within(self._store.change_windows(changes, self._ttl_s), self._timeout_s)
 
 
 async def within(call: Awaitable[T], timeout_s: float) -> T:

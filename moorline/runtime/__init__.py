@@ -13,6 +13,7 @@ from moorline.runtime.base import (
     QueuedMessage,
     RuntimeStore,
     StoreShutdown,
+    WindowChange,
 )
 from moorline.runtime.factory import make_runtime_store
 from moorline.runtime.memory import InMemoryRuntimeStore
@@ -27,5 +28,6 @@ __all__ = [
     "QueuedMessage",
     "RuntimeStore",
     "StoreShutdown",
+    "WindowChange",
     "make_runtime_store",
 ]

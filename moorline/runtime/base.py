@@ -97,6 +97,15 @@ class InterruptState:
     """The winning decision once resolved, else ``None``."""
 
 
+class WindowChange(NamedTuple):
+    """One change of an interactive window, for :meth:`RuntimeStore.change_windows`."""
+
+    conversation_id: str
+    run_id: RunId
+    opens: bool
+    """True to open (or extend) the window for ``run_id``; False to close it if it holds it."""
+
+
 class LeaseAcquisition(NamedTuple):
     """The answer of :meth:`RuntimeStore.acquire_lease`; unpacks as ``(acquired, holder)``."""
 
@@ -313,17 +322,13 @@ class RuntimeStore(Protocol):
         """Close the window, only if ``run_id`` holds it; True when it was closed."""
         ...
 
-    async def mark_interactive_many(
-        self, windows: Sequence[tuple[str, RunId]], ttl_s: float
-    ) -> None:
-        """:meth:`mark_interactive` for each ``(conversation id, run id)``, in one round trip."""
-        ...
+    async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
+        """Open or close each window, in the order given, in one round trip.
 
-    async def clear_interactive_many(self, windows: Sequence[tuple[str, RunId]]) -> list[bool]:
-        """:meth:`clear_interactive` for each ``(conversation id, run id)``, in one round trip.
+        An open is :meth:`mark_interactive` for ``ttl_s``; a close, :meth:`clear_interactive`.
 
         Returns:
-            For each window, in order, whether it was closed.
+            For each change, in order: True for an open, and for a close that closed.
         """
         ...
 

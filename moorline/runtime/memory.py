@@ -30,6 +30,7 @@ from moorline.runtime.base import (
     QueuedMessage,
     RuntimeStore,
     StoreShutdown,
+    WindowChange,
     decode_decision,
     encode_decision,
     queue_full,
@@ -179,14 +180,13 @@ class InMemoryRuntimeStore(RuntimeStore):
         del self._interactive[conversation_id]
         return True
 
-    async def mark_interactive_many(
-        self, windows: Sequence[tuple[str, RunId]], ttl_s: float
-    ) -> None:
-        for conversation_id, run_id in windows:
-            await self.mark_interactive(conversation_id, run_id, ttl_s)
-
-    async def clear_interactive_many(self, windows: Sequence[tuple[str, RunId]]) -> list[bool]:
-        return [await self.clear_interactive(key, run_id) for key, run_id in windows]
+    async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
+        done = []
+        for key, run_id, opens in changes:
+            if opens:
+                await self.mark_interactive(key, run_id, ttl_s)
+            done.append(opens or await self.clear_interactive(key, run_id))
+        return done
 
     # -- interrupts --------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from moorline.runtime.base import (
     QueuedMessage,
     RuntimeStore,
     StoreShutdown,
+    WindowChange,
     decode_decision,
     encode_decision,
     queue_full,
@@ -80,6 +81,7 @@ SCRIPT_NAMES = (
     "push_message",
     "request_cancel",
     "resolve_interrupt",
+    "set_window",
 )
 
 DEFAULT_POLL_INTERVAL_S = 1.0
@@ -297,19 +299,15 @@ class RedisRuntimeStore(RuntimeStore):
         return bool(cleared)
 
     @_translate
-    async def mark_interactive_many(
-        self, windows: Sequence[tuple[str, RunId]], ttl_s: float
-    ) -> None:
-        pipeline = self._client.pipeline(transaction=False)
-        for conversation_id, run_id in windows:
-            pipeline.set(self.keys.interactive(conversation_id), run_id, px=to_ms(ttl_s))
-        await pipeline.execute()
-
-    @_translate
-    async def clear_interactive_many(self, windows: Sequence[tuple[str, RunId]]) -> list[bool]:
-        script = self._scripts["compare_and_delete"]
-        calls = [(script, [self.keys.interactive(key)], [run_id]) for key, run_id in windows]
-        return [bool(cleared) for cleared in await run_scripts(self._client, calls)]
+    async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
+        opening, closing = self._scripts["set_window"], self._scripts["compare_and_delete"]
+        calls: list[ScriptCall] = [
+            (opening, [self.keys.interactive(key)], [run_id, to_ms(ttl_s)])
+            if opens
+            else (closing, [self.keys.interactive(key)], [run_id])
+            for key, run_id, opens in changes
+        ]
+        return [bool(reply) for reply in await run_scripts(self._client, calls)]
 
     # -- interrupts --------------------------------------------------------------------------
 

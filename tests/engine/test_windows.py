@@ -7,6 +7,7 @@ import pytest
 
 from moorline.engine.windows import Coalescer, Windows
 from moorline.errors import BackendUnavailable
+from moorline.runtime.base import WindowChange
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.types import RunId
 
@@ -92,25 +93,18 @@ async def test_a_cancelled_sender_cancels_the_callers_waiting_on_it() -> None:
 
 
 class CountingStore(InMemoryRuntimeStore):
-    """The in-memory store, counting its batched window calls; ``hang`` makes them hang."""
+    """The in-memory store, recording its batches of window changes; ``hang`` makes them hang."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.opened: list[int] = []
-        self.closed: list[int] = []
+        self.batches: list[list[WindowChange]] = []
         self.hang = False
 
-    async def mark_interactive_many(
-        self, windows: Sequence[tuple[str, RunId]], ttl_s: float
-    ) -> None:
-        self.opened.append(len(windows))
+    async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
+        self.batches.append(list(changes))
         if self.hang:
             await asyncio.Event().wait()
-        await super().mark_interactive_many(windows, ttl_s)
-
-    async def clear_interactive_many(self, windows: Sequence[tuple[str, RunId]]) -> list[bool]:
-        self.closed.append(len(windows))
-        return await super().clear_interactive_many(windows)
+        return await super().change_windows(changes, ttl_s)
 
 
 async def test_windows_opened_and_closed_together_share_a_store_call() -> None:
@@ -118,11 +112,28 @@ async def test_windows_opened_and_closed_together_share_a_store_call() -> None:
     windows = Windows(store, ttl_s=30.0, timeout_s=5.0)
     runs = [RunId(f"run-{index}") for index in range(8)]
     await asyncio.gather(*(windows.open(run, run) for run in runs))
-    assert store.opened == [8]
+    assert [len(batch) for batch in store.batches] == [8]
     assert [await store.get_interactive_run(run) for run in runs] == runs
     assert await asyncio.gather(*(windows.close(run, run) for run in runs)) == [True] * 8
-    assert store.closed == [8]
+    assert [len(batch) for batch in store.batches] == [8, 8]
     assert [await store.get_interactive_run(run) for run in runs] == [None] * 8
+    await store.close()
+
+
+async def test_a_close_asked_for_after_an_open_is_applied_after_it() -> None:
+    # The heartbeat re-opens a window while the workflow returns: the close must win.
+    store = CountingStore()
+    windows = Windows(store, ttl_s=30.0, timeout_s=5.0)
+    run = RunId("run-1")
+    await windows.open("c1", run)
+    renewal = asyncio.create_task(windows.open("c1", run))
+    closing = asyncio.create_task(windows.close("c1", run))
+    await asyncio.gather(renewal, closing)
+    assert store.batches[-1] == [
+        WindowChange("c1", run, opens=True),
+        WindowChange("c1", run, opens=False),
+    ]
+    assert await store.get_interactive_run("c1") is None
     await store.close()
 
 

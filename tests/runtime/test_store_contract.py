@@ -14,6 +14,7 @@ from moorline.runtime import (
     QueuedMessage,
     RuntimeStore,
     StoreShutdown,
+    WindowChange,
     make_runtime_store,
 )
 from moorline.runtime.redis import RedisRuntimeStore
@@ -112,23 +113,29 @@ async def test_interactive_window(store: RuntimeStore) -> None:
     assert not await store.clear_interactive(CONV, RUN)
 
 
-async def test_interactive_windows_change_many_at_once(store: RuntimeStore) -> None:
+async def test_interactive_windows_change_many_at_once_in_order(store: RuntimeStore) -> None:
     # On a Cluster the windows' keys fall in different slots, so one pipeline reaches several
     # nodes.
-    windows = [(f"conv-{index}", RunId(f"run-{index}")) for index in range(20)]
-    await store.mark_interactive_many(windows, LONG_S)
-    assert [await store.get_interactive_run(key) for key, _ in windows] == [
-        run for _, run in windows
-    ]
-    others = [(key, RunId("someone-else")) for key, _ in windows[:5]]
-    assert await store.clear_interactive_many(others) == [False] * 5
-    assert await store.clear_interactive_many(windows[:10]) == [True] * 10
-    assert await store.clear_interactive_many(windows) == [False] * 10 + [True] * 10
-    assert [await store.get_interactive_run(key) for key, _ in windows] == [None] * 20
-    await store.mark_interactive_many(windows[:1], SHORT_S)
+    runs = [(f"conv-{index}", RunId(f"run-{index}")) for index in range(20)]
+    opens = [WindowChange(key, run, opens=True) for key, run in runs]
+    assert await store.change_windows(opens, LONG_S) == [True] * 20
+    assert [await store.get_interactive_run(key) for key, _ in runs] == [run for _, run in runs]
+    someone_else = [WindowChange(key, RunId("someone-else"), opens=False) for key, _ in runs[:5]]
+    assert await store.change_windows(someone_else, LONG_S) == [False] * 5
+    closes = [WindowChange(key, run, opens=False) for key, run in runs]
+    assert await store.change_windows(closes[:10], LONG_S) == [True] * 10
+    assert await store.change_windows(closes, LONG_S) == [False] * 10 + [True] * 10
+    assert [await store.get_interactive_run(key) for key, _ in runs] == [None] * 20
+    # In the order given: closed, opened, closed again, opened again.
+    again = [opens[0], closes[0], closes[0], opens[0]]
+    assert await store.change_windows(again, LONG_S) == [True, True, False, True]
+    assert await store.get_interactive_run(runs[0][0]) == runs[0][1]
+    assert await store.change_windows([opens[0], closes[0]], LONG_S) == [True, True]
+    assert await store.get_interactive_run(runs[0][0]) is None
+    assert await store.change_windows(opens[:1], SHORT_S) == [True]
 
     async def is_closed() -> bool:
-        return await store.get_interactive_run(windows[0][0]) is None
+        return await store.get_interactive_run(runs[0][0]) is None
 
     await wait_for(is_closed, timeout_s=5, message="the window to expire")
 
