@@ -1,11 +1,12 @@
 """Drain on PostgreSQL with the in-memory and with the Redis runtime store (issue 19, item 5).
 
-Why does PostgreSQL + Redis drain slower than PostgreSQL alone? One worker of this process
-(8 slots, the default) drains ``--runs`` pre-enqueued no-op runs from a fresh PostgreSQL
-database, with each store in turn; everything else is equal. ``redis-nowindow`` is an
-experiment, not a configuration: the Redis store with its two per-run calls of the interactive
-window (``mark_interactive`` as a run starts, ``clear_interactive`` as its workflow returns)
-made no-ops, to measure what they cost. Prints runs/s and this process's CPU per run.
+Does PostgreSQL + Redis drain slower than PostgreSQL alone? One worker of this process (8
+slots, the default) drains ``--runs`` pre-enqueued no-op runs from a fresh PostgreSQL database,
+with each store in turn; everything else is equal. ``redis-nowindow`` is an experiment, not a
+configuration: the Redis store with its interactive-window calls (each run's open as it starts
+and close as its workflow returns, sent in shared round trips: ``change_windows``, and the
+single-window calls) made no-ops, to measure what they cost. Prints runs/s and this process's
+CPU per run.
 
     PYTHONPATH=. .venv/bin/python bench/drain_store.py [--runs 3000] [--rounds 2]
         [--stores memory,redis,redis-nowindow]
