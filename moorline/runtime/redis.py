@@ -81,7 +81,7 @@ SCRIPT_NAMES = (
     "push_message",
     "request_cancel",
     "resolve_interrupt",
-    "set_window",
+    "change_window",
 )
 
 DEFAULT_POLL_INTERVAL_S = 1.0
@@ -300,11 +300,9 @@ class RedisRuntimeStore(RuntimeStore):
 
     @_translate
     async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
-        opening, closing = self._scripts["set_window"], self._scripts["compare_and_delete"]
+        script, ttl_ms = self._scripts["change_window"], to_ms(ttl_s)
         calls: list[ScriptCall] = [
-            (opening, [self.keys.interactive(key)], [run_id, to_ms(ttl_s)])
-            if opens
-            else (closing, [self.keys.interactive(key)], [run_id])
+            (script, [self.keys.interactive(key)], ["open" if opens else "close", run_id, ttl_ms])
             for key, run_id, opens in changes
         ]
         return [bool(reply) for reply in await run_scripts(self._client, calls)]

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from moorline.errors import BackendUnavailable
+from moorline.runtime.base import WindowChange
 from moorline.runtime.keys import RedisKeys
 from moorline.runtime.redis import SCRIPT_NAMES, RedisRuntimeStore, load_script
 from moorline.types import JSONObject, RunId
@@ -126,6 +127,25 @@ async def test_scripts_survive_script_flush(
     await redis_store.request_cancel(run)
     assert await redis_store.release_lease("c1", "a")
     await redis_store.cleanup_run(run)
+
+
+async def test_window_changes_keep_their_order_after_script_flush(
+    redis_store: RedisRuntimeStore, redis_client: Redis
+) -> None:
+    # Redis forgot the script (a restart, a fail-over): the whole batch is refused with
+    # NOSCRIPT and sent again in order, so the close still comes after the open.
+    run = RunId("r1")
+    opened, closed = WindowChange("c1", run, opens=True), WindowChange("c1", run, opens=False)
+    # A lease release loads compare_and_delete, which used to close windows: no help now.
+    await redis_store.acquire_lease("c2", "a", LONG_S)
+    await redis_client.script_flush()
+    assert await redis_store.release_lease("c2", "a")
+    assert await redis_store.change_windows([opened, closed], LONG_S) == [True, True]
+    assert await redis_store.get_interactive_run("c1") is None
+    await redis_client.script_flush()
+    assert await redis_store.change_windows([closed, opened], LONG_S) == [False, True]
+    assert await redis_store.get_interactive_run("c1") == run
+    await redis_store.clear_interactive("c1", run)
 
 
 # Untraced by coverage: its trials repeat paths other tests cover, and tracing would double
