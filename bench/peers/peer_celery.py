@@ -87,6 +87,13 @@ def run(peer: str, storage: str, config: dict[str, Any]) -> dict[str, float]:
                     figures |= latency(send, config["latency_runs"])
         return figures
     finally:
-        # Kombu's routing set for the queue has no TTL: without this every round left one.
-        client.delete(counter_key(queue), queue, f"_kombu.binding.{queue}")
+        # Kombu's routing sets for the queue have no TTL: without this every round left one
+        # (``binding_permanent`` is kombu 5.5's name). Its ``binding_deadlines`` holds Celery's
+        # own three broadcast queues whatever the round, so it stays.
+        client.delete(
+            counter_key(queue),
+            queue,
+            f"_kombu.binding.{queue}",
+            f"_kombu.binding_permanent.{queue}",
+        )
         client.close()
