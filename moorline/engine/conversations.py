@@ -197,9 +197,8 @@ class Conversations:
     async def _quietly(self, claim: Claim, call: Awaitable[T]) -> T | None:
         """Await a bookkeeping call; log (and return None) if the store fails or hangs."""
         try:
-            async with asyncio.timeout(STORE_CALL_TIMEOUT_S):
-                return await call
-        except (BackendUnavailable, TimeoutError) as exc:
+            return await _bounded(call)
+        except BackendUnavailable as exc:
             logger.warning(
                 "run %s: runtime store bookkeeping failed: %r",
                 claim.fence.run_id,
@@ -222,7 +221,7 @@ def _extra(claim: Claim) -> dict[str, object]:
 
 
 async def _bounded(call: Awaitable[T]) -> T:
-    """Await a store call at an attempt's start, bounded by ``STORE_CALL_TIMEOUT_S``.
+    """Await a store call, bounded by ``STORE_CALL_TIMEOUT_S``.
 
     Raises:
         BackendUnavailable: The call failed, or took longer.
