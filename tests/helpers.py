@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -51,3 +52,13 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def port_is_free(port: int) -> bool:
+    """Whether nothing listens on ``port`` of 127.0.0.1 (a bind to it succeeds)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -29,6 +28,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from tests.helpers import port_is_free
 from tests.servers import servers_required
 
 Check = Callable[[], Awaitable[bool]]
@@ -56,15 +56,6 @@ def _port_block() -> Iterator[int]:
     return itertools.cycle(range(first, first + PORTS_PER_PROCESS))
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(*, bus: bool = False) -> int:
     """The next port of this process's block that nobody listens on; with ``bus``, port + 10000
     is free too (a cluster node's bus)."""
@@ -72,7 +63,7 @@ def free_port(*, bus: bool = False) -> int:
     if _next_port is None:
         _next_port = _port_block()
     for port in itertools.islice(_next_port, PORTS_PER_PROCESS):
-        if _free(port) and (not bus or _free(port + 10000)):
+        if port_is_free(port) and (not bus or port_is_free(port + 10000)):
             return port
     raise RuntimeError(f"none of this test process's {PORTS_PER_PROCESS} Redis ports is free")
 

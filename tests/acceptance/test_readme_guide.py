@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import port_is_free
 from tests.integration.test_cli import SOURCE_ROOT, cli_env
 
 README = SOURCE_ROOT / "README.md"
@@ -79,15 +79,6 @@ def isolated_network() -> list[str] | None:
     if probe.returncode != 0:
         return None
     return ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "-"]
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def run_guide(root: Path, script: Path) -> subprocess.CompletedProcess[str]:
