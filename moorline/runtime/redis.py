@@ -279,9 +279,8 @@ class RedisRuntimeStore(RuntimeStore):
 
     # -- interactive window ------------------------------------------------------------------
 
-    @_translate
     async def mark_interactive(self, conversation_id: str, run_id: RunId, ttl_s: float) -> None:
-        await self._client.set(self.keys.interactive(conversation_id), run_id, px=to_ms(ttl_s))
+        await self.change_windows([WindowChange(conversation_id, run_id, opens=True)], ttl_s)
 
     @_translate
     async def get_interactive_run(self, conversation_id: str) -> RunId | None:
@@ -291,15 +290,14 @@ class RedisRuntimeStore(RuntimeStore):
     async def is_interactive(self, conversation_id: str, run_id: RunId) -> bool:
         return await self.get_interactive_run(conversation_id) == run_id
 
-    @_translate
     async def clear_interactive(self, conversation_id: str, run_id: RunId) -> bool:
-        cleared = await self._script(
-            "compare_and_delete", [self.keys.interactive(conversation_id)], [run_id]
-        )
-        return bool(cleared)
+        close = WindowChange(conversation_id, run_id, opens=False)
+        (closed,) = await self.change_windows([close], ttl_s=0.0)  # a close has no TTL
+        return closed
 
     @_translate
     async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
+        # Every window change goes through change_window.lua, one or many (see the script).
         script, ttl_ms = self._scripts["change_window"], to_ms(ttl_s)
         calls: list[ScriptCall] = [
             (script, [self.keys.interactive(key)], ["open" if opens else "close", run_id, ttl_ms])
