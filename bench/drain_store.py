@@ -3,10 +3,9 @@
 Does PostgreSQL + Redis drain slower than PostgreSQL alone? One worker of this process (8
 slots, the default) drains ``--runs`` pre-enqueued no-op runs from a fresh PostgreSQL database,
 with each store in turn; everything else is equal. ``redis-nowindow`` is an experiment, not a
-configuration: the Redis store with its interactive-window calls (each run's open as it starts
-and close as its workflow returns, sent in shared round trips: ``change_windows``, and the
-single-window calls) made no-ops, to measure what they cost. Prints runs/s and this process's
-CPU per run.
+configuration: the Redis store with its interactive-window changes (each run's open as it
+starts and close as its workflow returns, all sent through ``change_windows``) made no-ops, to
+measure what they cost. Prints runs/s and this process's CPU per run.
 
     PYTHONPATH=. .venv/bin/python bench/drain_store.py [--runs 3000] [--rounds 2]
         [--stores memory,redis,redis-nowindow]
@@ -40,16 +39,11 @@ def make_store(kind: str, prefix: str) -> RuntimeStore:
     store = RedisRuntimeStore(REDIS_URL, prefix=prefix)
     if kind == "redis-nowindow":
 
-        async def skipped(*_args: object, **_kwargs: object) -> bool:
-            return True
-
-        async def skipped_many(changes: list[object], *_args: object) -> list[bool]:
+        async def skipped(changes: list[object], *_args: object, **_kwargs: object) -> list[bool]:
             return [True] * len(changes)
 
         # The experiment: the window's round trips made no-ops on this instance only.
-        store.mark_interactive = skipped  # type: ignore[method-assign,assignment]
-        store.clear_interactive = skipped  # type: ignore[method-assign]
-        store.change_windows = skipped_many  # type: ignore[method-assign,assignment]
+        store.change_windows = skipped  # type: ignore[method-assign,assignment]
     return store
 
 
