@@ -103,7 +103,11 @@ class Settings(BaseSettings):
     see :attr:`database_pooler`)."""
 
     db_pool_size: int = Field(default=5, ge=1)
-    """Connections kept open per process (PostgreSQL, MySQL)."""
+    """Connections kept open per process (PostgreSQL, MySQL).
+
+    A worker process keeps more, one per slot and one per worker loop, within
+    ``db_pool_size + db_max_overflow`` (``moorline.worker.process.with_worker_pool``).
+    """
 
     db_max_overflow: int = Field(default=10, ge=0)
     """Connections opened beyond ``db_pool_size`` at peaks."""

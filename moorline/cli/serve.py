@@ -33,7 +33,7 @@ from moorline.errors import ConfigError
 from moorline.observability import tracing
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import AccessLog, Settings, load_settings
-from moorline.worker.process import run_worker_process
+from moorline.worker.process import run_worker_process, with_worker_pool
 
 EXIT_STARTUP_FAILED = 3  # as uvicorn.run: the server never started (port taken, lifespan error)
 
@@ -149,7 +149,9 @@ async def _serve(
 
     (uvicorn has logged why when it did not.)
     """
-    db = DatabaseManager(settings)
+    # Worker loops in this process keep their connections as a worker process does.
+    pooled = with_worker_pool(settings, worker_lanes(settings), loops) if loops else settings
+    db = DatabaseManager(pooled)
     try:
         await db.initialize()
     except BaseException:
@@ -192,6 +194,11 @@ async def _serve(
     return server.started
 
 
+def worker_lanes(settings: Settings) -> dict[str, int]:
+    """The lanes and slots of the worker loops ``serve`` runs: every plan's lane, by default."""
+    return default_lane_slots(resolve_plans(settings))
+
+
 def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, loops: int) -> None:
     """Run the reaper and ``loops`` worker loops inside the API's lifespan.
 
@@ -201,7 +208,7 @@ def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, l
     without Redis.
     """
     services: Services = api.state.services
-    lanes = default_lane_slots(resolve_plans(settings))
+    lanes = worker_lanes(settings)
     serving = api.router.lifespan_context
 
     @asynccontextmanager

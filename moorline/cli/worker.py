@@ -24,6 +24,7 @@ from moorline.worker.process import (
     install_stop_signals,
     pin_mmap_threshold,
     run_worker_process,
+    with_worker_pool,
 )
 
 
@@ -71,7 +72,7 @@ def worker(
     served = resolve_lanes(lanes, default_lane_slots(resolve_plans(settings)))
     pin_mmap_threshold()  # RSS stays flat on asyncio's read buffers: see the function
     try:
-        asyncio.run(_work(settings, application, served, grace))
+        asyncio.run(_work(with_worker_pool(settings, served), application, served, grace))
     finally:
         tracing.shutdown()  # the spans still buffered are exported
 

@@ -41,6 +41,24 @@ MMAP_THRESHOLD_BYTES = 128 * 1024
 """glibc's default mmap threshold: larger blocks get their own mapping, returned when freed."""
 
 
+def with_worker_pool(settings: Settings, lanes: Mapping[str, int], loops: int = 1) -> Settings:
+    """``settings`` with a database pool that keeps the connections ``loops`` workers use.
+
+    SQLAlchemy's pool closes a connection as it comes back whenever ``db_pool_size`` others
+    already wait idle; only the overflow above them is opened again at the next demand. A
+    worker's slots are its steady concurrency, not a peak: with more slots than kept
+    connections, a drain opened and closed a connection every few runs (each a TCP and
+    authentication handshake and a cold statement cache, several milliseconds of the worker's
+    CPU). So a worker process keeps one connection per slot and one for each worker's own
+    claims and outcomes, within the same bound (``db_pool_size + db_max_overflow``): the most
+    connections a process may hold is unchanged, it only stops giving them back mid-drain.
+    """
+    bound = settings.db_pool_size + settings.db_max_overflow
+    used = max(loops, 1) * (sum(lanes.values()) + 1)
+    kept = min(bound, max(settings.db_pool_size, used))
+    return settings.model_copy(update={"db_pool_size": kept, "db_max_overflow": bound - kept})
+
+
 async def run_worker_process(
     settings: Settings,
     app: Moorline,

@@ -2,11 +2,12 @@
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.engine import make_url
 
 from moorline.db.manager import DatabaseManager
@@ -21,6 +22,7 @@ from moorline.engine.runner import WorkflowRunner
 from moorline.observability.metrics import Metrics
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
+from moorline.worker.process import with_worker_pool
 from moorline.worker.worker import Waiter, Worker, WorkerCrashed
 from tests.contract.queue_helpers import (
     Tenants,
@@ -49,12 +51,20 @@ class Probe:
         self.entered = 0
 
 
+async def _one() -> int:
+    return 1
+
+
 def make_app(probe: Probe) -> Moorline:
     app = Moorline()
 
     @app.workflow("noop")
     async def noop(ctx: Context) -> dict[str, Any]:
         return {"attempt": ctx.attempt}
+
+    @app.workflow("stepped")
+    async def stepped(ctx: Context) -> None:
+        await ctx.step("one", _one)
 
     @app.workflow("boom")
     async def boom(ctx: Context) -> None:
@@ -153,6 +163,28 @@ async def test_a_worker_drains_its_lane_and_each_run_succeeds_once(
     async with db.connect() as conn:
         outputs = (await conn.execute(select(runs.c.output).where(runs.c.id == run_ids[0]))).one()
     assert outputs.output == {"attempt": 1}
+
+
+async def test_a_worker_process_keeps_its_connections_through_a_drain(
+    settings: Settings, db: DatabaseManager, tenants: Tenants
+) -> None:
+    # Eight slots over the default pool (5 kept, 10 more at peaks) used to open and close a
+    # connection every few runs of a checkpointed step: the slots are steady demand, not a peak.
+    if db.backend.name == "sqlite":
+        pytest.skip("SQLite has one connection and no pool")
+    lane = unique("lane")
+    pooled = with_worker_pool(settings, {lane: 8})
+    worker_db = DatabaseManager(pooled)
+    opened: Counter[int] = Counter()
+    for index, engine in enumerate(worker_db.engines):  # MariaDB's autocommit pool too
+        event.listen(engine.sync_engine, "connect", lambda *_, i=index: opened.update([i]))
+    run_ids = await add_runs(db, await tenants.new(), lane, 200, workflow="stepped")
+    try:
+        async with Running(make_worker(worker_db, Probe(), {lane: 8})):
+            await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="all runs succeeded")
+    finally:
+        await worker_db.dispose()
+    assert opened and max(opened.values()) <= pooled.db_pool_size, (opened, pooled.db_pool_size)
 
 
 async def test_a_failing_run_is_retried_then_fails_with_its_last_error(

@@ -1,0 +1,26 @@
+"""A worker process's database pool: one kept connection per slot, within the same bound."""
+
+from moorline.settings import Settings
+from moorline.worker.process import with_worker_pool
+
+
+def test_a_worker_keeps_a_connection_per_slot_and_one_for_its_claims() -> None:
+    pooled = with_worker_pool(Settings(), {"a": 6, "b": 2})
+    assert (pooled.db_pool_size, pooled.db_max_overflow) == (9, 6)
+
+
+def test_the_bound_of_connections_a_process_may_hold_is_unchanged() -> None:
+    pooled = with_worker_pool(Settings(), {"a": 64})
+    assert (pooled.db_pool_size, pooled.db_max_overflow) == (15, 0)
+    small = with_worker_pool(Settings(db_pool_size=2, db_max_overflow=1), {"a": 8})
+    assert (small.db_pool_size, small.db_max_overflow) == (3, 0)
+
+
+def test_a_pool_larger_than_the_slots_need_is_left_alone() -> None:
+    pooled = with_worker_pool(Settings(db_pool_size=12, db_max_overflow=3), {"a": 2})
+    assert (pooled.db_pool_size, pooled.db_max_overflow) == (12, 3)
+
+
+def test_every_worker_loop_of_the_process_counts() -> None:
+    pooled = with_worker_pool(Settings(db_pool_size=5, db_max_overflow=40), {"a": 4}, loops=3)
+    assert (pooled.db_pool_size, pooled.db_max_overflow) == (15, 30)
