@@ -17,7 +17,9 @@ transaction and one Pub/Sub message per batch. The buffer is written
 - before any other event, in the same transaction (order holds);
 - before every other write of the attempt: step checkpoints, interrupts, message drains, and
   the attempt's outcome (durability points hold: a checkpoint never precedes a delta emitted
-  before it).
+  before it). Progress events alone at a workflow's return are the exception: they are
+  handed to the worker (:meth:`EventWriter.take_progress`) and committed in the outcome's own
+  transaction, before its ``succeeded`` event.
 
 One lock orders the writes, so events are committed and published in ``seq`` order. A write
 that fails (the lease was lost, the database stayed away) is remembered and raised again by
@@ -228,6 +230,24 @@ class EventWriter:
             self._raise_error()
             return
         await self.flush()
+
+    def take_progress(self) -> list[tuple[str, JSONObject]] | None:
+        """Hand over the buffered events if all are progress events; None if any is not.
+
+        For the attempt's end: progress events are written with its outcome (in the worker's
+        outcome batch, before its terminal event) instead of in a transaction of their own.
+        None when a durable event waits or a write is in progress: then :meth:`flush`.
+
+        Raises:
+            LeaseLost: A previous write found the fence gone; nothing more is written.
+        """
+        self._raise_error()
+        if self._durable or self._lock.locked() or self._is_writing:
+            return None
+        self._cancel_timer()
+        taken, self._pending = self._pending, []
+        self._room.set()
+        return taken
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:

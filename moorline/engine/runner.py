@@ -59,7 +59,7 @@ from moorline.llm.models import ModelsProvider
 from moorline.observability import tracing
 from moorline.runtime.base import RuntimeStore, StoreShutdown
 from moorline.settings import Settings
-from moorline.types import JSONValue, RunId
+from moorline.types import JSONObject, JSONValue, RunId
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,11 @@ class Runner(Protocol):
     """Executes one attempt of a claimed run."""
 
     async def run(
-        self, claim: Claim, *, cancel_requested: asyncio.Event | None = None
+        self,
+        claim: Claim,
+        *,
+        cancel_requested: asyncio.Event | None = None,
+        trailing: list[tuple[str, JSONObject]] | None = None,
     ) -> JSONValue:
         """Run the claimed run's workflow once and return its output (JSON).
 
@@ -89,6 +93,8 @@ class Runner(Protocol):
             claim: The run and the fence of this attempt.
             cancel_requested: Set by the worker when its heartbeat finds the run's cancel
                 recorded in the database.
+            trailing: Where a workflow that returned leaves its last progress events, for
+                the caller to write with the outcome; None writes them before returning.
         """
         ...
 
@@ -204,7 +210,11 @@ class WorkflowRunner:
         )
 
     async def run(
-        self, claim: Claim, *, cancel_requested: asyncio.Event | None = None
+        self,
+        claim: Claim,
+        *,
+        cancel_requested: asyncio.Event | None = None,
+        trailing: list[tuple[str, JSONObject]] | None = None,
     ) -> JSONValue:
         """Call the run's workflow with a fresh :class:`Context` and its stored input.
 
@@ -212,6 +222,11 @@ class WorkflowRunner:
             claim: The run and the fence of this attempt.
             cancel_requested: Set by the worker when its heartbeat finds the run's cancel
                 recorded in the database; None when only the RuntimeStore's signal counts.
+            trailing: When the workflow returns with only progress events buffered (a
+                step's ``step_started`` and ``step_finished``), they go here instead of into a
+                transaction of their own: the worker writes them with the outcome, before its
+                terminal event (one transaction less per run). Streams read them from the
+                database with the terminal event, which is not published live either.
 
         Raises:
             WorkflowNotFound: this worker's app does not have the run's workflow (a
@@ -232,9 +247,14 @@ class WorkflowRunner:
             lane=run.lane,
             trace_context=run.trace_context,
         ):
-            return await self._run(claim, cancel_requested)
+            return await self._run(claim, cancel_requested, trailing)
 
-    async def _run(self, claim: Claim, cancel_requested: asyncio.Event | None) -> JSONValue:
+    async def _run(
+        self,
+        claim: Claim,
+        cancel_requested: asyncio.Event | None,
+        trailing: list[tuple[str, JSONObject]] | None,
+    ) -> JSONValue:
         run = claim.run
         definition = self._app.get(run.workflow)
         arguments = definition.bind(run.input if isinstance(run.input, dict) else {})
@@ -280,7 +300,7 @@ class WorkflowRunner:
         finally:
             starting.cancel()
             await self._stop_watchers(run.run_id, watchers)
-        await self._wind_down(claim, events)
+        await self._wind_down(claim, events, trailing)
         ctx.raise_if_stopped(returned=True)
         return to_json(output, f"the result of workflow {run.workflow!r}")
 
@@ -348,14 +368,25 @@ class WorkflowRunner:
                 logger.warning("run %s: cancel flag unreadable: %r", run_id, exc)
                 await asyncio.sleep(CANCEL_WATCH_RETRY_S)
 
-    async def _wind_down(self, claim: Claim, events: EventWriter) -> None:
+    async def _wind_down(
+        self,
+        claim: Claim,
+        events: EventWriter,
+        trailing: list[tuple[str, JSONObject]] | None = None,
+    ) -> None:
         """The workflow returned or raised: close its window, then write its last events.
+
+        With ``trailing``, buffered progress events are handed over there rather than written
+        (see :meth:`run`).
 
         Raises:
             LeaseLost: The buffered events could not be written; the attempt is over.
         """
         await self._conversations.leave(claim)
         try:
+            if trailing is not None and (taken := events.take_progress()) is not None:
+                trailing.extend(taken)
+                return
             await events.flush()
         except BaseException:
             events.abandon()

@@ -567,8 +567,12 @@ class Worker:
     async def _attempt(self, execution: _Execution) -> Outcome | None:
         """Run the workflow once; its outcome, or None when it was cancelled by us."""
         claim = execution.claim
+        # The workflow's last progress events, written with its success (one commit less).
+        trailing: list[tuple[str, JSONObject]] = []
         try:
-            output = await self._runner.run(claim, cancel_requested=execution.cancel_requested)
+            output = await self._runner.run(
+                claim, cancel_requested=execution.cancel_requested, trailing=trailing
+            )
         except asyncio.CancelledError:
             if execution.lost or execution.releasing:
                 return None
@@ -615,7 +619,7 @@ class Worker:
                 error=self._failures.describe(exc, reason=decision.reason),
                 retry_delay_s=decision.delay_s if decision.retry else None,
             )
-        return Succeeded(fence=claim.fence, output=output)
+        return Succeeded(fence=claim.fence, output=output, events=trailing)
 
     def _finish(self, execution: _Execution) -> None:
         execution.finished = True

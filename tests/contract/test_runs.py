@@ -385,6 +385,40 @@ async def test_success_records_output_and_events_in_order(
     assert await EventsRepo(db).list(run.run_id, limit=0) == []
 
 
+async def test_a_success_writes_its_last_events_before_its_own_in_its_transaction(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    await repo.submit_many([new_run(await tenants.new(), lane) for _ in range(3)])
+    first, second, reaped = await claim(queue, lane)
+    await set_lease_expiry(db, [reaped.run.run_id], -5)
+    await queue.reap_expired()
+    started: JSONObject = {"key": "a", "try": 1}
+    last = [("step_started", started), ("step_finished", started)]
+    batch: list[Outcome] = [
+        Succeeded(fence=first.fence, output=1, events=last),
+        Succeeded(fence=second.fence, output=2),
+        Succeeded(fence=reaped.fence, output=3, events=last),  # its fence is gone
+    ]
+    assert await repo.finish_many(batch) == [True, True, False]
+    listed = await EventsRepo(db).list(first.run.run_id)
+    assert [(e.seq, e.type, e.data) for e in listed[1:]] == [
+        (2, "started", {}),
+        (3, "step_started", {"key": "a", "try": 1}),
+        (4, "step_finished", {"key": "a", "try": 1}),
+        (5, "succeeded", {}),
+    ]
+    assert all(e.attempt == 1 for e in listed[1:])
+    assert listed[2].created_at == listed[3].created_at == listed[4].created_at
+    assert [e.type for e in await EventsRepo(db).list(second.run.run_id)] == [
+        "queued",
+        "started",
+        "succeeded",
+    ]
+    assert "step_started" not in [e.type for e in await EventsRepo(db).list(reaped.run.run_id)]
+
+
 async def test_stale_fences_change_nothing_while_the_rest_of_the_batch_applies(
     db: DatabaseManager, tenants: Tenants
 ) -> None:

@@ -318,3 +318,59 @@ async def test_steps_and_permission_waits_are_events_a_follower_sees(
         assert isinstance(finished.data, dict)
         duration_ms = finished.data["duration_ms"]
         assert isinstance(duration_ms, float | int) and duration_ms >= 0
+
+
+async def test_a_returning_workflow_hands_its_last_progress_events_to_the_outcome(
+    engine: EngineHarness,
+) -> None:
+    @engine.app.workflow("one_step")
+    async def one_step(ctx: Context) -> JSONValue:
+        return await ctx.step("look", lambda: "seen")
+
+    @engine.app.workflow("streamed")
+    async def streamed(ctx: Context) -> JSONValue:
+        await ctx.step("look", lambda: "seen")
+        await ctx.emit("delta", {"token": "last"})  # a streamed tail is written and published
+        return "done"
+
+    run_id = await engine.new_run("one_step")
+    trailing: list[tuple[str, JSONObject]] = []
+    assert await engine.runner.run(await engine.claim(), trailing=trailing) == "seen"
+    assert [(kind, without_duration(data)) for kind, data in trailing] == [
+        ("step_started", {"key": "look", "try": 1}),
+        ("step_finished", {"key": "look", "try": 1, "status": "succeeded"}),
+    ]
+    assert [e.type for e in await engine.stored(run_id)] == ["queued", "started"]
+
+    run_id = await engine.new_run("streamed")
+    trailing = []
+    assert await engine.runner.run(await engine.claim(), trailing=trailing) == "done"
+    assert trailing == []
+    assert [e.type for e in await engine.stored(run_id)][2:] == [
+        "step_started",
+        "step_finished",
+        "delta",
+    ]
+
+
+async def test_a_worker_commits_a_step_runs_last_events_with_its_success(
+    engine: EngineHarness,
+) -> None:
+    @engine.app.workflow("one_step")
+    async def one_step(ctx: Context) -> JSONValue:
+        return await ctx.step("look", lambda: "seen")
+
+    run_id = await engine.new_run("one_step")
+    async with engine.worker():
+        await engine.until_status(run_id, RunStatus.SUCCEEDED)
+    stored = await engine.stored(run_id)
+    assert [e.type for e in stored] == [
+        "queued",
+        "started",
+        "step_started",
+        "step_finished",
+        "succeeded",
+    ]
+    assert is_contiguous(stored, 1)
+    # One transaction, one clock reading: not a write of their own before the outcome's.
+    assert stored[2].created_at == stored[3].created_at == stored[4].created_at

@@ -45,15 +45,23 @@ from moorline.db.repos.events import (
 from moorline.db.repos.records import Fence
 from moorline.db.repos.run_reads import IN_CHUNK, RunRepoBase, db_now_txn
 from moorline.db.schema import runs
-from moorline.types import JSONObject, JSONValue, RunStatus
+from moorline.types import Attempt, JSONObject, JSONValue, RunId, RunStatus
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Succeeded:
-    """The attempt under ``fence`` returned ``output``: the run ends ``succeeded``."""
+    """The attempt under ``fence`` returned ``output``: the run ends ``succeeded``.
+
+    Attributes:
+        fence: The attempt's fence.
+        output: What the workflow returned.
+        events: The attempt's last events, ``(type, data)``, not written yet: appended
+            before its ``succeeded`` event, in the same transaction, if the outcome applies.
+    """
 
     fence: Fence
     output: JSONValue
+    events: Sequence[tuple[str, JSONObject]] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,8 +132,8 @@ class RunFinishes(RunRepoBase):
         checked, and their events by one ``INSERT … SELECT`` (``retrying``: one multi-row
         INSERT); an outcome that did not apply writes nothing:
 
-        * :class:`Succeeded` → ``succeeded`` with ``output`` (``error`` cleared), event
-          ``succeeded``;
+        * :class:`Succeeded` → ``succeeded`` with ``output`` (``error`` cleared), its
+          ``events`` then event ``succeeded``;
         * :class:`Failed` with ``retry_delay_s`` → ``queued``, claimable from database time +
           the delay, ``error`` kept, ``attempt`` unchanged (the next claim increments it),
           event ``retrying`` ``{"delay_s", "error"}``;
@@ -157,6 +165,7 @@ class RunFinishes(RunRepoBase):
 
         async def write() -> list[bool]:
             applied = [False] * len(outcomes)
+            trailing: list[tuple[RunId, Attempt, str, JSONObject]] = []
             async with self._db.write_transaction() as conn:
                 running, now = await self._lock_running_txn(conn, outcomes)
                 if not running:
@@ -176,6 +185,10 @@ class RunFinishes(RunRepoBase):
                     finish = _finish_of(outcome, now, held.started_at)
                     groups.setdefault(finish.kind, []).append(finish)
                     applied[index] = True
+                    if isinstance(outcome, Succeeded):
+                        trailing += [(fence.run_id, fence.attempt, *e) for e in outcome.events]
+                # Before the terminal events, which take the next seq after them.
+                await append_events_txn(conn, self._backend.name, trailing, now=now)
                 chunks = [
                     (kind, group[offset : offset + _FINISH_CHUNK])
                     for kind, group in groups.items()
