@@ -419,6 +419,37 @@ async def test_a_success_writes_its_last_events_before_its_own_in_its_transactio
     assert "step_started" not in [e.type for e in await EventsRepo(db).list(reaped.run.run_id)]
 
 
+async def test_a_claim_and_a_finish_write_their_events_with_their_transition_where_they_can(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    await repo.submit_many([new_run(await tenants.new(), lane) for _ in range(3)])
+    with data_statements(db, "events") as claiming:
+        claimed = await claim(queue, lane)
+    error: JSONObject = {"type": "ValueError", "message": "bad", "reason": "non-retryable"}
+    with data_statements(db, "events") as finishing:
+        applied = await repo.finish_many(
+            [
+                Succeeded(fence=claimed[0].fence, output=1),
+                Succeeded(fence=claimed[1].fence, output=2),
+                Failed(fence=claimed[2].fence, error=error, retry_delay_s=None),
+            ]
+        )
+    assert applied == [True, True, True]
+    # One statement names the events per transition: with the UPDATE itself (a CTE) where the
+    # database has data-modifying CTEs, else an INSERT … SELECT after it.
+    merged = db.backend.capabilities.dml_in_cte
+    for sent in (claiming, finishing[:1], finishing[1:]):
+        assert len(sent) == 1, sent
+        assert sent[0].lstrip().upper().startswith("WITH" if merged else "INSERT"), sent
+    for run in claimed:
+        types = [e.type for e in await EventsRepo(db).list(run.run.run_id)]
+        assert types[1:] == ["started", "succeeded" if run is not claimed[2] else "failed"]
+    [failed] = await EventsRepo(db).list(claimed[2].run.run_id, after_seq=2)
+    assert failed.data == error
+
+
 async def test_stale_fences_change_nothing_while_the_rest_of_the_batch_applies(
     db: DatabaseManager, tenants: Tenants
 ) -> None:

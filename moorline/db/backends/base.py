@@ -56,6 +56,10 @@ class Capabilities:
     """``INSERT … ON CONFLICT … DO UPDATE … RETURNING``."""
     one_statement_submit: bool
     """A submission (runs and their events) is one statement, stamped with the server's time."""
+    dml_in_cte: bool
+    """One statement may change rows and insert from what it changed (``WITH moved AS (UPDATE
+    … RETURNING …) INSERT … SELECT … FROM moved``): a transition and its events in one round
+    trip."""
     listen_notify: bool
     """``LISTEN``/``NOTIFY``, a wake-up transport without Redis."""
     session_state: bool

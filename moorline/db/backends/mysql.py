@@ -49,6 +49,7 @@ class MySQLBackend(ServerBackend):
         insert_returning=True,
         upsert_returning=False,
         one_statement_submit=False,
+        dml_in_cte=False,
         listen_notify=False,
         session_state=True,
         terminate_backend=False,

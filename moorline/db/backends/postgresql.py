@@ -50,6 +50,7 @@ class PostgreSQLBackend(ServerBackend):
         insert_returning=True,
         upsert_returning=True,
         one_statement_submit=True,
+        dml_in_cte=True,
         listen_notify=True,
         session_state=True,
         terminate_backend=True,

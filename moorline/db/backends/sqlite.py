@@ -71,6 +71,7 @@ class SQLiteBackend(Backend):
         insert_returning=True,
         upsert_returning=True,
         one_statement_submit=False,
+        dml_in_cte=False,
         listen_notify=False,
         session_state=True,
         terminate_backend=False,

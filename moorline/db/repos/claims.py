@@ -38,7 +38,8 @@ re-evaluated after a lock wait, and two claimers then take the same run.
 3. The claim sets ``running``, ``attempt + 1`` (the fencing token), the owner,
    ``lease_expires_at`` from database time, ``started_at`` the first time, and appends one
    ``started`` event per run in the same transaction, with one ``INSERT … SELECT`` that reads
-   each run's next ``seq`` itself.
+   each run's next ``seq`` itself: on PostgreSQL in the claim's own statement, fed by the
+   ``UPDATE … RETURNING`` (``dml_in_cte``), elsewhere as the transaction's last statement.
 
 A worker claims only the workflows it serves (``workflows``): every read above filters on
 them, on the last column of ``ix_runs_lane_tenant``, so a run that no worker of the lane
@@ -76,7 +77,11 @@ from moorline.db.repos.claim_statements import (
     union_chunk,
     waiting_statement,
 )
-from moorline.db.repos.events import EVENT_STARTED, events_from_runs_statement
+from moorline.db.repos.events import (
+    EVENT_STARTED,
+    events_from_runs_statement,
+    transition_with_events,
+)
 from moorline.db.repos.records import Fence, Run, run_from_row
 from moorline.types import Attempt, RunStatus
 
@@ -216,11 +221,6 @@ class ClaimsRepo:
                 conn, lane, owner, allotted, caps, busy, limit, lease_ttl_s, served
             )
             busy.update(fresh)
-            if claims:
-                ids = [claim.fence.run_id for claim in claims]
-                params = {"ids": ids, "type": EVENT_STARTED, "data": {}}
-                await self._db.commit_with_next_statement(conn)
-                await conn.execute(events_from_runs_statement(), params)
         taken: Counter[str] = Counter(claim.run.tenant_id for claim in claims)
         # A tenant's first count (``t.busy``) sized its allotment, and so how many of its runs
         # were read; a run of it that ended before the recount leaves the fresh count lower.
@@ -307,10 +307,18 @@ class _LockedClaim:
         now: datetime = min(row["db_now"] for row in rows)
         expires = now + timedelta(seconds=lease_ttl_s)
         params = {"ids": chosen, "new_owner": owner, "claimed_at": now, "expires_at": expires}
-        result = await conn.execute(claim_locked_statement(), params)
+        merged = self._backend.capabilities.dml_in_cte
+        if merged:
+            # The claim and its started events in one statement; its rowcount is the events'.
+            stmt = transition_with_events(claim_locked_statement())
+            result = await conn.execute(stmt, {**params, **_STARTED})
+        else:
+            result = await conn.execute(claim_locked_statement(), params)
         # Every chosen row is locked by this transaction and was eligible as locked.
         if result.rowcount != len(chosen):  # pragma: no cover - would be a locking bug
             raise AssertionError(f"claimed {result.rowcount} of {len(chosen)} locked runs")
+        if not merged:
+            await _append_started_txn(conn, self._backend, chosen)
         by_id = {row["id"]: row for row in rows}
         return [_claim_of(by_id[run_id], owner, now, expires) for run_id in chosen], fresh
 
@@ -380,8 +388,20 @@ class _SerialisedClaim:
         if len(order) != len(claimed):  # pragma: no cover - the allotment fits the batch
             raise AssertionError(f"claimed {len(claimed)} runs for a batch of {len(order)}")
         by_id = {row["id"]: row for row in claimed}
+        if order:
+            await _append_started_txn(conn, self._backend, order)
         # The counts read at the start are still exact: nothing else wrote meanwhile.
         return [_claim_from_row(by_id[run_id]) for run_id in order], {}
+
+
+_STARTED: dict[str, Any] = {"type": EVENT_STARTED, "data": {}}
+"""The parameters of the ``started`` events of a claim."""
+
+
+async def _append_started_txn(conn: AsyncConnection, backend: Backend, ids: Sequence[str]) -> None:
+    """The ``started`` event of each claimed run: the claim transaction's last statement."""
+    await backend.commit_with_next_statement(conn)
+    await conn.execute(events_from_runs_statement(), {"ids": list(ids), **_STARTED})
 
 
 def _chunk_params(

@@ -13,7 +13,19 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import CTE, Insert, RowMapping, bindparam, func, insert, literal, select
+from sqlalchemy import (
+    CTE,
+    FromClause,
+    Insert,
+    RowMapping,
+    Select,
+    Update,
+    bindparam,
+    func,
+    insert,
+    literal,
+    select,
+)
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import Backend, DialectName, backend_for
@@ -137,23 +149,47 @@ def events_from_runs_statement(*, data_from_error: bool = False) -> Insert:
     were taken, sees every earlier writer's commit. One statement for the whole batch, and no
     ``max(seq)`` round trip or per-event parameters.
     """
+    chosen = _one_event_per_row(runs, data_from_error=data_from_error)
+    return _insert_events(chosen.where(runs.c.id.in_(bindparam("ids", expanding=True))))
+
+
+@functools.lru_cache(maxsize=128)
+def transition_with_events(transition: Update, *, data_from_error: bool = False) -> Insert:
+    """``transition`` and :func:`events_from_runs_statement`'s events, as one statement.
+
+    ``WITH moved AS (UPDATE runs … RETURNING …) INSERT INTO events … SELECT … FROM moved``:
+    one event per run the UPDATE changed, from its new row, for backends with the capability
+    ``dml_in_cte``; a round trip less than the two statements. The statement's rowcount is
+    the number of runs changed. ``transition`` must be a statement built once (it is the
+    cache's key) whose parameters are not named ``type`` or ``data``.
+    """
+    returned = (runs.c.id, runs.c.attempt, runs.c.updated_at, runs.c.error)
+    moved = transition.returning(*returned).cte("moved")
+    return _insert_events(_one_event_per_row(moved, data_from_error=data_from_error)).add_cte(moved)
+
+
+def _one_event_per_row(source: FromClause, *, data_from_error: bool) -> Select[Any]:
+    """One event's columns per row of ``source`` (runs, or runs just changed)."""
     prior = events.alias("prior")
     last_seq = (
         select(func.coalesce(func.max(prior.c.seq), 0))
-        .where(prior.c.run_id == runs.c.id)
+        .where(prior.c.run_id == source.c.id)
         .scalar_subquery()
     )
-    data = runs.c.error if data_from_error else bindparam("data", type_=events.c.data.type)
-    source = select(
-        runs.c.id,
+    data = source.c.error if data_from_error else bindparam("data", type_=events.c.data.type)
+    return select(
+        source.c.id,
         last_seq + 1,
         bindparam("type", type_=events.c.type.type),
-        runs.c.attempt,
+        source.c.attempt,
         data,
-        runs.c.updated_at,
-    ).where(runs.c.id.in_(bindparam("ids", expanding=True)))
+        source.c.updated_at,
+    )
+
+
+def _insert_events(chosen: Select[Any]) -> Insert:
     columns = ["run_id", "seq", "type", "attempt", "data", "created_at"]
-    return insert(events).from_select(columns, source)
+    return insert(events).from_select(columns, chosen)
 
 
 def first_event_statement(source: CTE) -> Insert:
@@ -173,8 +209,7 @@ def first_event_statement(source: CTE) -> Insert:
         bindparam("data", type_=events.c.data.type),
         source.c.updated_at,
     )
-    columns = ["run_id", "seq", "type", "attempt", "data", "created_at"]
-    stmt = insert(events).from_select(columns, chosen).add_cte(source)
+    stmt = _insert_events(chosen).add_cte(source)
     return stmt.returning(events.c.run_id, events.c.created_at)
 
 

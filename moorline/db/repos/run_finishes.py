@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple, TypeAlias
 
 from sqlalchemy import (
+    Executable,
     Select,
     String,
     Update,
@@ -41,6 +42,7 @@ from moorline.db.repos.events import (
     EVENT_TIMED_OUT,
     append_events_txn,
     events_from_runs_statement,
+    transition_with_events,
 )
 from moorline.db.repos.records import Fence
 from moorline.db.repos.run_reads import IN_CHUNK, RunRepoBase, db_now_txn
@@ -217,11 +219,19 @@ class RunFinishes(RunRepoBase):
         ``is_last``: the transaction ends after this group, so an events statement executed
         once may carry its commit (``DatabaseManager.commit_with_next_statement``).
         """
-        stmt, params = _finish_statement(kind, group, now)
+        finish, params = _finish_statement(kind, group, now)
+        from_error = kind in _EVENT_DATA_IS_ERROR
+        # One event per run, from its new row: with the UPDATE in one statement where it can.
+        merged = (from_error or kind in _EVENT_DATA) and self._backend.capabilities.dml_in_cte
+        stmt: Executable = finish
+        if merged:
+            stmt = transition_with_events(finish, data_from_error=from_error)
+            params |= {"type": kind, "data": _EVENT_DATA.get(kind)}
         result = await conn.execute(stmt, params)
         if result.rowcount != len(group):  # pragma: no cover - would be a locking bug
             raise AssertionError(f"finish {kind}: {result.rowcount} of {len(group)} locked runs")
-        from_error = kind in _EVENT_DATA_IS_ERROR
+        if merged:
+            return
         if from_error or kind in _EVENT_DATA:
             # The event's data is the same for every run of the group, or is the error the
             # UPDATE just stored: one INSERT … SELECT reads each run's next seq itself.
