@@ -28,6 +28,9 @@ One :class:`Worker` per process (or per in-process loop of ``moorline serve``):
   reports, so a lost signal costs at most one heartbeat interval.
 - **Outcomes** go through the :class:`~moorline.worker.completions.Completer` (group commit):
   succeeded, failed (or retrying), and the stops ``cancelled`` and ``timed_out``, all fenced.
+  While a lane's loop waits for a freed slot, its runs' outcomes are handed to the loop
+  instead, which writes them with its next claim in one transaction
+  (:mod:`moorline.worker.handoffs`).
 - **Shutdown** (``stop`` set): claiming stops, in-flight runs get ``grace_s`` to finish, the
   rest are cancelled and released (back to ``queued`` at once, their attempt fenced out).
 - **Supervision.** The long-lived loops run in one task group: if one dies, the others are
@@ -53,7 +56,8 @@ from sqlalchemy.exc import DBAPIError
 import moorline
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.children import ChildrenRepo
-from moorline.db.repos.queue import Claim, QueueRepo
+from moorline.db.repos.handoffs import HandoffsRepo
+from moorline.db.repos.queue import Claim, ClaimBatch, QueueRepo
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import LeaseLost
@@ -68,6 +72,7 @@ from moorline.observability.logs import bind_run
 from moorline.observability.metrics import Metrics
 from moorline.types import JSONObject, RunStatus
 from moorline.worker.completions import Completer
+from moorline.worker.handoffs import Handed, Handoffs
 from moorline.worker.presence import Presence
 
 logger = logging.getLogger(__name__)
@@ -146,6 +151,8 @@ class _Execution:
     """Its outcome is written (or given up): no heartbeat or fence concerns it any more."""
     parked: bool = False
     """Its attempt parked the run and is winding down: it holds no lease to renew or lose."""
+    slot_released: bool = False
+    """Its outcome was committed with its lane's next claim, which took its slot."""
 
 
 class Worker:
@@ -223,6 +230,8 @@ class Worker:
         self._rng = rng or random.Random()
         self._metrics = metrics or Metrics()
         self._completer = Completer(self._runs)
+        self._handoffs: Handoffs[_Execution] = Handoffs(list(self._lanes), self._completer)
+        self._handoffs_repo = HandoffsRepo(db)
         self._failures = FailureDescriber(secrets)
         self._children = ChildrenRepo(db)
         self._notifier = notifier
@@ -235,6 +244,8 @@ class Worker:
         """Set when this process knows its lane may have claimable work (see ``_claim_loop``)."""
         self._wants_slot = dict.fromkeys(self._lanes, False)
         """Whether a slot freed in the lane should make its loop claim again."""
+        self._waiting = dict.fromkeys(self._lanes, False)
+        """Whether the lane's loop waits (for work or a slot) rather than claims right now."""
         self._freed_at = dict.fromkeys(self._lanes, 0.0)
         """``time.monotonic()`` when each lane's latest slot was freed."""
         self._retry_timers: set[asyncio.TimerHandle] = set()
@@ -250,6 +261,8 @@ class Worker:
         """Claims made so far, empty ones included."""
         self.claimed = 0
         self.finished = 0
+        self.handed_off = 0
+        """Outcomes committed with their lane's next claim (:mod:`moorline.worker.handoffs`)."""
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -339,48 +352,116 @@ class Worker:
         the last claim had left runs behind for want of a tenant's free slot. A slot freed
         when the last claim found the lane empty wakes nobody: a claim then would find nothing
         the wake-ups would not announce, and on SQLite would still take the write lock.
+
+        While it waits for a freed slot, ending runs hand it their outcomes, and its next claim
+        writes them first, in the same transaction (:mod:`moorline.worker.handoffs`).
         """
         slots = self._lanes[lane]
         failures = 0
-        while self._claiming:
-            free = slots - self._in_lane[lane]
-            if free <= 0:
-                self._wants_slot[lane] = True
-                self._recheck[lane].clear()
-                await self._recheck[lane].wait()
-                continue
-            try:
-                batch = await self._queue.claim(
-                    lane,
-                    self.owner,
-                    limit=free,
-                    lease_ttl_s=self._lease_ttl_s,
-                    tenant_caps=await self._tenant_caps(),
-                    workflows=self._workflows,
-                )
-            except (DBAPIError, BackendUnavailable) as exc:
-                # A dropped connection, a failover, a terminated backend: the worker outlives
-                # it. A claim whose commit went through unseen only delays its runs until the
-                # reaper hands them back (their lease names this worker, which never ran them).
-                failures += 1
-                delay_s = min(CLAIM_BACKOFF_MAX_S, CLAIM_BACKOFF_S * 2 ** (failures - 1))
-                logger.warning(
-                    "claim in lane %s failed (%r); trying again in %.1fs", lane, exc, delay_s
-                )
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay_s):
-                        await stop.wait()
-                continue
-            failures = 0
-            self.claim_transactions += 1
-            self._arm_self_fence([self._start(claim, lane) for claim in batch.claims])
-            if len(batch.claims) < free and self._claiming:
-                self._wants_slot[lane] = batch.is_capped
-                if batch.is_capped and self._freed_at[lane] > batch.began_monotonic_s:
-                    # A slot freed during the claim woke nobody (``_wants_slot`` was the last
-                    # batch's answer), and the claim may have counted its run still running.
-                    continue
-                await self._wait_for_work(lane, batch.began_monotonic_s)
+        try:
+            while self._claiming:
+                failures = await self._claim_once(lane, slots, failures, stop)
+        except BaseException:
+            for handed in self._handoffs.take(lane):
+                # The worker is going down: their runs return through the reaper.
+                handed.answer.cancel()
+            raise
+        # Handed as the loop stopped: the group commit writes them (it outlives the loops).
+        await self._handoffs.to_completer(self._handoffs.take(lane))
+
+    async def _claim_once(self, lane: str, slots: int, failures: int, stop: asyncio.Event) -> int:
+        """One turn of :meth:`_claim_loop`: claim, or wait; the claim failures in a row."""
+        handed = self._handoffs.take(lane)
+        # The handed runs' slots are free once their outcomes commit, before the claim reads.
+        free = slots - self._in_lane[lane] + len(handed)
+        if free <= 0:
+            self._wants_slot[lane] = True
+            self._recheck[lane].clear()
+            await self._wait_while(lane, self._recheck[lane].wait())
+            return failures
+        try:
+            batch = await self._claim(lane, free, handed)
+        except (DBAPIError, BackendUnavailable) as exc:
+            # A dropped connection, a failover, a terminated backend: the worker outlives it. A
+            # claim whose commit went through unseen only delays its runs until the reaper
+            # hands them back (their lease names this worker, which never ran them).
+            failures += 1
+            delay_s = min(CLAIM_BACKOFF_MAX_S, CLAIM_BACKOFF_S * 2 ** (failures - 1))
+            logger.warning(
+                "claim in lane %s failed (%r); trying again in %.1fs", lane, exc, delay_s
+            )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay_s):
+                    await stop.wait()
+            return failures
+        self.claim_transactions += 1
+        self._arm_self_fence([self._start(claim, lane) for claim in batch.claims])
+        if len(batch.claims) < free and self._claiming:
+            self._wants_slot[lane] = batch.is_capped
+            if batch.is_capped and self._freed_at[lane] > batch.began_monotonic_s:
+                # A slot freed during the claim woke nobody (``_wants_slot`` was the last
+                # batch's answer), and the claim may have counted its run still running.
+                return 0
+            await self._wait_while(lane, self._wait_for_work(lane, batch.began_monotonic_s))
+        return 0
+
+    async def _claim(self, lane: str, free: int, handed: list[Handed[_Execution]]) -> ClaimBatch:
+        """Claim up to ``free`` runs, after writing the ``handed`` outcomes in the same transaction.
+
+        Handed outcomes that could not be written that way go through the group commit, which
+        retries them; the claim's failure is raised as a lone claim's would be.
+        """
+        caps = await self._tenant_caps()
+        if not handed:
+            return await self._queue.claim(
+                lane,
+                self.owner,
+                limit=free,
+                lease_ttl_s=self._lease_ttl_s,
+                tenant_caps=caps,
+                workflows=self._workflows,
+            )
+        try:
+            applied, batch = await self._handoffs_repo.finish_and_claim(
+                [item.outcome for item in handed],
+                lane,
+                self.owner,
+                limit=free,
+                lease_ttl_s=self._lease_ttl_s,
+                tenant_caps=caps,
+                workflows=self._workflows,
+            )
+        except (DBAPIError, BackendUnavailable):
+            await self._handoffs.to_completer(handed)
+            raise
+        except BaseException:
+            for item in handed:
+                item.answer.cancel()
+            raise
+        for item in handed:
+            # Committed: the slot is the claim's now (counted free above), not the ended run's.
+            item.execution.slot_released = True
+            self._in_lane[lane] -= 1
+        self.handed_off += len(handed)
+        self._handoffs.settle(handed, applied)
+        return batch
+
+    async def _complete(self, execution: _Execution, outcome: Outcome) -> bool:
+        """Write ``outcome``: handed to the lane's loop if it waits for a slot, else grouped."""
+        lane = execution.lane
+        if self._claiming and self._waiting[lane] and self._wants_slot[lane]:
+            answer = self._handoffs.hand(lane, execution, outcome)
+            self._recheck[lane].set()
+            return await answer
+        return await self._completer.complete(outcome)
+
+    async def _wait_while(self, lane: str, waiting: Awaitable[object]) -> None:
+        """Await ``waiting`` with the lane's loop marked as waiting (it takes handoffs then)."""
+        self._waiting[lane] = True
+        try:
+            await waiting
+        finally:
+            self._waiting[lane] = False
 
     async def _wait_for_work(self, lane: str, seen_before: float) -> None:
         """Until a wake-up for ``lane``, a local recheck (``stop`` sets one), or the slow poll.
@@ -468,7 +549,7 @@ class Worker:
         try:
             outcome = await self._attempt(execution)
             if outcome is not None and not execution.lost:
-                applied = await self._completer.complete(outcome)
+                applied = await self._complete(execution, outcome)
                 if applied:
                     self._count_outcome(execution, outcome)
                     if claim.run.parent_run_id is not None:
@@ -625,10 +706,11 @@ class Worker:
         execution.finished = True
         self._leave_self_fence(execution)
         self._executions.discard(execution)
-        self._in_lane[execution.lane] -= 1
-        self._freed_at[execution.lane] = time.monotonic()
-        if self._wants_slot[execution.lane]:
-            self._recheck[execution.lane].set()
+        if not execution.slot_released:
+            self._in_lane[execution.lane] -= 1
+            self._freed_at[execution.lane] = time.monotonic()
+            if self._wants_slot[execution.lane]:
+                self._recheck[execution.lane].set()
         self.finished += 1
 
     # --- leases ------------------------------------------------------------------------------

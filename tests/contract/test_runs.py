@@ -18,6 +18,7 @@ from sqlalchemy import func, select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EventsRepo
+from moorline.db.repos.handoffs import HandoffsRepo
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.records import Event
 from moorline.db.repos.runs import (
@@ -448,6 +449,35 @@ async def test_a_claim_and_a_finish_write_their_events_with_their_transition_whe
         assert types[1:] == ["started", "succeeded" if run is not claimed[2] else "failed"]
     [failed] = await EventsRepo(db).list(claimed[2].run.run_id, after_seq=2)
     assert failed.data == error
+
+
+async def test_outcomes_and_the_next_claim_commit_together_and_the_cap_counts_them_ended(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo, queue, handoffs = RunsRepo(db), QueueRepo(db), HandoffsRepo(db)
+    lane = unique("lane")
+    tenant = await tenants.new("capped")
+    await repo.submit_many([new_run(tenant, lane) for _ in range(6)])
+    caps = {"capped": 2}
+    first = await queue.claim_batch(lane, "w", limit=5, lease_ttl_s=TTL_S, tenant_caps=caps)
+    assert len(first) == 2  # the cap
+    stale = Succeeded(fence=replace(first[1].fence, owner="intruder"), output="late")
+    outcomes: list[Outcome] = [Succeeded(fence=first[0].fence, output="done"), stale]
+    applied, batch = await handoffs.finish_and_claim(
+        outcomes, lane, "w", limit=5, lease_ttl_s=TTL_S, tenant_caps=caps
+    )
+    # The run it ended no longer counts: one slot of the cap is free, and only one.
+    assert applied == [True, False]
+    assert len(batch.claims) == 1 and batch.is_capped
+    async with db.connect() as conn:
+        running = select(func.count()).where(runs.c.tenant_id == tenant, runs.c.status == "running")
+        assert (await conn.execute(running)).scalar_one() == 2
+    ended = await repo.get(first[0].run.run_id)
+    assert ended is not None and ended.status == RunStatus.SUCCEEDED
+    assert [e.type for e in await EventsRepo(db).list(batch.claims[0].run.run_id)] == [
+        "queued",
+        "started",
+    ]
 
 
 async def test_stale_fences_change_nothing_while_the_rest_of_the_batch_applies(

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 from sqlalchemy import event, select
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.handoffs import HandoffsRepo
 from moorline.db.repos.queue import QueueRepo, Renewal
 from moorline.db.repos.records import Fence
 from moorline.db.schema import runs
@@ -65,6 +67,15 @@ def make_app(probe: Probe) -> Moorline:
     @app.workflow("stepped")
     async def stepped(ctx: Context) -> None:
         await ctx.step("one", _one)
+
+    @app.workflow("counted")
+    async def counted(ctx: Context) -> None:
+        probe.active += 1
+        probe.most_active = max(probe.most_active, probe.active)
+        try:
+            await asyncio.sleep(0.005)  # long enough for the other slots' runs to overlap
+        finally:
+            probe.active -= 1
 
     @app.workflow("boom")
     async def boom(ctx: Context) -> None:
@@ -351,6 +362,7 @@ def slow_polling_worker(
     caps: Mapping[str, int] | None = None,
     retry_policy: RetryPolicy = NO_BACKOFF,
     waiter: Waiter | None = None,
+    probe: Probe | None = None,
 ) -> Worker:
     """A worker whose slow poll never comes within a test: only local reasons (and the
     ``waiter``'s wake-ups) make it claim."""
@@ -360,7 +372,7 @@ def slow_polling_worker(
 
     return Worker(
         db,
-        make_runner(db, Probe()),
+        make_runner(db, probe or Probe()),
         lanes=lanes,
         lease_ttl_s=30.0,
         tenant_caps=tenant_caps,
@@ -379,6 +391,47 @@ async def test_a_slot_freed_under_a_tenant_cap_is_used_at_once(
     run_ids = await add_runs(db, await tenants.new("one_at_a_time"), lane, 4)
     async with Running(slow_polling_worker(db, {lane: 4}, caps={"one_at_a_time": 1})):
         await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the capped runs")
+
+
+async def test_runs_ending_under_a_cap_hand_their_slots_to_the_next_claim(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # Three slots, a tenant cap of two: every claim leaves runs behind, so the loop waits for
+    # freed slots and each ending run's outcome is written with the next claim. The cap must
+    # hold all the same: the claim counts the runs it just ended as ended, no more.
+    probe = Probe()
+    lane = unique("lane")
+    run_ids = await add_runs(db, await tenants.new("two_at_a_time"), lane, 40)
+    await set_workflow(db, run_ids, "counted")
+    worker = slow_polling_worker(db, {lane: 3}, caps={"two_at_a_time": 2}, probe=probe)
+    async with Running(worker):
+        await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the capped runs")
+    assert probe.most_active == 2
+    assert worker.handed_off >= 20, worker.handed_off
+    assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
+    assert set((await event_counts(db, run_ids, "started")).values()) == {1}
+
+
+async def test_a_failed_handoff_writes_its_outcomes_through_the_group_commit(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lane = unique("lane")
+    run_ids = await add_runs(db, await tenants.new("one_at_a_time"), lane, 6)
+    failed: list[int] = []
+    finish_and_claim = HandoffsRepo.finish_and_claim
+
+    async def failing_once(self: HandoffsRepo, *args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(1)
+            raise OperationalError("SELECT 1", {}, ConnectionResetError("the connection dropped"))
+        return await finish_and_claim(self, *args, **kwargs)
+
+    monkeypatch.setattr(HandoffsRepo, "finish_and_claim", failing_once)
+    worker = slow_polling_worker(db, {lane: 2}, caps={"one_at_a_time": 1})
+    async with Running(worker):
+        await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the capped runs")
+    assert failed and worker.handed_off >= 1
+    assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
 
 
 async def test_a_retry_is_claimed_once_its_delay_has_passed(

@@ -201,26 +201,58 @@ class ClaimsRepo:
             more are eligible, when tenants are at their caps, or when another claimer took
             them first; and whether a cap kept eligible runs back.
         """
-        served = None if workflows is None else sorted(set(workflows))
-        if limit < 1 or served == []:
+        if limit < 1 or (workflows is not None and not workflows):
             return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=time.monotonic())
-        strategy = self._claim_strategy
         async with self._db.write_transaction() as conn:
-            began = time.monotonic()
-            waiting = await self._waiting_tenants_txn(conn, lane, served)
-            # Under row locks the tenants' counts may change before their rows are locked;
-            # allotting more than the batch leaves spare candidates for slots a concurrent
-            # claimer of the same tenant took while this one waited for the lock.
-            allotted = allot(waiting, tenant_caps, default_cap, limit * strategy.oversample)
-            if not allotted:
-                return ClaimBatch(claims=[], is_capped=bool(waiting), began_monotonic_s=began)
-            plans = {tenant.tenant_id: tenant.plan for tenant in waiting}
-            caps = {t: tenant_cap(tenant_caps, default_cap, plans[t]) for t in allotted}
-            busy = {tenant.tenant_id: tenant.busy for tenant in waiting}
-            claims, fresh = await strategy.claim_txn(
-                conn, lane, owner, allotted, caps, busy, limit, lease_ttl_s, served
+            return await self.claim_txn(
+                conn,
+                lane,
+                owner,
+                limit=limit,
+                lease_ttl_s=lease_ttl_s,
+                tenant_caps=tenant_caps,
+                default_cap=default_cap,
+                workflows=workflows,
             )
-            busy.update(fresh)
+
+    async def claim_txn(
+        self,
+        conn: AsyncConnection,
+        lane: str,
+        owner: str,
+        *,
+        limit: int,
+        lease_ttl_s: float,
+        tenant_caps: Mapping[str, int],
+        default_cap: int = 1,
+        workflows: Collection[str] | None = None,
+    ) -> ClaimBatch:
+        """:meth:`claim` in the caller's write transaction, as its last statements.
+
+        The caller may have written before in it (a worker's outcomes,
+        :meth:`~moorline.db.repos.handoffs.HandoffsRepo.finish_and_claim`): the counts read
+        here see those writes, so a run it just ended no longer counts against its tenant's
+        cap. Nothing may be written after: the claim's last statement may carry the commit.
+        """
+        served = None if workflows is None else sorted(set(workflows))
+        began = time.monotonic()
+        if limit < 1 or served == []:
+            return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=began)
+        strategy = self._claim_strategy
+        waiting = await self._waiting_tenants_txn(conn, lane, served)
+        # Under row locks the tenants' counts may change before their rows are locked;
+        # allotting more than the batch leaves spare candidates for slots a concurrent
+        # claimer of the same tenant took while this one waited for the lock.
+        allotted = allot(waiting, tenant_caps, default_cap, limit * strategy.oversample)
+        if not allotted:
+            return ClaimBatch(claims=[], is_capped=bool(waiting), began_monotonic_s=began)
+        plans = {tenant.tenant_id: tenant.plan for tenant in waiting}
+        caps = {t: tenant_cap(tenant_caps, default_cap, plans[t]) for t in allotted}
+        busy = {tenant.tenant_id: tenant.busy for tenant in waiting}
+        claims, fresh = await strategy.claim_txn(
+            conn, lane, owner, allotted, caps, busy, limit, lease_ttl_s, served
+        )
+        busy.update(fresh)
         taken: Counter[str] = Counter(claim.run.tenant_id for claim in claims)
         # A tenant's first count (``t.busy``) sized its allotment, and so how many of its runs
         # were read; a run of it that ended before the recount leaves the fresh count lower.

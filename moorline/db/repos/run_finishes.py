@@ -166,42 +166,54 @@ class RunFinishes(RunRepoBase):
             return []
 
         async def write() -> list[bool]:
-            applied = [False] * len(outcomes)
-            trailing: list[tuple[RunId, Attempt, str, JSONObject]] = []
             async with self._db.write_transaction() as conn:
-                running, now = await self._lock_running_txn(conn, outcomes)
-                if not running:
-                    return applied
-                groups: dict[str, list[_Finish]] = {}
-                for index, outcome in enumerate(outcomes):
-                    fence = outcome.fence
-                    held = running.get(fence.run_id)
-                    if held is None or not held.is_held_by(fence):
-                        # The fence does not hold: the run was reclaimed, finished, or ended
-                        # by an earlier outcome of this batch (a stale attempt and the current
-                        # one of the same run may come together).
-                        continue
-                    del running[fence.run_id]
-                    if held.is_cancel_requested and not isinstance(outcome, Succeeded):
-                        outcome = Stopped(fence=fence, status=RunStatus.CANCELLED)
-                    finish = _finish_of(outcome, now, held.started_at)
-                    groups.setdefault(finish.kind, []).append(finish)
-                    applied[index] = True
-                    if isinstance(outcome, Succeeded):
-                        trailing += [(fence.run_id, fence.attempt, *e) for e in outcome.events]
-                # Before the terminal events, which take the next seq after them.
-                await append_events_txn(conn, self._backend.name, trailing, now=now)
-                chunks = [
-                    (kind, group[offset : offset + _FINISH_CHUNK])
-                    for kind, group in groups.items()
-                    for offset in range(0, len(group), _FINISH_CHUNK)
-                ]
-                for index, (kind, chunk) in enumerate(chunks):
-                    is_last = index == len(chunks) - 1
-                    await self._finish_group_txn(conn, kind, chunk, now, is_last=is_last)
-            return applied
+                return await self.finish_txn(conn, outcomes, ends_transaction=True)
 
         return await self._db.with_retry(write)
+
+    async def finish_txn(
+        self, conn: AsyncConnection, outcomes: Sequence[Outcome], *, ends_transaction: bool
+    ) -> list[bool]:
+        """:meth:`finish_many` in the caller's write transaction (not retried here).
+
+        ``ends_transaction``: nothing is written after, so the last statement may carry the
+        commit; False when the caller goes on (a claim of the freed slots).
+        """
+        applied = [False] * len(outcomes)
+        if not outcomes:
+            return applied
+        trailing: list[tuple[RunId, Attempt, str, JSONObject]] = []
+        running, now = await self._lock_running_txn(conn, outcomes)
+        if not running:
+            return applied
+        groups: dict[str, list[_Finish]] = {}
+        for index, outcome in enumerate(outcomes):
+            fence = outcome.fence
+            held = running.get(fence.run_id)
+            if held is None or not held.is_held_by(fence):
+                # The fence does not hold: the run was reclaimed, finished, or ended by an
+                # earlier outcome of this batch (a stale attempt and the current one of the
+                # same run may come together).
+                continue
+            del running[fence.run_id]
+            if held.is_cancel_requested and not isinstance(outcome, Succeeded):
+                outcome = Stopped(fence=fence, status=RunStatus.CANCELLED)
+            finish = _finish_of(outcome, now, held.started_at)
+            groups.setdefault(finish.kind, []).append(finish)
+            applied[index] = True
+            if isinstance(outcome, Succeeded):
+                trailing += [(fence.run_id, fence.attempt, *e) for e in outcome.events]
+        # Before the terminal events, which take the next seq after them.
+        await append_events_txn(conn, self._backend.name, trailing, now=now)
+        chunks = [
+            (kind, group[offset : offset + _FINISH_CHUNK])
+            for kind, group in groups.items()
+            for offset in range(0, len(group), _FINISH_CHUNK)
+        ]
+        for index, (kind, chunk) in enumerate(chunks):
+            is_last = ends_transaction and index == len(chunks) - 1
+            await self._finish_group_txn(conn, kind, chunk, now, is_last=is_last)
+        return applied
 
     async def _finish_group_txn(
         self,
