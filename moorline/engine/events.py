@@ -19,7 +19,7 @@ transaction and one Pub/Sub message per batch. The buffer is written
   the attempt's outcome (durability points hold: a checkpoint never precedes a delta emitted
   before it). Progress events alone at a workflow's return are the exception: they are
   handed to the worker (:meth:`EventWriter.take_progress`) and committed in the outcome's own
-  transaction, before its ``succeeded`` event.
+  transaction, before the outcome's event.
 
 One lock orders the writes, so events are committed and published in ``seq`` order. A write
 that fails (the lease was lost, the database stayed away) is remembered and raised again by
@@ -235,7 +235,7 @@ class EventWriter:
         """Hand over the buffered events if all are progress events; None if any is not.
 
         For the attempt's end: progress events are written with its outcome (in the worker's
-        outcome batch, before its terminal event) instead of in a transaction of their own.
+        outcome batch, before the outcome's event) instead of in a transaction of their own.
         None when a durable event waits or a write is in progress: then :meth:`flush`.
 
         Raises:

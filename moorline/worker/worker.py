@@ -648,7 +648,7 @@ class Worker:
     async def _attempt(self, execution: _Execution) -> Outcome | None:
         """Run the workflow once; its outcome, or None when it was cancelled by us."""
         claim = execution.claim
-        # The workflow's last progress events, written with its success (one commit less).
+        # A returned workflow's last progress events, written with its outcome (a commit less).
         trailing: list[tuple[str, JSONObject]] = []
         try:
             output = await self._runner.run(
@@ -672,7 +672,7 @@ class Worker:
             return None
         except Cancelled:
             logger.info("run %s attempt %d: cancelled", *_ids(claim))
-            return Stopped(fence=claim.fence, status=RunStatus.CANCELLED)
+            return Stopped(fence=claim.fence, status=RunStatus.CANCELLED, events=trailing)
         except TimeLimitExceeded as exc:
             logger.info("run %s attempt %d: %s", *_ids(claim), exc)
             error: JSONObject = {
@@ -680,7 +680,9 @@ class Worker:
                 "message": str(exc),
                 "reason": "timeout",
             }
-            return Stopped(fence=claim.fence, status=RunStatus.TIMED_OUT, error=error)
+            return Stopped(
+                fence=claim.fence, status=RunStatus.TIMED_OUT, error=error, events=trailing
+            )
         except Exception as exc:
             # Claims after a resume are no failures: they do not use up the budget.
             tries = claim.fence.attempt - claim.run.resumes
@@ -699,6 +701,7 @@ class Worker:
                 fence=claim.fence,
                 error=self._failures.describe(exc, reason=decision.reason),
                 retry_delay_s=decision.delay_s if decision.retry else None,
+                events=trailing,
             )
         return Succeeded(fence=claim.fence, output=output, events=trailing)
 

@@ -374,3 +374,25 @@ async def test_a_worker_commits_a_step_runs_last_events_with_its_success(
     assert is_contiguous(stored, 1)
     # One transaction, one clock reading: not a write of their own before the outcome's.
     assert stored[2].created_at == stored[3].created_at == stored[4].created_at
+
+
+async def test_last_progress_events_ride_with_whatever_outcome_ends_the_attempt(
+    engine: EngineHarness,
+) -> None:
+    # The workflow returns, but its result is not JSON: the attempt fails after all, and the
+    # progress events it handed over are written with the failure, not dropped.
+    @engine.app.workflow("unserialisable")
+    async def unserialisable(ctx: Context) -> JSONValue:
+        await ctx.step("look", lambda: "seen")
+        return object()  # type: ignore[return-value]
+
+    run_id = await engine.new_run("unserialisable")
+    async with engine.worker():
+        await engine.until_status(run_id, RunStatus.FAILED)
+    assert [e.type for e in await engine.stored(run_id)] == [
+        "queued",
+        "started",
+        "step_started",
+        "step_finished",
+        "failed",
+    ]

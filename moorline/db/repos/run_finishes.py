@@ -58,7 +58,8 @@ class Succeeded:
         fence: The attempt's fence.
         output: What the workflow returned.
         events: The attempt's last events, ``(type, data)``, not written yet: appended
-            before its ``succeeded`` event, in the same transaction, if the outcome applies.
+            before the outcome's own event, in the same transaction, if the outcome applies
+            (every outcome has them: a workflow that returned may still end otherwise).
     """
 
     fence: Fence
@@ -76,11 +77,13 @@ class Failed:
             (``reason`` is the retry policy's: ``retry``, ``max attempts``, ``non-retryable``).
         retry_delay_s: None to fail the run for good (``failed``); a number of seconds to put
             it back to ``queued``, claimable from database time + that delay.
+        events: As :attr:`Succeeded.events`.
     """
 
     fence: Fence
     error: JSONObject
     retry_delay_s: float | None
+    events: Sequence[tuple[str, JSONObject]] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,11 +97,13 @@ class Stopped:
         error: What stopped it, kept as the run's ``error`` and as the event's data, e.g.
             ``{"type": "TimeLimitExceeded", "message": "…", "reason": "timeout"}``; None for
             a cancel (its event is ``{"reason": "cancelled"}``, as the reaper writes it).
+        events: As :attr:`Succeeded.events`.
     """
 
     fence: Fence
     status: RunStatus
     error: JSONObject | None = None
+    events: Sequence[tuple[str, JSONObject]] = ()
 
     def __post_init__(self) -> None:
         if self.status not in _STOPPED_STATUSES:
@@ -134,8 +139,8 @@ class RunFinishes(RunRepoBase):
         checked, and their events by one ``INSERT … SELECT`` (``retrying``: one multi-row
         INSERT); an outcome that did not apply writes nothing:
 
-        * :class:`Succeeded` → ``succeeded`` with ``output`` (``error`` cleared), its
-          ``events`` then event ``succeeded``;
+        * :class:`Succeeded` → ``succeeded`` with ``output`` (``error`` cleared), event
+          ``succeeded`` (every outcome's ``events`` come before its own event);
         * :class:`Failed` with ``retry_delay_s`` → ``queued``, claimable from database time +
           the delay, ``error`` kept, ``attempt`` unchanged (the next claim increments it),
           event ``retrying`` ``{"delay_s", "error"}``;
@@ -197,12 +202,11 @@ class RunFinishes(RunRepoBase):
                 continue
             del running[fence.run_id]
             if held.is_cancel_requested and not isinstance(outcome, Succeeded):
-                outcome = Stopped(fence=fence, status=RunStatus.CANCELLED)
+                outcome = Stopped(fence=fence, status=RunStatus.CANCELLED, events=outcome.events)
             finish = _finish_of(outcome, now, held.started_at)
             groups.setdefault(finish.kind, []).append(finish)
             applied[index] = True
-            if isinstance(outcome, Succeeded):
-                trailing += [(fence.run_id, fence.attempt, *e) for e in outcome.events]
+            trailing += [(fence.run_id, fence.attempt, *event) for event in outcome.events]
         # Before the terminal events, which take the next seq after them.
         await append_events_txn(conn, self._backend.name, trailing, now=now)
         chunks = [
