@@ -57,7 +57,7 @@ import moorline
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.handoffs import HandoffsRepo
-from moorline.db.repos.queue import Claim, ClaimBatch, QueueRepo
+from moorline.db.repos.queue import Claim, ClaimBatch, ClaimRequest, QueueRepo
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import Failed, Outcome, RunsRepo, Stopped, Succeeded
 from moorline.db.repos.steps import LeaseLost
@@ -411,26 +411,19 @@ class Worker:
         Handed outcomes that could not be written that way go through the group commit, which
         retries them; the claim's failure is raised as a lone claim's would be.
         """
-        caps = await self._tenant_caps()
+        request = ClaimRequest(
+            lane=lane,
+            owner=self.owner,
+            limit=free,
+            lease_ttl_s=self._lease_ttl_s,
+            tenant_caps=await self._tenant_caps(),
+            workflows=self._workflows,
+        )
         if not handed:
-            return await self._queue.claim(
-                lane,
-                self.owner,
-                limit=free,
-                lease_ttl_s=self._lease_ttl_s,
-                tenant_caps=caps,
-                workflows=self._workflows,
-            )
+            return await self._queue.claim_as(request)
         try:
-            applied, batch = await self._handoffs_repo.finish_and_claim(
-                [item.outcome for item in handed],
-                lane,
-                self.owner,
-                limit=free,
-                lease_ttl_s=self._lease_ttl_s,
-                tenant_caps=caps,
-                workflows=self._workflows,
-            )
+            outcomes = [item.outcome for item in handed]
+            applied, batch = await self._handoffs_repo.finish_and_claim(outcomes, request)
         except (DBAPIError, BackendUnavailable):
             await self._handoffs.to_completer(handed)
             raise

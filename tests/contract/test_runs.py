@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EventsRepo
 from moorline.db.repos.handoffs import HandoffsRepo
-from moorline.db.repos.queue import Claim, QueueRepo
+from moorline.db.repos.queue import Claim, ClaimRequest, QueueRepo
 from moorline.db.repos.records import Event
 from moorline.db.repos.runs import (
     Failed,
@@ -463,9 +463,8 @@ async def test_outcomes_and_the_next_claim_commit_together_and_the_cap_counts_th
     assert len(first) == 2  # the cap
     stale = Succeeded(fence=replace(first[1].fence, owner="intruder"), output="late")
     outcomes: list[Outcome] = [Succeeded(fence=first[0].fence, output="done"), stale]
-    applied, batch = await handoffs.finish_and_claim(
-        outcomes, lane, "w", limit=5, lease_ttl_s=TTL_S, tenant_caps=caps
-    )
+    request = ClaimRequest(lane=lane, owner="w", limit=5, lease_ttl_s=TTL_S, tenant_caps=caps)
+    applied, batch = await handoffs.finish_and_claim(outcomes, request)
     # The run it ended no longer counts: one slot of the cap is free, and only one.
     assert applied == [True, False]
     assert len(batch.claims) == 1 and batch.is_capped

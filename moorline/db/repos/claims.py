@@ -114,6 +114,19 @@ class ClaimBatch:
     began_monotonic_s: float
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimRequest:
+    """What one claim asks for: the arguments of :meth:`ClaimsRepo.claim`, which says each."""
+
+    lane: str
+    owner: str
+    limit: int
+    lease_ttl_s: float
+    tenant_caps: Mapping[str, int]
+    default_cap: int = 1
+    workflows: Collection[str] | None = None
+
+
 class _ClaimStrategy(Protocol):
     """How the allotted runs are read and claimed, inside the claim's write transaction."""
 
@@ -201,40 +214,36 @@ class ClaimsRepo:
             more are eligible, when tenants are at their caps, or when another claimer took
             them first; and whether a cap kept eligible runs back.
         """
-        if limit < 1 or (workflows is not None and not workflows):
-            return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=time.monotonic())
-        async with self._db.write_transaction() as conn:
-            return await self.claim_txn(
-                conn,
-                lane,
-                owner,
+        return await self.claim_as(
+            ClaimRequest(
+                lane=lane,
+                owner=owner,
                 limit=limit,
                 lease_ttl_s=lease_ttl_s,
                 tenant_caps=tenant_caps,
                 default_cap=default_cap,
                 workflows=workflows,
             )
+        )
 
-    async def claim_txn(
-        self,
-        conn: AsyncConnection,
-        lane: str,
-        owner: str,
-        *,
-        limit: int,
-        lease_ttl_s: float,
-        tenant_caps: Mapping[str, int],
-        default_cap: int = 1,
-        workflows: Collection[str] | None = None,
-    ) -> ClaimBatch:
-        """:meth:`claim` in the caller's write transaction, as its last statements.
+    async def claim_as(self, request: ClaimRequest) -> ClaimBatch:
+        """:meth:`claim`, its arguments in one value."""
+        if request.limit < 1 or (request.workflows is not None and not request.workflows):
+            return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=time.monotonic())
+        async with self._db.write_transaction() as conn:
+            return await self.claim_txn(conn, request)
+
+    async def claim_txn(self, conn: AsyncConnection, request: ClaimRequest) -> ClaimBatch:
+        """:meth:`claim_as` in the caller's write transaction, as its last statements.
 
         The caller may have written before in it (a worker's outcomes,
         :meth:`~moorline.db.repos.handoffs.HandoffsRepo.finish_and_claim`): the counts read
         here see those writes, so a run it just ended no longer counts against its tenant's
         cap. Nothing may be written after: the claim's last statement may carry the commit.
         """
-        served = None if workflows is None else sorted(set(workflows))
+        lane, owner, limit = request.lane, request.owner, request.limit
+        tenant_caps, default_cap = request.tenant_caps, request.default_cap
+        served = None if request.workflows is None else sorted(set(request.workflows))
         began = time.monotonic()
         if limit < 1 or served == []:
             return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=began)
@@ -250,7 +259,7 @@ class ClaimsRepo:
         caps = {t: tenant_cap(tenant_caps, default_cap, plans[t]) for t in allotted}
         busy = {tenant.tenant_id: tenant.busy for tenant in waiting}
         claims, fresh = await strategy.claim_txn(
-            conn, lane, owner, allotted, caps, busy, limit, lease_ttl_s, served
+            conn, lane, owner, allotted, caps, busy, limit, request.lease_ttl_s, served
         )
         busy.update(fresh)
         taken: Counter[str] = Counter(claim.run.tenant_id for claim in claims)

@@ -17,10 +17,10 @@ Not retried: a retry after a commit whose acknowledgement was lost would claim a
 handoff through its group commit instead, which is retried (the outcomes are fenced).
 """
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 
 from moorline.db.manager import DatabaseManager
-from moorline.db.repos.claims import ClaimBatch, ClaimsRepo
+from moorline.db.repos.claims import ClaimBatch, ClaimRequest, ClaimsRepo
 from moorline.db.repos.run_finishes import Outcome, RunFinishes
 
 
@@ -33,42 +33,16 @@ class HandoffsRepo:
         self._claims = ClaimsRepo(db)
 
     async def finish_and_claim(
-        self,
-        outcomes: Sequence[Outcome],
-        lane: str,
-        owner: str,
-        *,
-        limit: int,
-        lease_ttl_s: float,
-        tenant_caps: Mapping[str, int],
-        default_cap: int = 1,
-        workflows: Collection[str] | None = None,
+        self, outcomes: Sequence[Outcome], request: ClaimRequest
     ) -> tuple[list[bool], ClaimBatch]:
-        """Write ``outcomes`` as ``finish_many`` does, then claim up to ``limit`` runs of ``lane``.
+        """Write ``outcomes`` as ``finish_many`` does, then claim as ``request`` asks.
 
-        Args:
-            outcomes: How attempts ended, each under its fence.
-            lane: The lane to claim from; the other arguments are :meth:`ClaimsRepo.claim`'s.
-            owner: The claiming worker's lease owner id.
-            limit: Most runs to claim: the lane's free slots once these outcomes are written.
-            lease_ttl_s: Seconds until a new lease expires without a heartbeat.
-            tenant_caps: Plan name → most ``running`` runs of a tenant on that plan.
-            default_cap: The cap of a tenant whose plan is not in ``tenant_caps``.
-            workflows: The workflows ``owner`` runs; None, every one.
+        ``request.limit`` counts the slots of the runs these outcomes end as free.
 
         Returns:
             Per outcome whether it applied (``finish_many``'s answer), and the claim.
         """
         async with self._db.write_transaction() as conn:
             applied = await self._finishes.finish_txn(conn, outcomes, ends_transaction=False)
-            batch = await self._claims.claim_txn(
-                conn,
-                lane,
-                owner,
-                limit=limit,
-                lease_ttl_s=lease_ttl_s,
-                tenant_caps=tenant_caps,
-                default_cap=default_cap,
-                workflows=workflows,
-            )
+            batch = await self._claims.claim_txn(conn, request)
         return applied, batch

@@ -11,6 +11,7 @@ from moorline.db.manager import DatabaseManager
 # The event names live in events.py; re-exported (``as``) so imports from here keep working.
 from moorline.db.repos.claims import Claim as Claim
 from moorline.db.repos.claims import ClaimBatch as ClaimBatch
+from moorline.db.repos.claims import ClaimRequest as ClaimRequest
 from moorline.db.repos.claims import ClaimsRepo
 from moorline.db.repos.events import EVENT_CANCELLED as EVENT_CANCELLED
 from moorline.db.repos.events import EVENT_FAILED as EVENT_FAILED
