@@ -372,8 +372,9 @@ class Worker:
     async def _claim_once(self, lane: str, slots: int, failures: int, stop: asyncio.Event) -> int:
         """One turn of :meth:`_claim_loop`: claim, or wait; the claim failures in a row."""
         handed = self._handoffs.take(lane)
-        # The handed runs' slots are free once their outcomes commit, before the claim reads.
-        free = slots - self._in_lane[lane] + len(handed)
+        # The handed runs' slots are free once their outcomes commit, before the claim reads
+        # (those of executions already finished, stopped by their self-fence, were freed then).
+        free = slots - self._in_lane[lane] + sum(not h.execution.finished for h in handed)
         if free <= 0:
             self._wants_slot[lane] = True
             self._recheck[lane].clear()
@@ -432,9 +433,11 @@ class Worker:
                 item.answer.cancel()
             raise
         for item in handed:
-            # Committed: the slot is the claim's now (counted free above), not the ended run's.
-            item.execution.slot_released = True
-            self._in_lane[lane] -= 1
+            # Committed: the slot is the claim's now (counted free above), not the ended run's,
+            # unless the execution finished meanwhile and freed it itself (``_finish``).
+            if not item.execution.finished:
+                item.execution.slot_released = True
+                self._in_lane[lane] -= 1
         self.handed_off += len(handed)
         self._handoffs.settle(handed, applied)
         return batch
