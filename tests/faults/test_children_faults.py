@@ -130,7 +130,7 @@ async def kill_while_running(
 
 
 async def kill_between_start_and_checkpoint(
-    db: DatabaseManager, parents: Sequence[str], proc: subprocess.Popen[bytes]
+    db: DatabaseManager, parents: Sequence[str], workers: Workers, proc: subprocess.Popen[bytes]
 ) -> list[str]:
     """SIGKILL ``proc`` once a parent it runs has a child with no ``mark`` checkpoint yet."""
 
@@ -159,7 +159,22 @@ async def kill_between_start_and_checkpoint(
             )
         return [parent for parent in held if kids[parent] > marks[parent]]
 
-    found = await wait_for(caught, timeout_s=SETTLE_S, interval_s=0.005, message="a fan-out")
+    try:
+        found = await wait_for(caught, timeout_s=SETTLE_S, interval_s=0.005, message="a fan-out")
+    except AssertionError as missed:
+        # What the runs and the worker were doing, so that a miss explains itself.
+        async with db.connect() as conn:
+            rows = await conn.execute(
+                select(runs.c.id, runs.c.status, runs.c.attempt, runs.c.lease_owner).where(
+                    runs.c.id.in_(list(parents))
+                )
+            )
+            seen = [tuple(row) for row in rows]
+        alive = "alive" if proc.poll() is None else f"exited {proc.returncode}"
+        raise AssertionError(
+            f"{missed}; the parents: {seen}; worker {proc.pid} ({alive}), its log's end:\n"
+            f"{workers.log(proc)[-6000:]}"
+        ) from None
     proc.kill()
     proc.wait()
     return found
@@ -241,7 +256,7 @@ async def test_kill_9_of_a_parents_worker_after_start_child_starts_one_child_per
     proc = workers.start()
     interrupted: list[str] = []
     for _ in range(KILLS):
-        interrupted += await kill_between_start_and_checkpoint(db, parents, proc)
+        interrupted += await kill_between_start_and_checkpoint(db, parents, workers, proc)
         proc = workers.start()
     await check_joined(db, parents, CHILDREN)
     workers.terminate_all()
