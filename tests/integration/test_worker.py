@@ -434,6 +434,40 @@ async def test_a_failed_handoff_writes_its_outcomes_through_the_group_commit(
     assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
 
 
+async def test_a_slot_its_stopped_execution_freed_is_not_freed_again_by_the_handoff(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One slot and no cap. The first run hands its outcome over; before the handoff commits,
+    # its execution is stopped (as its self-fence would stop it) and frees its slot as it ends.
+    # The handoff must not free that slot a second time, or the lane claims past its slot.
+    probe = Probe()
+    lane = unique("lane")
+    run_ids = await add_runs(db, await tenants.new(), lane, 6)
+    await set_workflow(db, run_ids, "counted")
+    stopped: list[str] = []
+    finish_and_claim = HandoffsRepo.finish_and_claim
+
+    async def stopping_the_first(self: HandoffsRepo, outcomes: Any, request: Any) -> Any:
+        if not stopped:
+            fence = outcomes[0].fence
+            [task] = [
+                t
+                for t in asyncio.all_tasks()
+                if t.get_name() == f"run:{fence.run_id}:{fence.attempt}"
+            ]
+            task.cancel()
+            await asyncio.wait([task])
+            stopped.append(fence.run_id)
+        return await finish_and_claim(self, outcomes, request)
+
+    monkeypatch.setattr(HandoffsRepo, "finish_and_claim", stopping_the_first)
+    worker = slow_polling_worker(db, {lane: 1}, probe=probe)
+    async with Running(worker):
+        await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the runs")
+    assert stopped and probe.most_active == 1
+    assert worker.in_flight == 0
+
+
 async def test_a_retry_is_claimed_once_its_delay_has_passed(
     db: DatabaseManager, tenants: Tenants
 ) -> None:
