@@ -19,6 +19,8 @@ few places where blocking code must run beside the loop. Each tool here covers o
   end, cancelling again any that swallowed it.
 - :class:`TTLCache`: values loaded by an async function and trusted for a TTL, one load per key
   at a time; see the class for what is served while a reload runs or after one failed.
+- :func:`settle`: answer a waiter's future with a result or an error, unless it stopped
+  waiting (the group writers' way to hand each caller its own answer).
 
 Nothing here is thread-safe except where a class says so: use each from its event loop.
 
@@ -342,6 +344,20 @@ async def cancel_and_wait(
         _, pending = await asyncio.wait(pending, timeout=recancel_every_s)
         for task in pending:
             task.cancel()
+
+
+def settle(future: "asyncio.Future[T]", outcome: "T | BaseException") -> None:
+    """Set ``future``'s result, or its exception if ``outcome`` is one, unless it is done.
+
+    A done future's waiter stopped waiting (it was cancelled): nothing is owed to it. For
+    futures whose results are never exceptions.
+    """
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 async def keep_cancel(call: Awaitable[T]) -> T:

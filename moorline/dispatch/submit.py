@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from moorline.concurrency import settle
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
@@ -232,8 +233,7 @@ class Submitter:
             self._closed = True
             error = RuntimeError(_CLOSED)
             for request in self._in_flight:
-                if not request.future.done():
-                    request.future.set_exception(error)
+                settle(request.future, error)
             self._fail_waiting(error)
 
     async def _take_next(self) -> tuple[list[_Request], bool]:
@@ -311,7 +311,7 @@ class Submitter:
             await self._give_back(self._gate, unwritten)
         lanes: set[str] = set()
         for request, outcome in outcomes.items():
-            _settle(request, outcome)
+            settle(request.future, outcome)
             if isinstance(outcome, Run) and outcome.status is RunStatus.QUEUED:
                 lanes.add(outcome.lane)
         if lanes:
@@ -334,7 +334,7 @@ class Submitter:
             verdicts = await gate.enter(list(gated.values()))
         except Exception as exc:
             for request in gated:
-                _settle(request, exc)
+                settle(request.future, exc)
             return [request for request in batch if request not in gated], {}
         decided = dict(zip(gated, verdicts, strict=True))
         remaining: list[_Request] = []
@@ -345,7 +345,7 @@ class Submitter:
                 continue
             verdict = decided[request]
             if isinstance(verdict, BaseException):
-                _settle(request, verdict)
+                settle(request.future, verdict)
             elif verdict is not None:
                 remaining.append(replace(request, quota=None, refusal=verdict))
             else:
@@ -432,22 +432,12 @@ class Submitter:
         """Fail every submission still in the queue (the writer will not take them)."""
         while not self._queue.empty():
             request = self._queue.get_nowait()
-            if request is not None and not request.future.done():
-                request.future.set_exception(error)
+            if request is not None:
+                settle(request.future, error)
 
 
 def _claims(request: _Request) -> Claims:
     return Claims(tenant_id=request.new.tenant_id, rate=request.rate, quota=request.quota)
-
-
-def _settle(request: _Request, outcome: Run | BaseException) -> None:
-    """Hand the caller its run or its error, unless it stopped waiting."""
-    if request.future.done():
-        return
-    if isinstance(outcome, BaseException):
-        request.future.set_exception(outcome)
-    else:
-        request.future.set_result(outcome)
 
 
 def new_run_for_plan(

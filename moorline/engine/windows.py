@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
+from moorline.concurrency import settle
 from moorline.errors import BackendUnavailable
 from moorline.runtime.base import RuntimeStore, WindowChange
 from moorline.types import RunId
@@ -62,12 +63,10 @@ class Coalescer(Generic[T, R]):
                     results = await self._send([item for item, _ in batch])
                 except Exception as exc:
                     for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
+                        settle(future, exc)
                 else:
                     for (_, future), result in zip(batch, results, strict=True):
-                        if not future.done():
-                            future.set_result(result)
+                        settle(future, result)
                 batch = []
         finally:
             # Cancelled (the loop is closing): nobody may wait for ever on a batch not sent.

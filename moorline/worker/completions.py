@@ -10,6 +10,7 @@ outcome and costs no added latency: the writer never waits for a batch to fill.
 import asyncio
 import logging
 
+from moorline.concurrency import settle
 from moorline.db.repos.runs import Outcome, RunsRepo
 
 logger = logging.getLogger(__name__)
@@ -63,13 +64,11 @@ class Completer:
         except Exception as exc:
             logger.error("could not write %d run outcomes: %s", len(batch), exc)
             for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+                settle(future, exc)
             return
         self.batches_written += 1
         for (_, future), ok in zip(batch, applied, strict=True):
-            if not future.done():
-                future.set_result(ok)
+            settle(future, ok)
 
     def close(self) -> None:
         """Ask the writer to stop once everything queued so far is written."""

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from moorline.concurrency import settle
 from moorline.db.repos.runs import Outcome
 from moorline.worker.completions import Completer
 
@@ -59,8 +60,7 @@ class Handoffs(Generic[E]):
     def settle(handed: Sequence[Handed[E]], applied: Sequence[bool]) -> None:
         """Answer each handed outcome: whether it applied."""
         for item, ok in zip(handed, applied, strict=True):
-            if not item.answer.done():
-                item.answer.set_result(ok)
+            settle(item.answer, ok)
 
     async def to_completer(self, handed: Sequence[Handed[E]]) -> None:
         """Write ``handed`` through the group commit and answer each with its result."""
@@ -68,9 +68,4 @@ class Handoffs(Generic[E]):
             *(self._completer.complete(item.outcome) for item in handed), return_exceptions=True
         )
         for item, result in zip(handed, results, strict=True):
-            if item.answer.done():
-                continue
-            if isinstance(result, BaseException):
-                item.answer.set_exception(result)
-            else:
-                item.answer.set_result(result)
+            settle(item.answer, result)
