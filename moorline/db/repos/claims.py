@@ -126,6 +126,11 @@ class ClaimRequest:
     default_cap: int = 1
     workflows: Collection[str] | None = None
 
+    @property
+    def asks_nothing(self) -> bool:
+        """No run can be claimed for it: no slot to fill, or no workflow served."""
+        return self.limit < 1 or (self.workflows is not None and not self.workflows)
+
 
 class _ClaimStrategy(Protocol):
     """How the allotted runs are read and claimed, inside the claim's write transaction."""
@@ -228,7 +233,7 @@ class ClaimsRepo:
 
     async def claim_as(self, request: ClaimRequest) -> ClaimBatch:
         """:meth:`claim`, its arguments in one value."""
-        if request.limit < 1 or (request.workflows is not None and not request.workflows):
+        if request.asks_nothing:  # no transaction for it
             return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=time.monotonic())
         async with self._db.write_transaction() as conn:
             return await self.claim_txn(conn, request)
@@ -243,10 +248,10 @@ class ClaimsRepo:
         """
         lane, owner, limit = request.lane, request.owner, request.limit
         tenant_caps, default_cap = request.tenant_caps, request.default_cap
-        served = None if request.workflows is None else sorted(set(request.workflows))
         began = time.monotonic()
-        if limit < 1 or served == []:
+        if request.asks_nothing:
             return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=began)
+        served = None if request.workflows is None else sorted(set(request.workflows))
         strategy = self._claim_strategy
         waiting = await self._waiting_tenants_txn(conn, lane, served)
         # Under row locks the tenants' counts may change before their rows are locked;
