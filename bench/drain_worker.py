@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "peers")]
 
-from api import SOURCE_ROOT, upgrade_with  # noqa: E402
+from api import SOURCE_ROOT, cpu_seconds, upgrade_with  # noqa: E402
 from common import on_fresh_database, seed_tenant  # noqa: E402
 from latency import start_worker, stop  # noqa: E402
 from moorline_driver import PLAN, plans_yaml  # noqa: E402
@@ -38,12 +38,6 @@ from moorline.plans import DEFAULT_PLANS  # noqa: E402
 
 BATCH = 1000
 POLL_S = 0.02
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def sessions(db: DatabaseManager) -> int | None:
@@ -92,12 +86,13 @@ async def drain(backend: str, source: Path, workflow: str, count: int) -> str:
                     "PYTHONPATH": os.pathsep.join([str(source), str(HERE / "peers")])
                 }
                 worker = await start_worker(worker_env, source, Path(folder) / "worker.log")
-                opened, cpu, started = await sessions(db), cpu_s(worker.pid), time.perf_counter()
+                opened, cpu = await sessions(db), cpu_seconds(worker.pid)
+                started = time.perf_counter()
                 try:
                     while await succeeded(db) < count:  # noqa: ASYNC110 - the measurement
                         await asyncio.sleep(POLL_S)
                     wall = time.perf_counter() - started
-                    cpu = cpu_s(worker.pid) - cpu
+                    cpu = cpu_seconds(worker.pid) - cpu
                 finally:
                     await stop(worker)
                 after = await sessions(db)
