@@ -238,6 +238,14 @@ class Backend(abc.ABC):
         async with pools.main.connect() as conn, conn.begin():
             yield conn
 
+    async def read_in_index_order(self, conn: AsyncConnection) -> None:
+        """For the rest of ``conn``'s transaction, read ordered rows from an index, never sort.
+
+        The claim reads a tenant's next runs in ``ix_runs_lane_tenant``'s order. Nothing by
+        default: the other planners find that index from its columns alone.
+        """
+        return None
+
     async def commit_with_next_statement(self, conn: AsyncConnection) -> None:
         """Let the next statement on ``conn`` carry its transaction's commit, where it can.
 

@@ -253,6 +253,7 @@ class ClaimsRepo:
             return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=began)
         served = None if request.workflows is None else sorted(set(request.workflows))
         strategy = self._claim_strategy
+        await self._db.backend.read_in_index_order(conn)
         waiting = await self._waiting_tenants_txn(conn, lane, served)
         # Under row locks the tenants' counts may change before their rows are locked;
         # allotting more than the batch leaves spare candidates for slots a concurrent

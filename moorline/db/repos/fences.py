@@ -12,10 +12,9 @@ from sqlalchemy import ColumnElement, and_, bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import DialectName, backend_for
-from moorline.db.repos.records import Fence
+from moorline.db.repos.records import Fence, is_running
 from moorline.db.schema import runs
 from moorline.errors import CancelRequested, LeaseLost
-from moorline.types import RunStatus
 
 
 async def hold_fence_txn(
@@ -72,7 +71,7 @@ def fence_by_parameters() -> ColumnElement[bool]:
         runs.c.id == bindparam("fence_run_id", type_=runs.c.id.type),
         runs.c.attempt == bindparam("fence_attempt", type_=runs.c.attempt.type),
         runs.c.lease_owner == bindparam("fence_owner", type_=runs.c.lease_owner.type),
-        runs.c.status == RunStatus.RUNNING.value,
+        is_running(),
     )
 
 

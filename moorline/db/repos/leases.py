@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_CANCELLED, EVENT_RELEASED, append_events_txn
-from moorline.db.repos.records import Fence
+from moorline.db.repos.records import Fence, is_running
 from moorline.db.schema import runs
 from moorline.types import Attempt, JSONObject, RunId, RunStatus
 
@@ -73,7 +73,7 @@ class LeasesRepo:
         keys = sorted({(fence.run_id, fence.attempt) for fence in fences})
         held = and_(
             runs.c.lease_owner == owner,
-            runs.c.status == RunStatus.RUNNING.value,
+            is_running(),
             tuple_(runs.c.id, runs.c.attempt).in_(keys),
         )
         backend = self._db.backend

@@ -44,7 +44,7 @@ from moorline.db.repos.events import (
     events_from_runs_statement,
     transition_with_events,
 )
-from moorline.db.repos.records import Fence
+from moorline.db.repos.records import Fence, is_running
 from moorline.db.repos.run_reads import IN_CHUNK, RunRepoBase, db_now_txn
 from moorline.db.schema import runs
 from moorline.types import Attempt, JSONObject, JSONValue, RunId, RunStatus
@@ -379,7 +379,7 @@ def _finish_update(kind: str, size: int) -> Update:
         tuple_(runs.c.id, runs.c.attempt, runs.c.lease_owner).in_(
             bindparam("fences", expanding=True)
         ),
-        runs.c.status == RunStatus.RUNNING.value,
+        is_running(),
     )
     return update(runs).where(fenced).values(**values)
 
@@ -443,7 +443,7 @@ def _lock_running_statement(name: DialectName) -> Select[Any]:
         )
         .where(
             runs.c.id.in_(bindparam("ids", expanding=True)),
-            runs.c.status == RunStatus.RUNNING.value,
+            is_running(),
         )
         .order_by(runs.c.id)
     )

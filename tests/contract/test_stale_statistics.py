@@ -1,0 +1,151 @@
+"""The hot statements keep their plans when the planner's statistics are wrong (issue 19).
+
+A drain on PostgreSQL ran at a third of its speed on a young table: with statistics taken
+when few runs were queued or running, the planner read a tenant's whole backlog through
+another index and sorted it, once per claim, and found a finished batch's runs through a
+status index instead of their ids. Here the statistics are made wrong on purpose: the runs
+table is analysed while every run has ended (and kept from being analysed again), then
+thousands of runs are queued or running.
+"""
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from sqlalchemy import event, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from moorline.db.manager import DatabaseManager
+from moorline.db.repos.claims import ClaimRequest
+from moorline.db.repos.queue import QueueRepo
+from moorline.db.repos.records import Fence
+from moorline.db.repos.run_finishes import Succeeded
+from moorline.db.repos.runs import RunsRepo
+from moorline.db.schema import runs
+from moorline.types import Attempt, RunStatus, TenantId
+from tests.contract.queue_helpers import NO_CAP, Tenants, add_runs, unique
+
+BACKLOG = 2_000
+OWNER = "stale-stats-worker"
+
+EXPLAIN = {"sqlite": "EXPLAIN QUERY PLAN ", "postgresql": "EXPLAIN ", "mysql": "EXPLAIN "}
+SORTS = ("TEMP B-TREE", "Sort", "filesort")
+"""How each database says a read sorts its rows instead of walking an index in order."""
+
+STATUS_INDEXES = (
+    "ix_runs_lease",
+    "ix_runs_status_created",
+    "ix_runs_wake",
+    "ix_runs_lane_tenant",
+)
+"""The indexes that lead with the status: a batch of runs found by id needs none of them."""
+
+
+@pytest.fixture
+async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
+    made = Tenants(db)
+    yield made
+    await made.purge()
+
+
+async def analysed_while_idle(db: DatabaseManager, tenant: TenantId, lane: str) -> None:
+    """Statistics saying that no run is queued or running, kept while the test changes that.
+
+    ``BACKLOG`` runs, all ended, are analysed; PostgreSQL's autovacuum is then kept off the
+    table (this module's own database), so that it cannot refresh them mid-test.
+    """
+    ended = await add_runs(db, tenant, lane, BACKLOG)
+    async with db.transaction() as conn:
+        stmt = update(runs).where(runs.c.id.in_(ended)).values(status=RunStatus.SUCCEEDED.value)
+        await conn.execute(stmt)
+    async with db.engine.connect() as conn:
+        await conn.exec_driver_sql(db.backend.analyze_statement(("runs",)))
+        if db.backend.name == "postgresql":
+            await conn.exec_driver_sql("ALTER TABLE runs SET (autovacuum_enabled = false)")
+        await conn.commit()
+
+
+@contextmanager
+def statements_on_runs(db: DatabaseManager) -> Iterator[list[tuple[str, Any]]]:
+    """The reads and writes of ``runs`` sent while inside, with their parameters."""
+    captured: list[tuple[str, Any]] = []
+
+    def capture(_conn: Any, _cursor: Any, sql: str, parameters: Any, *_: Any) -> None:
+        if "runs" in sql and not sql.lstrip().upper().startswith(("INSERT", "SET")):
+            captured.append((sql, parameters))
+
+    engine = db.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        yield captured
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+
+
+async def plans(
+    db: DatabaseManager, conn: AsyncConnection, statements: list[tuple[str, Any]]
+) -> list[str]:
+    """Each statement's plan, on one line, as ``conn`` would run it now."""
+    found = []
+    for sql, parameters in statements:
+        plan = await conn.exec_driver_sql(EXPLAIN[db.backend.name] + sql, parameters)
+        found.append(" ".join(" ".join(str(value) for value in row) for row in plan))
+    return found
+
+
+async def test_a_claim_reads_a_backlog_in_index_order_whatever_the_statistics_say(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant, lane = await tenants.new(), unique("lane")
+    await analysed_while_idle(db, tenant, lane)
+    queued = await add_runs(db, tenant, lane, BACKLOG)
+    repo = QueueRepo(db)
+    request = ClaimRequest(
+        lane=lane, owner=OWNER, limit=8, lease_ttl_s=30.0, tenant_caps=NO_CAP, workflows=["noop"]
+    )
+    async with db.write_transaction() as conn:
+        with statements_on_runs(db) as captured:
+            batch = await repo.claim_txn(conn, request)
+        # In the claim's own transaction: what it set for its reads holds for the plans.
+        found = await plans(db, conn, [(sql, p) for sql, p in captured if "queued" in str(p)])
+    # The first eight queued, in order: the claim did read the backlog.
+    assert [claim.run.run_id for claim in batch.claims] == queued[:8]
+    assert found
+    for plan in found:
+        assert "ix_runs_lane_tenant" in plan, plan
+        assert not any(sort in plan for sort in SORTS), plan
+
+
+async def test_a_batch_of_outcomes_finds_its_runs_by_id_whatever_the_statistics_say(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant, lane = await tenants.new(), unique("lane")
+    await analysed_while_idle(db, tenant, lane)
+    running = await add_runs(db, tenant, lane, BACKLOG)
+    async with db.transaction() as conn:
+        stmt = (
+            update(runs)
+            .where(runs.c.id.in_(running))
+            .values(
+                status=RunStatus.RUNNING.value,
+                attempt=1,
+                lease_owner=OWNER,
+                started_at=datetime.now(UTC),
+            )
+        )
+        await conn.execute(stmt)
+    outcomes = [
+        Succeeded(fence=Fence(run_id=run_id, attempt=Attempt(1), owner=OWNER), output=None)
+        for run_id in running[:8]
+    ]
+    with statements_on_runs(db) as captured:
+        applied = await RunsRepo(db).finish_many(outcomes)
+    assert applied == [True] * 8
+    async with db.engine.connect() as conn:
+        found = await plans(db, conn, captured)
+        await conn.rollback()
+    assert found
+    for plan in found:
+        assert not any(index in plan for index in STATUS_INDEXES), plan
