@@ -177,6 +177,22 @@ async def test_postgres_wakes_every_waiter_in_every_process(
 
 
 @pytest.mark.requires("listen_notify")
+async def test_postgres_wakes_each_lane_of_one_notify(
+    pg_pair: tuple[PostgresWakeups, PostgresWakeups],
+) -> None:
+    producer, consumer = pg_pair
+    names = [lane() for _ in range(3)]
+    tasks = [await waiting(consumer, name) for name in names]
+    # One statement, one payload per lane (built once per lane count, reused).
+    await producer.notify(set(names[:2]))
+    woken = await asyncio.wait_for(asyncio.gather(*tasks[:2]), REMOTE_WAKE_S * 10)
+    assert woken == [True, True]
+    assert not tasks[2].done()  # a lane not named is not woken
+    await producer.notify({names[2]})
+    assert await asyncio.wait_for(tasks[2], REMOTE_WAKE_S * 10) is True
+
+
+@pytest.mark.requires("listen_notify")
 async def test_postgres_listener_skips_its_own_echo(db: DatabaseManager) -> None:
     wakeups = PostgresWakeups(db)
     observer = PostgresWakeups(db)
