@@ -3,9 +3,10 @@
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.quotas import QuotaClaim, QuotasRepo
@@ -278,6 +279,47 @@ async def test_a_batch_that_fails_takes_no_unit(db: DatabaseManager, tenants: Te
         RunStatus.QUEUED
     ] * 2
     assert await QuotasRepo(db).used(tenant, "2031-03-01") == 2
+
+
+async def test_one_counters_units_and_its_runs_are_one_statement_where_they_can_be(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant = await tenants.new()
+    lane, day = unique("lane"), "2031-04-01"
+    repo = RunsRepo(db)
+    sent: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
+        sent.append(sql)
+
+    async def submit(count_: int, limit: int) -> list[Run]:
+        sent.clear()
+        batch = [new_run(tenant, lane, i) for i in range(count_)]
+        event.listen(db.engine.sync_engine, "before_cursor_execute", count)
+        try:
+            return await repo.submit_many(batch, quotas=[claim(day, limit)] * count_)
+        finally:
+            event.remove(db.engine.sync_engine, "before_cursor_execute", count)
+
+    # The day's first unit: no counter row yet, so the transaction creates it.
+    [first] = await submit(1, 10)
+    assert first.status is RunStatus.QUEUED
+    # The counter exists and holds the units: on PostgreSQL one statement takes them and
+    # stores the runs with their events.
+    made = await submit(3, 10)
+    assert [run.status for run in made] == [RunStatus.QUEUED] * 3
+    if db.backend.capabilities.one_statement_submit:
+        assert len(sent) == 1, sent
+    assert await QuotasRepo(db).used(tenant, day) == 4
+    # 6 left for 8 runs: the statement writes nothing, and the transaction takes what is left.
+    late = await submit(8, 10)
+    assert [run.status for run in late] == [RunStatus.QUEUED] * 6 + [RunStatus.RATE_LIMITED] * 2
+    assert await QuotasRepo(db).used(tenant, day) == 10
+    assert await stored_counts(db, tenant) == (10, 10)
+    # Every path returns its runs as stored.
+    returned = [first, *made, *late]
+    stored = await repo.get_many([run.run_id for run in returned])
+    assert [stored[run.run_id] for run in returned] == returned
 
 
 def test_new_run_for_plan_takes_lane_and_priority_from_the_plan() -> None:

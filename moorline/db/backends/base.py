@@ -302,7 +302,7 @@ class Backend(abc.ABC):
 
     # --- run inserts ---
 
-    def submitted_runs(self, columns: tuple[str, ...]) -> CTE | None:
+    def submitted_runs(self, columns: tuple[str, ...], gate: CTE | None = None) -> CTE | None:
         """Runs bound as one parameter, inserted in one statement that stamps them itself.
 
         ``INSERT INTO runs … SELECT … FROM <the runs parameter> RETURNING id, attempt,
@@ -310,8 +310,9 @@ class Backend(abc.ABC):
         with ``columns`` and ``delay_us``; ``status`` is one parameter for all. Each run is
         stamped with the transaction's time (``created_at``, ``updated_at``) and ``not_before``
         is that plus its ``delay_us`` microseconds, exactly, so ``time + timedelta`` in Python
-        gives the same instant. None where a submission is not one statement (the capability
-        ``one_statement_submit``).
+        gives the same instant. With ``gate`` (a CTE of the same statement), the runs are
+        inserted only if it returns a row: a quota's units taken. None where a submission is
+        not one statement (the capability ``one_statement_submit``).
         """
         return None
 

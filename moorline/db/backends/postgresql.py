@@ -17,6 +17,7 @@ from sqlalchemy import (
     Table,
     bindparam,
     column,
+    exists,
     func,
     insert,
     literal,
@@ -125,7 +126,7 @@ class PostgreSQLBackend(ServerBackend):
 
     # --- run inserts ---
 
-    def submitted_runs(self, columns: tuple[str, ...]) -> CTE:
+    def submitted_runs(self, columns: tuple[str, ...], gate: CTE | None = None) -> CTE:
         """Runs from ``jsonb_to_recordset``, stamped with ``transaction_timestamp()``.
 
         A data-modifying CTE, so the caller's outer statement can insert the runs' events
@@ -144,10 +145,16 @@ class PostgreSQLBackend(ServerBackend):
             start,
             microseconds_after(start, source.c.delay_us),
         )
+        if gate is not None:
+            # Every CTE of a statement sees one snapshot, but what a data-modifying one
+            # returns is visible to the others: the runs go in only beside the units taken.
+            chosen = chosen.where(exists(select(literal(1)).select_from(gate)))
         names = [*columns, "status", "created_at", "updated_at", "not_before"]
+        # The columns not named take their server defaults: SQLAlchemy's own would be bound
+        # parameters, which it leaves unset when the statement holds another DML CTE first.
         return (
             insert(runs)
-            .from_select(names, chosen)
+            .from_select(names, chosen, include_defaults=False)
             .returning(runs.c.id, runs.c.attempt, runs.c.updated_at)
             .cte("submitted")
         )

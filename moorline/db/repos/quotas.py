@@ -32,6 +32,7 @@ from datetime import datetime
 from sqlalchemy import Integer, Update, bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import CTE
 
 from moorline.db.backends import Backend, DialectName, backend_for
 from moorline.db.manager import DatabaseManager
@@ -133,6 +134,17 @@ def _take_all_statement(dialect: DialectName) -> Update:
     )
     backend = backend_for(dialect)
     return stmt.returning(backend.now()) if backend.capabilities.update_returning else stmt
+
+
+def units_gate(dialect: DialectName) -> CTE:
+    """:func:`take_units_txn`'s one-statement case, as the CTE ``taken`` of another statement.
+
+    A statement that writes only if the units were there uses it (a one-statement submit, on
+    PostgreSQL). It returns a row when it took ``b_wanted`` units, and none when the day's
+    row is missing or the units are not all left: the caller then takes the transactional
+    path, which creates the row or takes what is left.
+    """
+    return _take_all_statement(dialect).cte("taken")
 
 
 class QuotasRepo:

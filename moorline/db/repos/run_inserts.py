@@ -32,7 +32,11 @@ from moorline.db.repos.quotas import QuotaClaim, take_units_txn
 from moorline.db.repos.records import NULL_ON_INSERT, Run, run_from_row
 from moorline.db.repos.run_conflicts import check_conversations_txn, check_unique_within, explain
 from moorline.db.repos.run_reads import RunRepoBase, db_now_txn
-from moorline.db.repos.stamped_inserts import insert_stamped_txn, submit_in_one_statement
+from moorline.db.repos.stamped_inserts import (
+    UnitsWanted,
+    insert_stamped_txn,
+    submit_in_one_statement,
+)
 from moorline.db.schema import runs
 from moorline.types import Attempt, JSONObject, RunId, RunStatus, TenantId
 
@@ -111,11 +115,12 @@ class RunInserts(RunRepoBase):
         ids = [RunId(row["id"]) for row in rows]
         claims = {} if quotas is None else _claims_by_run(ids, new, quotas)
         tries = 0
-        # Runs with nothing to check first (no quota, no conversation) on a backend that can:
-        # one statement, committed alone (see submit_in_one_statement).
+        # Runs with no conversation to check, and no quota or one counter's units for all, on
+        # a backend that can: one statement, committed alone (see submit_in_one_statement).
+        units = _units_wanted(claims, len(rows))
         is_one_statement = (
             self._backend.capabilities.one_statement_submit
-            and not claims
+            and (not claims or units is not None)
             and status is RunStatus.QUEUED
             and all(row["conversation_id"] is None for row in rows)
         )
@@ -125,7 +130,10 @@ class RunInserts(RunRepoBase):
             tries += 1
             try:
                 if is_one_statement:
-                    return await submit_in_one_statement(self._db, rows)
+                    made = await submit_in_one_statement(self._db, rows, units)
+                    if made is not None:
+                        return made
+                # Otherwise the statement wrote nothing: the units were not all there.
                 async with self._db.write_transaction() as conn:
                     return await self._insert_txn(conn, rows, status, claims)
             except IntegrityError as exc:
@@ -252,6 +260,17 @@ class RunInserts(RunRepoBase):
             return run_from_row({**NULL_ON_INSERT, **values})
 
         return await self._db.with_retry(write)
+
+
+def _units_wanted(
+    claims: dict[str, tuple[TenantId, QuotaClaim]], runs_count: int
+) -> UnitsWanted | None:
+    """The one counter (tenant, day, limit) every run of the batch claims a unit of, or None."""
+    counters = {(tenant_id, claim.day, claim.limit) for tenant_id, claim in claims.values()}
+    if len(claims) != runs_count or len(counters) != 1:
+        return None
+    [(tenant_id, day, limit)] = counters
+    return UnitsWanted(tenant_id=tenant_id, day=day, limit=limit)
 
 
 def _claims_by_run(

@@ -15,6 +15,7 @@ way here, so the runs built from the values inserted equal what a read returns.
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -24,8 +25,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from moorline.db.backends import DialectName, backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_QUEUED, events_from_runs_statement, first_event_statement
+from moorline.db.repos.quotas import units_gate
 from moorline.db.repos.records import NULL_ON_INSERT, Run, run_from_row
-from moorline.types import RunStatus
+from moorline.types import RunStatus, TenantId
 
 _QUEUED = RunStatus.QUEUED.value
 
@@ -52,21 +54,34 @@ _SUBMITTED = (
 """The columns :func:`submit_in_one_statement` binds per run (``row_of``'s)."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnitsWanted:
+    """The daily-quota units a one-statement submit takes: one per run, of one counter."""
+
+    tenant_id: TenantId
+    day: str
+    limit: int
+
+
 @functools.cache
-def _submit_statement(name: DialectName) -> Insert:
+def _submit_statement(name: DialectName, gated: bool) -> Insert:
     """Runs (the ``runs`` parameter) and their first events, in one statement, built once.
 
     ``WITH submitted AS (INSERT INTO runs … RETURNING …) INSERT INTO events … SELECT … FROM
     submitted RETURNING run_id, created_at``; ``status``, ``type`` and ``data`` are one
-    parameter each for the batch.
+    parameter each for the batch. ``gated``: ``WITH taken AS (UPDATE quota_usage …)`` first,
+    and the runs go in only if it took their units (:func:`~moorline.db.repos.quotas.units_gate`).
     """
-    submitted = backend_for(name).submitted_runs(_SUBMITTED)
+    gate = units_gate(name) if gated else None
+    submitted = backend_for(name).submitted_runs(_SUBMITTED, gate)
     if submitted is None:  # pragma: no cover - the caller checks the capability
         raise ValueError(f"{name} has no one-statement submit")
     return first_event_statement(submitted)
 
 
-async def submit_in_one_statement(db: DatabaseManager, rows: Sequence[dict[str, Any]]) -> list[Run]:
+async def submit_in_one_statement(
+    db: DatabaseManager, rows: Sequence[dict[str, Any]], units: UnitsWanted | None = None
+) -> list[Run] | None:
     """Store ``queued`` runs and their ``queued`` events with one statement, in autocommit.
 
     The runs' INSERT returns what their events need, and the events' INSERT returns the time
@@ -77,14 +92,29 @@ async def submit_in_one_statement(db: DatabaseManager, rows: Sequence[dict[str, 
     Args:
         db: The database; its backend has the capability ``one_statement_submit``.
         rows: The runs' columns (``row_of``'s), with ``delay_s``.
+        units: The quota units the runs need, one each, taken in the same statement.
+
+    Returns:
+        The runs as stored; None when ``units`` were not all there as one statement takes
+        them (the day's first use, or a quota nearly used up): then nothing was written.
     """
     delays = [timedelta(seconds=row["delay_s"]) for row in rows]
     bound = [
         {**{name: row[name] for name in _SUBMITTED}, "delay_us": delay // _MICROSECOND}
         for row, delay in zip(rows, delays, strict=True)
     ]
-    params = {"runs": bound, "status": _QUEUED, "type": EVENT_QUEUED, "data": {}}
-    stored = await db.write_statement_rows(_submit_statement(db.backend.name), params)
+    params: dict[str, Any] = {"runs": bound, "status": _QUEUED, "type": EVENT_QUEUED, "data": {}}
+    if units is not None:
+        params |= {
+            "b_tenant_id": units.tenant_id,
+            "b_day": units.day,
+            "b_wanted": len(rows),
+            "b_limit": units.limit,
+        }
+    statement = _submit_statement(db.backend.name, units is not None)
+    stored = await db.write_statement_rows(statement, params)
+    if not stored:
+        return None
     stamped: dict[str, datetime] = {row.run_id: row.created_at for row in stored}
     made: list[Run] = []
     for row, delay in zip(rows, delays, strict=True):

@@ -1,0 +1,111 @@
+"""``app.submit`` one run at a time from one producer, against another tree (issue 19).
+
+The public in-process path: the app of ``bench/peers/moorline_app.py`` on a fresh database, the
+shipped ``professional`` plan with its quota and rate limit raised out of the way (its quota is
+still taken, one unit per run), one coroutine awaiting ``app.submit`` after ``app.submit``.
+Prints submits/s and this process's CPU per submit. ``--baseline DIR`` measures the tree in
+DIR (``git archive COMMIT | tar -x -C DIR``) the same way, each round running both trees in
+turn, each in a process of its own.
+
+    PYTHONPATH=. .venv/bin/python bench/app_submit.py [--runs 3000] [--rounds 2]
+        [--backends postgresql] [--baseline DIR]
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WARM_UP = 50
+
+
+async def measure(url: str, runs: int) -> dict[str, float]:
+    """Submits/s and CPU ms per submit of ``runs`` awaited ``app.submit`` calls on ``url``."""
+    from moorline_app import app  # its settings: the MOORLINE_* set by main
+
+    from moorline.benchmarks.common import seed_tenant
+    from moorline.db.manager import DatabaseManager
+    from moorline.db.migrate import upgrade
+    from moorline.settings import Settings
+
+    db = DatabaseManager(Settings(database_url=url))
+    try:
+        await upgrade(db)
+        tenant = await seed_tenant(db, plan="professional")
+    finally:
+        await db.dispose()
+    async with app:
+        for _ in range(WARM_UP):
+            await app.submit("noop", tenant=tenant)
+        cpu, started = time.process_time(), time.perf_counter()
+        for _ in range(runs):
+            await app.submit("noop", tenant=tenant)
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"rate": runs / wall, "cpu_ms": 1000 * cpu / runs}
+
+
+def child(backend: str, runs: int) -> None:
+    """In a process of its own (its tree first on ``sys.path``): one measurement, as JSON."""
+    from moorline_driver import PLAN, plans_yaml
+
+    from moorline.benchmarks.common import on_fresh_database
+    from moorline.plans import DEFAULT_PLANS
+
+    plan = replace(DEFAULT_PLANS[PLAN], daily_quota=100_000_000, rate_limit="1000000/second")
+    with tempfile.TemporaryDirectory() as folder:
+        plans = Path(folder) / "plans.yaml"
+        plans.write_text(plans_yaml(plan))
+        os.environ["MOORLINE_PLANS_FILE"] = str(plans)
+
+        async def on(url: str) -> dict[str, float]:
+            os.environ["MOORLINE_DATABASE_URL"] = url
+            return await measure(url, runs)
+
+        print(json.dumps(asyncio.run(on_fresh_database(backend, on))))
+
+
+def run_tree(source: Path, backend: str, runs: int) -> dict[str, float]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(source), str(HERE / "peers"), str(HERE)])
+    command = [sys.executable, str(Path(__file__)), "--child", backend, "--runs", str(runs)]
+    done = subprocess.run(command, env=env, cwd=source, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{source}: {done.stderr[-2000:]}")
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--backends", default="postgresql")
+    parser.add_argument("--baseline", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.runs)
+        return
+    trees = [("this tree", HERE.parent)]
+    if args.baseline:
+        trees.append(("baseline", args.baseline.resolve()))
+    for round_ in range(1, args.rounds + 1):
+        for backend in args.backends.split(","):
+            for label, source in trees:
+                got = run_tree(source, backend, args.runs)
+                print(
+                    f"round {round_} {backend:<10} {label:<9} {got['rate']:7.0f} submits/s, "
+                    f"CPU {got['cpu_ms']:.2f} ms per submit",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
