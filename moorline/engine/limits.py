@@ -83,8 +83,7 @@ class AttemptGuard:
         self._baseline = task.cancelling()
         loop = asyncio.get_running_loop()
         started = loop.time()
-        hard_stop = TimeLimitExceeded(self._hard_limit_s)
-        self._handles.append(loop.call_at(started + self._hard_limit_s, self._halt, hard_stop))
+        self._handles.append(loop.call_at(started + self._hard_limit_s, self._halt_at_hard_limit))
         soft_s = self._soft_limit_s
         if soft_s is not None and soft_s < self._hard_limit_s:
             self._handles.append(loop.call_at(started + soft_s, self._raise_soft_limit, soft_s))
@@ -119,6 +118,11 @@ class AttemptGuard:
     def _arm_grace(self, grace_s: float, error: BaseException) -> None:
         loop = asyncio.get_running_loop()
         self._handles.append(loop.call_later(max(0.0, grace_s), self._halt, error))
+
+    def _halt_at_hard_limit(self) -> None:
+        # The error is made only when the limit is reached: a run that ends in time (nearly
+        # all of them) does not pay for an exception and its message.
+        self._halt(TimeLimitExceeded(self._hard_limit_s))
 
     def _halt(self, error: BaseException) -> None:
         """Cancel the workflow at its current ``await``; the attempt will raise ``error``."""
