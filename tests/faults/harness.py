@@ -6,6 +6,7 @@ Without ``redis_url`` each worker has its own in-memory RuntimeStore (nothing ou
 process can signal it); with one, they share Redis under ``redis_prefix`` with the test.
 """
 
+import contextlib
 import os
 import signal
 import sqlite3
@@ -188,12 +189,36 @@ async def submit(
     return [run.run_id for run in await runs.submit_many(new)]
 
 
-async def others_hold_write_locks(db: DatabaseManager) -> bool:
-    """Whether a connection other than the test's holds a write lock.
+def client_ports(pid: int) -> list[int]:
+    """The local TCP ports of process ``pid``'s sockets (its database connections among them).
 
-    SQLite: whether its one write lock is taken (a ``BEGIN IMMEDIATE`` that cannot wait).
-    The servers: whether another session of this database is in a transaction that has
-    written or locked rows (PostgreSQL gives such a transaction an id).
+    Read from ``/proc``: the socket inodes its descriptors point at, then the rows of its
+    network namespace's TCP tables that own them.
+    """
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = []
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+async def holds_write_locks(db: DatabaseManager, pid: int) -> bool:
+    """Whether process ``pid`` holds a write lock on ``db``'s database.
+
+    SQLite: whether its one write lock is taken (a ``BEGIN IMMEDIATE`` that cannot wait),
+    by whomever. The servers: whether one of the process's sessions (known by their client
+    ports) is in a transaction that has written or locked rows (PostgreSQL gives such a
+    transaction an id). Other processes' transactions are not what a pause must avoid, and a
+    successor started beside the process may be in one at nearly every instant under load.
     """
     if db.backend.name == "sqlite":
         probe = sqlite3.connect(str(make_url(db.urls[0]).database), timeout=0)
@@ -206,13 +231,17 @@ async def others_hold_write_locks(db: DatabaseManager) -> bool:
             return True
         finally:
             probe.close()
+    ports = client_ports(pid)
+    assert ports, f"process {pid} has no TCP connection to the database"
+    listed = ", ".join(str(port) for port in ports)
     query = (
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND pid <> pg_backend_pid() AND backend_xid IS NOT NULL"
+        f"AND backend_xid IS NOT NULL AND client_port IN ({listed})"
         if db.backend.name == "postgresql"
-        else "SELECT count(*) FROM information_schema.innodb_trx "
-        "WHERE trx_mysql_thread_id <> CONNECTION_ID() "
-        "AND (trx_rows_locked > 0 OR trx_rows_modified > 0 OR trx_tables_locked > 0)"
+        else "SELECT count(*) FROM information_schema.innodb_trx AS trx "
+        "JOIN information_schema.processlist AS session ON session.ID = trx.trx_mysql_thread_id "
+        "WHERE (trx_rows_locked > 0 OR trx_rows_modified > 0 OR trx_tables_locked > 0) "
+        f"AND SUBSTRING_INDEX(session.HOST, ':', -1) IN ({listed})"
     )
     async with db.connect() as conn:
         return bool((await conn.execute(text(query))).scalar_one())
@@ -232,7 +261,7 @@ async def pause_between_transactions(db: DatabaseManager, proc: subprocess.Popen
 
     async def stopped_between_transactions() -> bool:
         proc.send_signal(signal.SIGSTOP)
-        if not await others_hold_write_locks(db):
+        if not await holds_write_locks(db, proc.pid):
             return True
         proc.send_signal(signal.SIGCONT)
         return False
