@@ -542,7 +542,7 @@ async def test_concurrent_reapers_requeue_each_expired_run_exactly_once(
 
     async def heartbeats(fences: Sequence[Fence]) -> None:
         # One worker process's heartbeat loop over the runs it holds: one renew_leases per
-        # beat, as Worker._renew_all does. (Renewing one by one takes over a second per round
+        # beat, as LeaseKeeper.renew_all does. (Renewing one by one takes over a second per round
         # on SQLite under this load, past the live runs' first lease, so they would be expired
         # and rightly reapable: not live runs any more.)
         nonlocal slowest_round_s

@@ -24,8 +24,9 @@ from moorline.engine.runner import WorkflowRunner
 from moorline.observability.metrics import Metrics
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
+from moorline.worker.lanes import Waiter
 from moorline.worker.process import with_worker_pool
-from moorline.worker.worker import Waiter, Worker, WorkerCrashed
+from moorline.worker.worker import Worker, WorkerCrashed
 from tests.contract.queue_helpers import (
     Tenants,
     add_runs,
