@@ -61,6 +61,7 @@ from urllib.parse import urlsplit
 import httpx
 from common import on_fresh_database, percentile, summary
 from redis.asyncio import Redis
+from scale_counters import cpu_s
 
 from moorline import Client
 
@@ -102,12 +103,7 @@ def free_port() -> int:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` so far (Linux ``/proc``; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    # After the command: state is field 3, utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_s(Path(f"/proc/{pid}/stat"))
 
 
 @dataclass(frozen=True)
