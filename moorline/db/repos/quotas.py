@@ -28,6 +28,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import Integer, Update, bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -94,7 +95,7 @@ async def take_units_txn(
     """
     if wanted < 1 or limit < 1:
         return Taken(0)
-    params = {"b_tenant_id": tenant_id, "b_day": day, "b_wanted": wanted, "b_limit": limit}
+    params = take_all_parameters(tenant_id, day, limit=limit, wanted=wanted)
     backend = backend_for(dialect)
     result = await conn.execute(_take_all_statement(dialect), params)
     if backend.capabilities.update_returning:
@@ -134,6 +135,13 @@ def _take_all_statement(dialect: DialectName) -> Update:
     )
     backend = backend_for(dialect)
     return stmt.returning(backend.now()) if backend.capabilities.update_returning else stmt
+
+
+def take_all_parameters(
+    tenant_id: TenantId, day: str, *, limit: int, wanted: int
+) -> dict[str, Any]:
+    """The bound parameters of :func:`_take_all_statement` and :func:`units_gate`."""
+    return {"b_tenant_id": tenant_id, "b_day": day, "b_wanted": wanted, "b_limit": limit}
 
 
 def units_gate(dialect: DialectName) -> CTE:

@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from moorline.db.backends import DialectName, backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_QUEUED, events_from_runs_statement, first_event_statement
-from moorline.db.repos.quotas import units_gate
+from moorline.db.repos.quotas import take_all_parameters, units_gate
 from moorline.db.repos.records import NULL_ON_INSERT, Run, run_from_row
 from moorline.types import RunStatus, TenantId
 
@@ -105,12 +105,9 @@ async def submit_in_one_statement(
     ]
     params: dict[str, Any] = {"runs": bound, "status": _QUEUED, "type": EVENT_QUEUED, "data": {}}
     if units is not None:
-        params |= {
-            "b_tenant_id": units.tenant_id,
-            "b_day": units.day,
-            "b_wanted": len(rows),
-            "b_limit": units.limit,
-        }
+        params |= take_all_parameters(
+            units.tenant_id, units.day, limit=units.limit, wanted=len(rows)
+        )
     statement = _submit_statement(db.backend.name, units is not None)
     stored = await db.write_statement_rows(statement, params)
     if not stored:
