@@ -21,6 +21,8 @@ few places where blocking code must run beside the loop. Each tool here covers o
   at a time; see the class for what is served while a reload runs or after one failed.
 - :func:`settle`: answer a waiter's future with a result or an error, unless it stopped
   waiting (the group writers' way to hand each caller its own answer).
+- :func:`is_set_within`: wait for an event, at most so long: the pause of every loop that runs
+  each interval until it is stopped.
 
 Nothing here is thread-safe except where a class says so: use each from its event loop.
 
@@ -358,6 +360,19 @@ def settle(future: "asyncio.Future[T]", outcome: "T | BaseException") -> None:
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
+
+
+async def is_set_within(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until ``event`` is set, at most ``timeout_s`` seconds; whether it was set.
+
+    ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` can swallow a cancel.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
 
 
 async def keep_cancel(call: Awaitable[T]) -> T:

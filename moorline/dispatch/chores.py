@@ -14,6 +14,7 @@ import logging
 
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+from moorline.concurrency import is_set_within
 from moorline.db.failures import is_transient
 from moorline.dispatch.leader import LeaderElector
 from moorline.errors import BackendUnavailable
@@ -70,11 +71,7 @@ class LeaderChore(abc.ABC):
                         type(exc).__name__,
                         exc,
                     )
-                try:
-                    async with asyncio.timeout(self.interval_s):
-                        await stop.wait()
-                except TimeoutError:
-                    pass
+                await is_set_within(stop, self.interval_s)
         finally:
             await asyncio.shield(self._resign())
 

@@ -41,6 +41,7 @@ from typing import Any, ClassVar, Protocol
 
 from sqlalchemy import Select, String, bindparam, func, select
 
+from moorline.concurrency import is_set_within
 from moorline.db.dsn import make_failover_creator
 from moorline.db.failures import is_unavailable
 from moorline.db.manager import DatabaseManager
@@ -423,13 +424,9 @@ class PostgresWakeups(ListeningWakeups):
             await conn.add_listener(self.channel, self._on_notification)
             self._backend_pid = conn.get_server_pid()
             self._on_listening()
-            while not lost.is_set():
-                try:
-                    async with asyncio.timeout(self._ping_interval_s):
-                        await lost.wait()
-                except TimeoutError:
-                    async with asyncio.timeout(PING_TIMEOUT_S):
-                        await conn.fetchval("SELECT 1")
+            while not await is_set_within(lost, self._ping_interval_s):
+                async with asyncio.timeout(PING_TIMEOUT_S):
+                    await conn.fetchval("SELECT 1")
             raise ConnectionResetError("the LISTEN connection was closed")
         finally:
             self._backend_pid = None

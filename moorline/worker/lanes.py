@@ -22,6 +22,7 @@ from typing import Protocol
 
 from sqlalchemy.exc import DBAPIError
 
+from moorline.concurrency import is_set_within
 from moorline.db.repos.handoffs import HandoffsRepo
 from moorline.db.repos.queue import Claim, ClaimBatch, ClaimRequest, QueueRepo
 from moorline.db.repos.runs import Outcome
@@ -261,9 +262,7 @@ class Lane:
             )
             woken.add_done_callback(answered)
         try:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(claiming.poll_interval_s):
-                    await recheck.wait()
+            await is_set_within(recheck, claiming.poll_interval_s)
         finally:
             if woken is not None:
                 # Its answer no longer matters (one landing in this very turn still sets

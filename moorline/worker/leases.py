@@ -14,10 +14,10 @@
 """
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable, Set
 
+from moorline.concurrency import is_set_within
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.engine.runner import Runner
 from moorline.observability.metrics import Metrics
@@ -58,12 +58,7 @@ class LeaseKeeper:
     async def run(self, closing: asyncio.Event) -> None:
         """Renew every held lease each interval until ``closing`` is set."""
         try:
-            while not closing.is_set():
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.interval_s):
-                        await closing.wait()
-                    return
+            while not await is_set_within(closing, self.interval_s):
                 await self.renew_all()
         finally:
             if self._runtime_renewal is not None:

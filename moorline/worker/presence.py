@@ -15,9 +15,9 @@ informs operators.
 """
 
 import asyncio
-import contextlib
 import logging
 
+from moorline.concurrency import is_set_within
 from moorline.db.repos.workers import WorkerEntry, WorkersRepo
 
 logger = logging.getLogger(__name__)
@@ -52,11 +52,7 @@ class Presence:
         The row goes when claiming stops, not when the last run ends: from then on this worker
         claims nothing, so its queued runs need another.
         """
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.interval_s):
-                    await stop.wait()
-                break
+        while not await is_set_within(stop, self.interval_s):
             await self.beat()
         try:
             await self._repo.leave(self._entry.worker_id)

@@ -21,6 +21,7 @@ from moorline.concurrency import (
     ThreadBridge,
     TTLCache,
     cancel_and_wait,
+    is_set_within,
     keep_cancel,
     run_in_thread,
 )
@@ -510,3 +511,20 @@ async def test_cancel_and_wait_returns_at_once_for_finished_tasks() -> None:
     await task
     await asyncio.wait_for(cancel_and_wait([task]), TIMEOUT_S)
     assert task.result() == 1
+
+
+async def test_is_set_within_answers_whether_the_event_came_in_time() -> None:
+    event = asyncio.Event()
+    assert await is_set_within(event, 0.01) is False  # nobody set it: the time ran out
+    asyncio.get_running_loop().call_soon(event.set)
+    assert await is_set_within(event, 30) is True  # set by a callback, long before 30 s
+    assert await is_set_within(event, 0) is True  # already set: at once, even with no time
+
+
+async def test_is_set_within_passes_a_cancel_on() -> None:
+    event = asyncio.Event()
+    waiting = asyncio.create_task(is_set_within(event, 30))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
