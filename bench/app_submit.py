@@ -1,14 +1,16 @@
-"""``app.submit`` one run at a time from one producer, against another tree (issue 19).
+"""``app.submit`` one run at a time (or ``app.submit_many``) from one producer, against another
+tree (issue 19).
 
 The public in-process path: the app of ``bench/peers/moorline_app.py`` on a fresh database, the
 shipped ``professional`` plan with its quota and rate limit raised out of the way (its quota is
-still taken, one unit per run), one coroutine awaiting ``app.submit`` after ``app.submit``.
-Prints submits/s and this process's CPU per submit. ``--baseline DIR`` measures the tree in
+still taken, one unit per run), one coroutine awaiting ``app.submit`` after ``app.submit`` (with
+``--bulk N``: ``app.submit_many`` of N runs after ``app.submit_many``). Prints runs/s and this
+process's CPU per run. ``--baseline DIR`` measures the tree in
 DIR (``git archive COMMIT | tar -x -C DIR``) the same way, each round running both trees in
 turn, each in a process of its own.
 
     PYTHONPATH=. .venv/bin/python bench/app_submit.py [--runs 3000] [--rounds 2]
-        [--backends postgresql] [--baseline DIR]
+        [--backends postgresql] [--bulk N] [--baseline DIR]
 """
 
 import argparse
@@ -26,13 +28,14 @@ HERE = Path(__file__).resolve().parent
 WARM_UP = 50
 
 
-async def measure(url: str, runs: int) -> dict[str, float]:
-    """Submits/s and CPU ms per submit of ``runs`` awaited ``app.submit`` calls on ``url``."""
+async def measure(url: str, runs: int, bulk: int) -> dict[str, float]:
+    """Runs/s and CPU ms per run of ``runs`` submitted on ``url`` (``bulk`` a call, or one)."""
     from moorline_app import app  # its settings: the MOORLINE_* set by main
 
     from moorline.benchmarks.common import seed_tenant
     from moorline.db.manager import DatabaseManager
     from moorline.db.migrate import upgrade
+    from moorline.engine.submitting import Submission
     from moorline.settings import Settings
 
     db = DatabaseManager(Settings(database_url=url))
@@ -41,17 +44,27 @@ async def measure(url: str, runs: int) -> dict[str, float]:
         tenant = await seed_tenant(db, plan="professional")
     finally:
         await db.dispose()
+
+    async def submit(count: int) -> None:
+        if not bulk:
+            for _ in range(count):
+                await app.submit("noop", tenant=tenant)
+            return
+        for first in range(0, count, bulk):
+            items = [Submission(workflow="noop") for _ in range(min(bulk, count - first))]
+            for result in await app.submit_many(items, tenant=tenant):
+                if isinstance(result, Exception):
+                    raise SystemExit(f"submit_many refused a run: {result!r}")
+
     async with app:
-        for _ in range(WARM_UP):
-            await app.submit("noop", tenant=tenant)
+        await submit(WARM_UP)
         cpu, started = time.process_time(), time.perf_counter()
-        for _ in range(runs):
-            await app.submit("noop", tenant=tenant)
+        await submit(runs)
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     return {"rate": runs / wall, "cpu_ms": 1000 * cpu / runs}
 
 
-def child(backend: str, runs: int) -> None:
+def child(backend: str, runs: int, bulk: int) -> None:
     """In a process of its own (its tree first on ``sys.path``): one measurement, as JSON."""
     from moorline_driver import PLAN, plans_yaml
 
@@ -66,15 +79,16 @@ def child(backend: str, runs: int) -> None:
 
         async def on(url: str) -> dict[str, float]:
             os.environ["MOORLINE_DATABASE_URL"] = url
-            return await measure(url, runs)
+            return await measure(url, runs, bulk)
 
         print(json.dumps(asyncio.run(on_fresh_database(backend, on))))
 
 
-def run_tree(source: Path, backend: str, runs: int) -> dict[str, float]:
+def run_tree(source: Path, backend: str, runs: int, bulk: int) -> dict[str, float]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(source), str(HERE / "peers"), str(HERE)])
     command = [sys.executable, str(Path(__file__)), "--child", backend, "--runs", str(runs)]
+    command += ["--bulk", str(bulk)]
     done = subprocess.run(command, env=env, cwd=source, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{source}: {done.stderr[-2000:]}")
@@ -87,11 +101,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--backends", default="postgresql")
+    parser.add_argument("--bulk", type=int, default=0, help="runs an app.submit_many call")
     parser.add_argument("--baseline", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.runs)
+        child(args.child, args.runs, args.bulk)
         return
     trees = [("this tree", HERE.parent)]
     if args.baseline:
@@ -99,10 +114,10 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         for backend in args.backends.split(","):
             for label, source in trees:
-                got = run_tree(source, backend, args.runs)
+                got = run_tree(source, backend, args.runs, args.bulk)
                 print(
-                    f"round {round_} {backend:<10} {label:<9} {got['rate']:7.0f} submits/s, "
-                    f"CPU {got['cpu_ms']:.2f} ms per submit",
+                    f"round {round_} {backend:<10} {label:<9} {got['rate']:7.0f} runs/s, "
+                    f"CPU {got['cpu_ms']:.3f} ms per run",
                     flush=True,
                 )
 

@@ -44,87 +44,57 @@ safe under concurrency:
   is shielded from cancellation), so a dropped connection can neither lose a unit nor leave a
   taken one without its run.
 
+:meth:`Admission.admit_many` decides a bulk submission's triggers: those with a key or a
+conversation each as above, the rest together with the same steps, each made once for all of
+them (:mod:`moorline.admission.bulk`).
+
 A run refused by the quota is stored without its idempotency key: the key names an accepted
 trigger, so the client may retry with it once the quota resets.
 """
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from moorline.admission.bulk import BulkAdmission
 from moorline.admission.quotas import QuotaStore
 from moorline.admission.ratelimit import RateLimiter, RateLimitState
+from moorline.admission.triggers import (
+    Admitted,
+    QuotaTerms,
+    Trigger,
+    new_run_of,
+    over_budget,
+    quota_terms,
+)
 from moorline.concurrency import KeyedLock
 from moorline.db.repos.listing import RunListing
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo, hash_input
-from moorline.dispatch.budgets import BudgetStore, exhausted
-from moorline.dispatch.days import next_reset, quota_day, seconds_until
-from moorline.dispatch.submit import RateClaim, Submitter, new_run_for_plan
-from moorline.engine.registry import WorkflowDefinition
+from moorline.dispatch.budgets import BudgetStore
+from moorline.dispatch.days import next_reset, quota_day
+from moorline.dispatch.submit import RateClaim, Submitter
 from moorline.errors import (
     BudgetExhausted,
     ConversationBusy,
     IdempotencyConflict,
     InvalidInput,
+    MoorlineError,
     QuotaExceeded,
     RateLimited,
 )
 from moorline.observability.metrics import Metrics
 from moorline.plans import Plan
-from moorline.types import JSONObject, RunId, RunStatus, TenantId
+from moorline.types import RunStatus, TenantId
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Trigger:
-    """A request to start a workflow, as admission sees it.
-
-    Attributes:
-        tenant_id: Who asks; the run will be theirs.
-        plan: The tenant's plan (lane, priority, quota, rate).
-        rate_identity: The credential whose rate limit the request counts against (an API
-            key's digest, a webhook's id); never a secret.
-        workflow: The registered workflow to run.
-        input: The workflow's arguments as sent (validated here).
-        idempotency_key: Makes a repeated trigger return the first one's run.
-        conversation_id: The conversation the run joins; one active run per conversation.
-        delay_s: Seconds before the run may be claimed.
-        rerun_of: The run this one re-runs (``POST …/rerun``), recorded on the new run.
-    """
-
-    tenant_id: TenantId
-    plan: Plan
-    rate_identity: str
-    workflow: WorkflowDefinition
-    input: Mapping[str, Any]
-    idempotency_key: str | None = None
-    conversation_id: str | None = None
-    delay_s: float = 0.0
-    rerun_of: RunId | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Admitted:
-    """A trigger's run.
-
-    Attributes:
-        run: The run as stored.
-        created: False when the trigger repeated an earlier one (same idempotency key).
-        rate: The credential's rate-limit window after this request; None when unknown.
-    """
-
-    run: Run
-    created: bool
-    rate: RateLimitState | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,7 +141,15 @@ class Admission:
         self._rate_limiter = rate_limiter
         self._budgets = budgets
         self._clock = clock or (lambda: datetime.now(UTC))
-        self._rejections = (metrics or Metrics()).rejections
+        metrics = metrics or Metrics()
+        self._rejections = metrics.rejections
+        self._bulk = BulkAdmission(
+            submitter=submitter,
+            rate_limiter=rate_limiter,
+            budgets=budgets,
+            clock=self._clock,
+            metrics=metrics,
+        )
         self._locks: KeyedLock[str] = KeyedLock()
         self._decisions: set[asyncio.Task[Any]] = set()
 
@@ -192,7 +170,10 @@ class Admission:
             BackendUnavailable: the quota or budget store did not answer; nothing was stored.
         """
         if trigger.plan.has_budget and self._budgets is not None:
-            await self._check_budget(trigger, self._budgets)
+            refusal = await over_budget(trigger, self._budgets, self._clock())
+            if refusal is not None:
+                self._rejections.labels(reason=BudgetExhausted.code).inc()
+                raise refusal
         keys = _lock_keys(trigger)
         if not keys and self._submitter.is_gated:
             return await self._admit_with_batch(trigger)
@@ -216,22 +197,34 @@ class Admission:
             run, created = await self._shielded(self._take_and_store(checked))
         return Admitted(run=run, created=created, rate=rate)
 
-    async def _check_budget(self, trigger: Trigger, budgets: BudgetStore) -> None:
-        """Refuse the trigger when its tenant's model spend today has reached the budget.
+    async def admit_many(self, triggers: Sequence[Trigger]) -> list[Admitted | MoorlineError]:
+        """Decide each trigger on its own, as :meth:`admit` would; its run or its refusal.
 
-        A read only: spend is charged by the model calls themselves, so the check needs no
-        unit to give back and a refused trigger leaves nothing behind.
+        A trigger with an idempotency key or a conversation takes :meth:`admit`'s way, those
+        started in the order given, so that triggers sharing a key are decided in that order.
+        The others (most of a bulk submission) are decided together, by
+        :class:`~moorline.admission.bulk.BulkAdmission`, when the units are taken with the runs.
+
+        Raises:
+            Exception: an error that is not a refusal (a bug), once every trigger is decided.
         """
-        now = self._clock()
-        spend = await budgets.spent(trigger.tenant_id, quota_day(now))
-        why = exhausted(trigger.plan, spend)
-        if why is not None:
-            self._rejections.labels(reason=BudgetExhausted.code).inc()
-            retry_after_s = seconds_until(now, next_reset(now))
-            raise BudgetExhausted(
-                f"{why}; it resets at 00:00 UTC, in {retry_after_s}s",
-                retry_after_s=retry_after_s,
+        bulk = self._quotas.taken_with_runs or self._submitter.is_gated
+        plain = [i for i, trigger in enumerate(triggers) if bulk and not trigger.has_lookups]
+        alone = sorted(set(range(len(triggers))).difference(plain))
+        together = asyncio.ensure_future(self._bulk.admit([triggers[index] for index in plain]))
+        try:
+            singles = await asyncio.gather(
+                *(self.admit(triggers[index]) for index in alone), return_exceptions=True
             )
+        except BaseException:
+            together.cancel()
+            raise
+        answers: dict[int, Admitted | MoorlineError] = dict(zip(plain, await together, strict=True))
+        for index, outcome in zip(alone, singles, strict=True):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, MoorlineError):
+                raise outcome
+            answers[index] = outcome
+        return [answers[index] for index in range(len(triggers))]
 
     async def _hit(self, trigger: Trigger) -> RateLimitState | None:
         """Count the trigger against its credential's rate limit, on its own."""
@@ -319,38 +312,20 @@ class Admission:
     async def _take_and_store(
         self, trigger: Trigger, rate: RateClaim | None = None
     ) -> tuple[Run, bool]:
-        now = self._clock()
-        day = quota_day(now)
-        plan = trigger.plan
-        new = new_run_for_plan(
-            plan,
-            tenant_id=trigger.tenant_id,
-            workflow=trigger.workflow.name,
-            input=dict(trigger.input),
-            max_attempts=trigger.workflow.max_attempts,
-            idempotency_key=trigger.idempotency_key,
-            conversation_id=trigger.conversation_id,
-            timeout_s=trigger.workflow.timeout_s,
-            delay_s=trigger.delay_s,
-            rerun_of=trigger.rerun_of,
-        )
-        retry_after_s = seconds_until(now, next_reset(now))
-        message = (
-            f"daily quota of {plan.daily_quota} runs used up; it resets at 00:00 UTC, "
-            f"in {retry_after_s}s"
-        )
-        refusal: JSONObject = {"code": QuotaExceeded.code, "message": message}
+        new = new_run_of(trigger)
+        terms = quota_terms(trigger.plan, self._clock())
+        claim = terms.claim
+        day = claim.day
         if self._quotas.taken_with_runs or self._submitter.is_gated:
-            claim = QuotaClaim(day=day, limit=plan.daily_quota, refusal=refusal)
             run, created = await self._store_with_unit(trigger, new, claim, rate)
             if run.status is RunStatus.RATE_LIMITED:
-                raise self._refused(run, message, retry_after_s)
+                raise self._refused(run, terms)
             return run, created
-        if await self._quotas.consume(trigger.tenant_id, day, plan.daily_quota) is None:
+        if await self._quotas.consume(trigger.tenant_id, day, claim.limit) is None:
             refused = await self._runs.insert_rate_limited(
-                replace(new, idempotency_key=None), refusal
+                replace(new, idempotency_key=None), claim.refusal
             )
-            raise self._refused(refused, message, retry_after_s)
+            raise self._refused(refused, terms)
         try:
             return await self._submitter.submit(new), True
         except IdempotencyConflict:
@@ -386,10 +361,10 @@ class Admission:
                 raise
             return earlier, False
 
-    def _refused(self, run: Run, message: str, retry_after_s: int) -> QuotaExceeded:
+    def _refused(self, run: Run, terms: QuotaTerms) -> QuotaExceeded:
         """The error of a trigger whose run the quota refused (stored ``rate_limited``)."""
         self._rejections.labels(reason=QuotaExceeded.code).inc()
-        return QuotaExceeded(message, run_id=run.run_id, retry_after_s=retry_after_s)
+        return terms.refused(run)
 
     async def _shielded(self, decision: Coroutine[Any, Any, T]) -> T:
         """Run ``decision`` to its end even if the caller is cancelled meanwhile."""

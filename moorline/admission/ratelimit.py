@@ -234,13 +234,7 @@ class RateLimiter:
             let through).
         """
         if self._redis is None:
-            states: list[RateLimitState | RateLimited | None] = []
-            for identity, rate in hits:
-                item = self._item(rate)
-                allowed = self._memory.hit(item, identity)
-                reset_at, remaining = self._memory.get_window_stats(item, identity)
-                states.append(self._state(item, rate, allowed, reset_at, remaining))
-            return states
+            return list(self._hit_memory(hits))
         client, _, redis_error = self._redis
         try:
             replies = await self._run_scripts(client, self.script_calls(hits))
@@ -248,6 +242,33 @@ class RateLimiter:
             logger.warning("rate limit storage unavailable, letting the request through: %s", exc)
             return [None] * len(hits)
         return list(self.read_replies(hits, replies))
+
+    def _hit_memory(self, hits: Sequence[tuple[str, str]]) -> list[RateLimitState | RateLimited]:
+        """:meth:`hit_many` in this process's memory, with the Redis script's counting.
+
+        One hit of the library per credential and rate, costing as many as the window takes
+        of its hits (no await in between, so nothing else counts meanwhile): a bulk
+        submission's thousand triggers are one entry in the window's list, not a thousand
+        inserts at its head.
+        """
+        windows: dict[tuple[str, str], tuple[int, float, int]] = {}
+        for (identity, rate), count in Counter(hits).items():
+            item = self._item(rate)
+            allowed = min(count, self._memory.get_window_stats(item, identity).remaining)
+            if allowed > 0:
+                self._memory.hit(item, identity, cost=allowed)
+            reset_at, remaining = self._memory.get_window_stats(item, identity)
+            windows[identity, rate] = (allowed, reset_at, remaining)
+        seen: Counter[tuple[str, str]] = Counter()
+        states: list[RateLimitState | RateLimited] = []
+        for hit in hits:
+            allowed, reset_at, remaining = windows[hit]
+            nth = seen[hit]
+            seen[hit] += 1
+            # The nth counted hit left remaining + (allowed - 1 - nth) hits in the window.
+            left = remaining + allowed - 1 - nth
+            states.append(self._state(self._item(hit[1]), hit[1], nth < allowed, reset_at, left))
+        return states
 
     def script_calls(self, hits: Sequence[tuple[str, str]]) -> "list[ScriptCall]":
         """The Redis script calls that count ``hits`` (see :meth:`hit_many`), for a pipeline.

@@ -34,7 +34,8 @@ import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from moorline.admission.admit import Admission, Trigger
+from moorline.admission.admit import Admission
+from moorline.admission.triggers import Trigger
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import QueueRepo
 from moorline.db.repos.schedules import Outcome, Schedule, SchedulesRepo

@@ -11,13 +11,13 @@ pydantic and the OpenAPI document, and :func:`check_submission` applies them to 
 made in Python, which no schema has checked.
 """
 
-import asyncio
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from moorline.admission.admit import Admission, Admitted, Trigger
+from moorline.admission.admit import Admission
+from moorline.admission.triggers import Admitted, Trigger
 from moorline.engine.registry import Moorline
 from moorline.engine.submitting import Submission, Submitted
 from moorline.errors import InvalidInput, InvalidRequest, MoorlineError
@@ -92,6 +92,24 @@ def check_submission(submission: Submission) -> None:
         raise InvalidRequest(f"delay: seconds from 0 to {MAX_DELAY_S:.0f}")
 
 
+def trigger_of(workflows: Moorline, origin: Origin, submission: Submission) -> Trigger:
+    """The trigger ``submission`` of ``origin``'s tenant makes.
+
+    Raises:
+        WorkflowNotFound: no workflow of that name in ``workflows``; nothing was counted.
+    """
+    return Trigger(
+        tenant_id=origin.tenant_id,
+        plan=origin.plan,
+        rate_identity=origin.rate_identity,
+        workflow=workflows.get(submission.workflow),
+        input=submission.input,
+        idempotency_key=submission.idempotency_key,
+        conversation_id=submission.conversation_id,
+        delay_s=float(submission.delay),
+    )
+
+
 async def admit_submission(
     admission: Admission, workflows: Moorline, origin: Origin, submission: Submission
 ) -> Admitted:
@@ -101,19 +119,7 @@ async def admit_submission(
         WorkflowNotFound: no workflow of that name in ``workflows``; nothing was counted.
         MoorlineError: :meth:`~moorline.admission.admit.Admission.admit`'s refusals.
     """
-    definition = workflows.get(submission.workflow)
-    return await admission.admit(
-        Trigger(
-            tenant_id=origin.tenant_id,
-            plan=origin.plan,
-            rate_identity=origin.rate_identity,
-            workflow=definition,
-            input=submission.input,
-            idempotency_key=submission.idempotency_key,
-            conversation_id=submission.conversation_id,
-            delay_s=float(submission.delay),
-        )
-    )
+    return await admission.admit(trigger_of(workflows, origin, submission))
 
 
 async def admit_each(
@@ -124,13 +130,13 @@ async def admit_each(
     *,
     checked: bool = False,
 ) -> list[Admitted | MoorlineError]:
-    """Admit every submission on its own, concurrently; each one's run or refusal, in order.
+    """Admit every submission on its own; each one's run or refusal, in order.
 
-    Concurrent so that the Submitter stores them in a few transactions rather than one each.
-    They start in order, so submissions that share an idempotency key or a conversation take
-    its lock in order: the first is admitted, a later one gets the first's run (same key) or
-    ``conversation_busy``. An error that is not a refusal (a bug) is raised, after the others
-    have been decided.
+    Through :meth:`~moorline.admission.admit.Admission.admit_many`: submissions that share an
+    idempotency key or a conversation are decided in order (the first is admitted, a later one
+    gets the first's run, same key, or ``conversation_busy``), the others together, their runs
+    stored in a few transactions. An error that is not a refusal (a bug) is raised, after the
+    others have been decided.
 
     Args:
         admission: Decides each submission.
@@ -140,19 +146,21 @@ async def admit_each(
         checked: The fields were checked already (by the request schema); else
             :func:`check_submission` checks each.
     """
-
-    async def one(submission: Submission) -> Admitted:
-        if not checked:
-            check_submission(submission)
-        return await admit_submission(admission, workflows, origin, submission)
-
-    outcomes = await asyncio.gather(*(one(s) for s in submissions), return_exceptions=True)
-    answers: list[Admitted | MoorlineError] = []
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException) and not isinstance(outcome, MoorlineError):
-            raise outcome
-        answers.append(outcome)
-    return answers
+    answers: list[Admitted | MoorlineError | None] = [None] * len(submissions)
+    triggers: list[Trigger] = []
+    admitted: list[int] = []
+    for index, submission in enumerate(submissions):
+        try:
+            if not checked:
+                check_submission(submission)
+            triggers.append(trigger_of(workflows, origin, submission))
+        except MoorlineError as exc:
+            answers[index] = exc
+            continue
+        admitted.append(index)
+    for index, outcome in zip(admitted, await admission.admit_many(triggers), strict=True):
+        answers[index] = outcome
+    return answers  # type: ignore[return-value]  # every index was answered
 
 
 def submitted(admitted: Admitted) -> Submitted:

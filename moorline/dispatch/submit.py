@@ -77,6 +77,9 @@ class Claims:
     quota: QuotaClaim | None
 
 
+ClaimedRun = tuple[NewRun, QuotaClaim | None, RateClaim | None]
+"""A run for :meth:`Submitter.submit_all`, with its quota and rate claims (see :meth:`submit`)."""
+
 Verdict = BaseException | JSONObject | None
 """The gate's answer for one submission: an error to hand its caller (nothing is stored), the
 quota's refusal (the run is stored ``rate_limited`` with it), or None (the run is written; its
@@ -195,18 +198,45 @@ class Submitter:
             MoorlineError: any other refusal of
                 :meth:`~moorline.db.repos.runs.RunsRepo.submit_many`, for this run only.
         """
-        if self._closed:
-            raise RuntimeError(_CLOSED)
-        if rate is not None and self._gate is None:
-            raise ValueError("a rate claim needs a submitter with a gate")
-        if self._writer is None:
-            self._writer = asyncio.create_task(self._run(), name="moorline-submitter")
+        writer = self._started(rate_claims=rate is not None)
         future: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
         await self._queue.put(_Request(new=new, quota=quota, rate=rate, future=future))
-        if self._writer.done():
+        if writer.done():
             # The writer stopped while this caller waited for room in the queue.
             self._fail_waiting(RuntimeError(_CLOSED))
         return await future
+
+    async def submit_all(self, submissions: Sequence[ClaimedRun]) -> list[Run | BaseException]:
+        """:meth:`submit` each of ``submissions``; each one's run or its error, in order.
+
+        For a bulk submission: the runs are queued one after the other, so the writer takes
+        them into its batches in this order, and the caller waits for all of them at once
+        rather than with a task per run. The errors are :meth:`submit`'s, as values.
+
+        Raises:
+            RuntimeError: the submitter is closed.
+            ValueError: a rate claim without a gate.
+        """
+        writer = self._started(rate_claims=any(rate is not None for _, _, rate in submissions))
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Run]] = []
+        for new, quota, rate in submissions:
+            future: asyncio.Future[Run] = loop.create_future()
+            futures.append(future)
+            await self._queue.put(_Request(new=new, quota=quota, rate=rate, future=future))
+        if writer.done():
+            self._fail_waiting(RuntimeError(_CLOSED))
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    def _started(self, *, rate_claims: bool) -> "asyncio.Task[None]":
+        """The writer task, started on first use, once the submission is known to be valid."""
+        if self._closed:
+            raise RuntimeError(_CLOSED)
+        if rate_claims and self._gate is None:
+            raise ValueError("a rate claim needs a submitter with a gate")
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._run(), name="moorline-submitter")
+        return self._writer
 
     async def close(self) -> None:
         """Write every submission made so far, then stop the writer.

@@ -271,7 +271,7 @@ class Moorline:
     ) -> list[Submitted | MoorlineError]:
         """Start many runs for ``tenant``: each admitted on its own, as the HTTP batch's items.
 
-        They go through admission concurrently, so the Submitter stores them in few
+        They go through admission together, so the Submitter stores them in few
         transactions. Not all-or-nothing: each item's answer is its run or its refusal (the
         exception :meth:`submit` would raise), in the order given.
         """

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from moorline.admission.admit import Admission, Trigger
+from moorline.admission.admit import Admission
 from moorline.admission.gate import RedisGate
 from moorline.admission.quotas import DatabaseQuotaStore, QuotaStore, RedisQuotaStore
 from moorline.admission.ratelimit import RateLimiter
+from moorline.admission.triggers import Trigger
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.listing import RunListing
 from moorline.db.repos.quotas import QuotaClaim
@@ -475,6 +476,59 @@ async def test_a_trigger_refused_by_the_rate_limit_keeps_no_unit(
         usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
         assert (usage["used_today"], usage["remaining"]) == (3, 97)
         assert await api.count_runs(caller) == 3
+        assert await deployment.immortal_keys() == []
+
+
+async def test_a_batchs_items_are_counted_as_its_triggers_alone_would_be(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    # The items without lookups are decided together (the rate limit counted in one call or by
+    # the gate, the units taken in the order given), those with a key on their own.
+    async with make_api(**deployment.settings) as api:
+        caller = await api.tenant("trickle")  # daily quota 2, rate 3/minute
+        items: list[dict[str, Any]] = [
+            {"input": {"message": "a"}},
+            {"input": {"message": "b"}},
+            {"input": {"message": "c"}},
+            {"input": {"message": "d"}},
+        ]
+        response = await api.client.post(
+            "/v1/workflows/echo/runs/batch", json={"runs": items}, headers=caller.headers
+        )
+        assert response.status_code == 200, response.text
+        results = response.json()["results"]
+        codes = [
+            "accepted" if item["status_code"] == 202 else item["error"]["code"] for item in results
+        ]
+        assert codes == ["accepted", "accepted", "quota_exceeded", "rate_limited"]
+        assert results[2]["status"] == "rate_limited" and results[3]["run_id"] is None
+        usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+        assert (usage["used_today"], usage["remaining"]) == (2, 0)
+        assert await api.count_runs(caller, RunStatus.QUEUED) == 2
+        assert await api.count_runs(caller, RunStatus.RATE_LIMITED) == 1
+
+        burst = await api.tenant("burst")  # 3/minute, daily quota 100
+        items = [
+            {"input": {"unknown": 1}},
+            {"input": {"message": "k"}, "idempotency_key": "k-1"},
+            {"input": {"message": "e"}},
+            {"input": {"message": "f"}},
+        ]
+        response = await api.client.post(
+            "/v1/workflows/echo/runs/batch", json={"runs": items}, headers=burst.headers
+        )
+        results = response.json()["results"]
+        # Three hits fit the window. The invalid item's counts (422, nothing stored); of the
+        # other three, whichever is counted last is refused (the keyed item is decided on its
+        # own, concurrently with the plain ones).
+        codes = sorted(
+            "accepted" if item["status_code"] == 202 else item["error"]["code"] for item in results
+        )
+        assert codes == ["accepted", "accepted", "invalid_input", "rate_limited"]
+        assert results[0]["error"]["code"] == "invalid_input"
+        assert await api.count_runs(burst) == 2
+        usage = (await api.client.get("/v1/usage", headers=burst.headers)).json()
+        assert usage["used_today"] == 2
         assert await deployment.immortal_keys() == []
 
 

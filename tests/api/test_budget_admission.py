@@ -105,6 +105,15 @@ async def test_a_spent_budget_refuses_new_runs_until_midnight(
         assert error["retry_after_s"] == retry_after
         assert cost_refused.status_code == 429
         assert "cost budget of 2.5" in cost_refused.json()["error"]["message"]
+        # A batch's items are refused alike, each on its own.
+        batch = await api.client.post(
+            "/v1/workflows/echo/runs/batch",
+            json={"runs": [{"input": {}}, {"input": {}, "idempotency_key": "k"}, {"input": {}}]},
+            headers=spender.headers,
+        )
+        assert batch.status_code == 200, batch.text
+        codes = [item["error"]["code"] for item in batch.json()["results"]]
+        assert codes == ["budget_exhausted"] * 3
         # Nothing stored for the refusals, and no quota unit taken.
         assert await api.count_runs(spender) == 1
         usage = (await api.client.get("/v1/usage", headers=spender.headers)).json()

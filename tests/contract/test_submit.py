@@ -210,6 +210,42 @@ async def test_quota_claims_admit_exactly_the_limit_in_the_runs_transactions(
     assert set().union(*woken) == {lane} and len(woken) < submitter.batches_written
 
 
+async def test_submit_all_answers_each_run_in_order_with_its_own_error(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    tenant = await tenants.new()
+    lane = unique("lane")
+    repo = RunsRepo(db)
+    await repo.submit_many([new_run(tenant, lane, -1, key="taken")])
+    submitter = Submitter(repo, max_batch=64)
+    try:
+        outcomes = await submitter.submit_all(
+            [
+                (
+                    new_run(tenant, lane, i, key="taken" if i == 100 else None),
+                    claim("2031-01-02", 150),
+                    None,
+                )
+                for i in range(200)
+            ]
+        )
+    finally:
+        await submitter.close()
+    conflict = outcomes.pop(100)
+    assert isinstance(conflict, IdempotencyConflict)
+    stored = [outcome for outcome in outcomes if isinstance(outcome, Run)]
+    assert [run.input for run in stored] == [{"i": i} for i in range(200) if i != 100]
+    # The units went in the order given (the refused key's run took none).
+    statuses = [run.status for run in stored]
+    assert statuses == [RunStatus.QUEUED] * 150 + [RunStatus.RATE_LIMITED] * 49
+    assert await QuotasRepo(db).used(tenant, "2031-01-02") == 150
+    # Batches of 64 in the order given; the one with the taken key was retried run by run.
+    assert submitter.runs_written == 199
+    assert submitter.batches_written == 3 + 63
+    with pytest.raises(RuntimeError, match="closed"):
+        await submitter.submit_all([(new_run(tenant, lane, 0), None, None)])
+
+
 async def test_concurrent_submitters_never_pass_the_quota(
     db: DatabaseManager, tenants: Tenants
 ) -> None:

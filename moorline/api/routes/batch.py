@@ -4,9 +4,9 @@ Each item is admitted on its own, exactly as the single trigger would admit its 
 (:func:`~moorline.admission.submission.admit_each`: rate limit, input, idempotency key,
 conversation, quota), and answered at its index with the status the single trigger would
 answer and the run it names. Not all-or-nothing: one item's refusal stores nothing for that
-item and changes nothing for the others. The items are admitted concurrently, so the Submitter
-stores them in a few transactions; items that share an idempotency key or a conversation are
-decided in the order of the list.
+item and changes nothing for the others. The items without lookups are decided together
+(:mod:`moorline.admission.bulk`), so the Submitter stores them in a few transactions; items
+that share an idempotency key or a conversation are decided in the order of the list.
 
 What refuses the whole request is what the single trigger refuses before admission: a missing
 or unknown key (401), an unknown workflow (404), a body that is not JSON (400), one that does
@@ -16,8 +16,8 @@ not fit the schema, no items or more than 1,000 among it (422), a body over
 
 from fastapi import APIRouter, Request, Response
 
-from moorline.admission.admit import Admitted
 from moorline.admission.submission import admit_each
+from moorline.admission.triggers import Admitted
 from moorline.api.deps import ServicesDep, TriggerCallerDep, authenticate_tenant
 from moorline.api.errors import BODY_ERRORS, responses
 from moorline.api.guards import authenticated_by

@@ -15,7 +15,7 @@ tenant's run; the admin's re-run counts against the run's tenant's plan, quota i
 
 from fastapi import APIRouter, Response
 
-from moorline.admission.admit import Trigger
+from moorline.admission.triggers import Trigger
 from moorline.api.deps import (
     CallerDep,
     Services,

@@ -34,8 +34,8 @@ from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from moorline import fastpaths
-from moorline.admission.admit import Admitted
 from moorline.admission.submission import Origin, admit_submission
+from moorline.admission.triggers import Admitted
 from moorline.api.deps import (
     RUN_ID_PATTERN,
     Caller,

@@ -21,7 +21,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Request, Response
 
-from moorline.admission.admit import Trigger
+from moorline.admission.triggers import Trigger
 from moorline.api.deps import (
     RUN_ID_PATTERN,
     CallerDep,
