@@ -254,9 +254,12 @@ class RateLimiter:
         windows: dict[tuple[str, str], tuple[int, float, int]] = {}
         for (identity, rate), count in Counter(hits).items():
             item = self._item(rate)
-            allowed = min(count, self._memory.get_window_stats(item, identity).remaining)
-            if allowed > 0:
-                self._memory.hit(item, identity, cost=allowed)
+            allowed = count
+            if not self._memory.hit(item, identity, cost=count):
+                # Not all of them fit (the hit counted none): as many as the window has room for.
+                allowed = min(count, self._memory.get_window_stats(item, identity).remaining)
+                if allowed > 0:
+                    self._memory.hit(item, identity, cost=allowed)
             reset_at, remaining = self._memory.get_window_stats(item, identity)
             windows[identity, rate] = (allowed, reset_at, remaining)
         seen: Counter[tuple[str, str]] = Counter()

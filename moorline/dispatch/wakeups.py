@@ -360,7 +360,7 @@ def _notify_statement(lanes: int) -> Select[Any]:
 class PostgresWakeups(ListeningWakeups):
     """Wake-ups across processes through PostgreSQL LISTEN/NOTIFY.
 
-    ``notify`` sends ``pg_notify`` through the manager's pool, in a transaction of its own
+    ``notify`` sends ``pg_notify`` through the manager's pool, one statement committed alone
     (NOTIFY is delivered at commit). The listener holds a dedicated asyncpg connection opened
     by the manager's primary-first failover creator, so it follows a database failover too.
     A lost connection is noticed at once by asyncpg's termination callback, and a silently
@@ -413,8 +413,11 @@ class PostgresWakeups(ListeningWakeups):
 
     async def _publish(self, lanes: list[str]) -> None:
         params = {f"payload_{index}": self._payload(lane) for index, lane in enumerate(lanes)}
-        async with self._db.transaction() as conn:
-            await conn.execute(_notify_statement(len(lanes)), {"channel": self.channel, **params})
+        # One statement committed alone: one round trip, where a transaction around it was
+        # three (BEGIN, the statement, COMMIT). The notifications go out as it commits.
+        await self._db.write_statement(
+            _notify_statement(len(lanes)), {"channel": self.channel, **params}
+        )
 
     async def _listen(self) -> None:
         conn = await self._connect()
