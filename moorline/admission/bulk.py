@@ -20,6 +20,7 @@ taken with the runs (in the batch's transaction, or by the Submitter's gate) dec
 with units consumed one at a time, admission decides each trigger on its own.
 """
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime
@@ -33,6 +34,7 @@ from moorline.admission.triggers import (
     over_budget,
     quota_terms,
 )
+from moorline.db.repos.records import Run
 from moorline.dispatch.budgets import BudgetStore
 from moorline.dispatch.submit import ClaimedRun, RateClaim, Submitter
 from moorline.errors import (
@@ -47,6 +49,10 @@ from moorline.types import RunStatus, TenantId
 
 Answers = list[Admitted | MoorlineError | None]
 """Each trigger's answer so far, by its index: None while undecided."""
+
+_Claimed = tuple[int, RateClaim | None, RateLimitState | RateLimited | None, ClaimedRun]
+"""A trigger's run for the Submitter: its index, its rate claim (with a gate) or the window
+admission counted it in, and the run with its claims."""
 
 
 class BulkAdmission:
@@ -70,27 +76,102 @@ class BulkAdmission:
     async def admit(self, triggers: Sequence[Trigger]) -> list[Admitted | MoorlineError]:
         """Decide ``triggers`` (none with lookups); each one's run or refusal, in order.
 
+        A batch of the Submitter's size at a time: each is queued as soon as it is decided, so
+        that the Submitter writes it while the next one is decided (the database's time of one
+        overlaps this process's time of the other).
+
         Raises:
             Exception: an error that is not a refusal (a bug).
         """
         answers: Answers = [None] * len(triggers)
         if self._budgets is not None:
             await self._refuse_over_budget(triggers, answers, self._budgets)
+        now = self._clock()
+        terms: dict[str, QuotaTerms] = {}
+        queued: list[tuple[list[_Claimed], asyncio.Future[list[Run | BaseException]]]] = []
+        size = self._submitter.max_batch
+        for first in range(0, len(triggers), size):
+            part = range(first, min(first + size, len(triggers)))
+            checked = self._checked(triggers, part, answers)
+            states = await self._hit(triggers, part, answers)
+            claimed = self._claimed(checked, states, answers, terms, now)
+            outcomes = await self._submitter.queue_all([run for _, _, _, run in claimed])
+            queued.append((claimed, outcomes))
+            # Lets the Submitter's writer take this part before the next is decided.
+            await asyncio.sleep(0)
+        for claimed, outcomes in queued:
+            for (index, rate, state, _), outcome in zip(claimed, await outcomes, strict=True):
+                answers[index] = self._answer(
+                    outcome, rate or state, terms[triggers[index].plan.name]
+                )
+        return answers  # type: ignore[return-value]  # every index was answered above
+
+    def _checked(
+        self, triggers: Sequence[Trigger], part: range, answers: Answers
+    ) -> dict[int, Trigger]:
+        """The triggers of ``part`` still undecided, their inputs validated; refuse the rest."""
         checked: dict[int, Trigger] = {}
-        for index, trigger in enumerate(triggers):
+        for index in part:
             if answers[index] is None:
+                trigger = triggers[index]
                 try:
                     checked[index] = replace(
                         trigger, input=trigger.workflow.validate_input(trigger.input)
                     )
                 except InvalidInput as exc:
                     answers[index] = exc
-        states = await self._hit(triggers, answers)
-        for index in states:
-            if isinstance(answers[index], RateLimited):
-                checked.pop(index, None)
-        await self._store(triggers, checked, states, answers)
-        return answers  # type: ignore[return-value]  # _store answered the last ones
+        return checked
+
+    def _claimed(
+        self,
+        checked: dict[int, Trigger],
+        states: dict[int, RateLimitState | RateLimited | None],
+        answers: Answers,
+        terms: dict[str, QuotaTerms],
+        now: datetime,
+    ) -> list["_Claimed"]:
+        """The runs of the checked triggers the rate limit let through, with their claims."""
+        gated = self._submitter.is_gated
+        claimed: list[_Claimed] = []
+        for index, trigger in checked.items():
+            if answers[index] is not None:
+                continue  # over the rate limit
+            plan = trigger.plan
+            if plan.name not in terms:
+                terms[plan.name] = quota_terms(plan, now)
+            rate = None
+            if gated:
+                rate = RateClaim(identity=trigger.rate_identity, rate=plan.rate_limit)
+            run = (new_run_of(trigger), terms[plan.name].claim, rate)
+            claimed.append((index, rate, states.get(index), run))
+        return claimed
+
+    def _answer(
+        self,
+        outcome: Run | BaseException,
+        rate: RateClaim | RateLimitState | RateLimited | None,
+        terms: QuotaTerms,
+    ) -> Admitted | MoorlineError:
+        """A trigger's answer from what the Submitter made of its run.
+
+        Raises:
+            BaseException: ``outcome``, an error that is not a refusal.
+        """
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, MoorlineError):
+                raise outcome
+            if isinstance(outcome, RateLimited):
+                self._rejections.labels(reason=RateLimited.code).inc()
+            return outcome
+        if outcome.status is RunStatus.RATE_LIMITED:
+            self._rejections.labels(reason=QuotaExceeded.code).inc()
+            return terms.refused(outcome)
+        state = rate.state if isinstance(rate, RateClaim) else rate
+        return Admitted(
+            run=outcome,
+            created=True,
+            rate=state if isinstance(state, RateLimitState) else None,
+        )
 
     async def _refuse_over_budget(
         self, triggers: Sequence[Trigger], answers: Answers, budgets: BudgetStore
@@ -110,9 +191,9 @@ class BulkAdmission:
                 answers[index] = refusal
 
     async def _hit(
-        self, triggers: Sequence[Trigger], answers: Answers
+        self, triggers: Sequence[Trigger], part: range, answers: Answers
     ) -> dict[int, RateLimitState | RateLimited | None]:
-        """Count the hits admission counts itself, in one call; refuse those over the limit.
+        """Count the hits of ``part`` admission counts itself, in one call; refuse those over it.
 
         Every trigger without a gate; with one, only the invalid ones (the gate counts the rest
         with their batch). Over the limit is 429 before an invalid input's 422, as one trigger.
@@ -123,8 +204,8 @@ class BulkAdmission:
         gated = self._submitter.is_gated
         counted = [
             index
-            for index, answer in enumerate(answers)
-            if (answer is None and not gated) or isinstance(answer, InvalidInput)
+            for index in part
+            if (answers[index] is None and not gated) or isinstance(answers[index], InvalidInput)
         ]
         if not counted:
             return {}
@@ -135,41 +216,3 @@ class BulkAdmission:
                 self._rejections.labels(reason=RateLimited.code).inc()
                 answers[index] = state
         return states
-
-    async def _store(
-        self,
-        triggers: Sequence[Trigger],
-        checked: dict[int, Trigger],
-        states: dict[int, RateLimitState | RateLimited | None],
-        answers: Answers,
-    ) -> None:
-        """Hand the admitted runs to the Submitter at once; answer each with its outcome."""
-        now = self._clock()
-        terms: dict[str, QuotaTerms] = {}
-        claimed: list[tuple[int, RateClaim | None, ClaimedRun]] = []
-        gated = self._submitter.is_gated
-        for index, trigger in checked.items():
-            plan = trigger.plan
-            plan_terms = terms.get(plan.name) or terms.setdefault(plan.name, quota_terms(plan, now))
-            rate = (
-                RateClaim(identity=trigger.rate_identity, rate=plan.rate_limit) if gated else None
-            )
-            claimed.append((index, rate, (new_run_of(trigger), plan_terms.claim, rate)))
-        outcomes = await self._submitter.submit_all([run for _, _, run in claimed])
-        for (index, rate, _), outcome in zip(claimed, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                if not isinstance(outcome, MoorlineError):
-                    raise outcome
-                if isinstance(outcome, RateLimited):
-                    self._rejections.labels(reason=RateLimited.code).inc()
-                answers[index] = outcome
-            elif outcome.status is RunStatus.RATE_LIMITED:
-                self._rejections.labels(reason=QuotaExceeded.code).inc()
-                answers[index] = terms[triggers[index].plan.name].refused(outcome)
-            else:
-                state = rate.state if rate is not None else states.get(index)
-                answers[index] = Admitted(
-                    run=outcome,
-                    created=True,
-                    rate=state if isinstance(state, RateLimitState) else None,
-                )

@@ -161,6 +161,11 @@ class Submitter:
         self._runs_written = 0
 
     @property
+    def max_batch(self) -> int:
+        """Most runs the writer stores in one transaction."""
+        return self._max_batch
+
+    @property
     def is_gated(self) -> bool:
         """Whether a :class:`Gate` decides claims (rate-limit hits can be submitted)."""
         return self._gate is not None
@@ -217,6 +222,21 @@ class Submitter:
             RuntimeError: the submitter is closed.
             ValueError: a rate claim without a gate.
         """
+        return await (await self.queue_all(submissions))
+
+    async def queue_all(
+        self, submissions: Sequence[ClaimedRun]
+    ) -> "asyncio.Future[list[Run | BaseException]]":
+        """Queue ``submissions`` as :meth:`submit_all` does, without waiting for their write.
+
+        Returns once they are queued (after waiting for room, as :meth:`submit` does): the
+        future of :meth:`submit_all`'s answer. A caller that decides runs part by part queues
+        each part this way, so that the writer stores one part while it decides the next.
+
+        Raises:
+            RuntimeError: the submitter is closed.
+            ValueError: a rate claim without a gate.
+        """
         writer = self._started(rate_claims=any(rate is not None for _, _, rate in submissions))
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Run]] = []
@@ -226,7 +246,7 @@ class Submitter:
             await self._queue.put(_Request(new=new, quota=quota, rate=rate, future=future))
         if writer.done():
             self._fail_waiting(RuntimeError(_CLOSED))
-        return await asyncio.gather(*futures, return_exceptions=True)
+        return asyncio.gather(*futures, return_exceptions=True)
 
     def _started(self, *, rate_claims: bool) -> "asyncio.Task[None]":
         """The writer task, started on first use, once the submission is known to be valid."""

@@ -61,6 +61,13 @@ plans:
     rate_limit: "1000000/second"
     tenant_concurrency: 1
     lane_slots: 1
+  bounded:
+    lane: workflow_bounded
+    priority: 5
+    daily_quota: 300
+    rate_limit: "1000000/second"
+    tenant_concurrency: 1
+    lane_slots: 1
   slow:
     lane: workflow_slow
     priority: 5
@@ -207,6 +214,26 @@ async def test_submit_many_answers_each_item_in_order(app: Moorline, db: Databas
     assert isinstance(unknown, WorkflowNotFound)
     assert all(isinstance(r, Submitted) and r.created for r in rest)
     assert await count_runs(db, tenant, RunStatus.QUEUED) == 52
+
+
+async def test_a_submission_larger_than_a_batch_takes_the_units_in_its_order(
+    app: Moorline, db: DatabaseManager
+) -> None:
+    # 700 runs are decided and written in parts of the Submitter's batch (256): the quota's
+    # 300 units still go to the first 300 items, and every answer is at its item's index.
+    tenant = await new_tenant(db, "bounded")
+    items = [Submission(workflow="add", input={"a": n, "b": 0}) for n in range(700)]
+    results = await app.submit_many(items, tenant=tenant)
+    assert all(isinstance(r, Submitted) and r.created for r in results[:300])
+    assert all(isinstance(r, QuotaExceeded) for r in results[300:])
+    stored = await RunsRepo(db).get_many(
+        [r.run_id for r in results[:300] if isinstance(r, Submitted)]
+    )
+    assert [stored[r.run_id].input for r in results[:300] if isinstance(r, Submitted)] == [
+        {"a": n, "b": 0} for n in range(300)
+    ]
+    assert await count_runs(db, tenant, RunStatus.QUEUED) == 300
+    assert await count_runs(db, tenant, RunStatus.RATE_LIMITED) == 400
 
 
 async def test_a_registered_workflow_submits_itself(app: Moorline, db: DatabaseManager) -> None:
