@@ -44,9 +44,9 @@ safe under concurrency:
   is shielded from cancellation), so a dropped connection can neither lose a unit nor leave a
   taken one without its run.
 
-:meth:`Admission.admit_many` decides a bulk submission's triggers: those with a key or a
-conversation each as above, the rest together with the same steps, each made once for all of
-them (:mod:`moorline.admission.bulk`).
+:meth:`Admission.admit_many` decides a bulk submission's triggers: those with a conversation or
+a key another of them shares each as above, the rest together with the same steps, each made
+once for all of them (:mod:`moorline.admission.bulk`).
 
 A run refused by the quota is stored without its idempotency key: the key names an accepted
 trigger, so the client may retry with it once the quota resets.
@@ -54,8 +54,7 @@ trigger, so the client may retry with it once the quota resets.
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -67,6 +66,8 @@ from moorline.admission.triggers import (
     Admitted,
     QuotaTerms,
     Trigger,
+    holding,
+    key_conflict,
     new_run_of,
     over_budget,
     quota_terms,
@@ -75,7 +76,7 @@ from moorline.concurrency import KeyedLock
 from moorline.db.repos.listing import RunListing
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
-from moorline.db.repos.runs import NewRun, RunsRepo, hash_input
+from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.dispatch.budgets import BudgetStore
 from moorline.dispatch.days import next_reset, quota_day
 from moorline.dispatch.submit import RateClaim, Submitter
@@ -143,14 +144,17 @@ class Admission:
         self._clock = clock or (lambda: datetime.now(UTC))
         metrics = metrics or Metrics()
         self._rejections = metrics.rejections
+        self._locks: KeyedLock[str] = KeyedLock()
+        self._decides_together = quotas.taken_with_runs or submitter.is_gated
         self._bulk = BulkAdmission(
+            runs=runs,
+            locks=self._locks,
             submitter=submitter,
             rate_limiter=rate_limiter,
             budgets=budgets,
             clock=self._clock,
             metrics=metrics,
         )
-        self._locks: KeyedLock[str] = KeyedLock()
         self._decisions: set[asyncio.Task[Any]] = set()
 
     async def admit(self, trigger: Trigger) -> Admitted:
@@ -174,7 +178,7 @@ class Admission:
             if refusal is not None:
                 self._rejections.labels(reason=BudgetExhausted.code).inc()
                 raise refusal
-        keys = _lock_keys(trigger)
+        keys = trigger.lock_keys()
         if not keys and self._submitter.is_gated:
             return await self._admit_with_batch(trigger)
         rate = await self._hit(trigger)
@@ -184,7 +188,7 @@ class Admission:
             # and no lock to hold, so not even the cost of entering an empty set of them.
             run, created = await self._shielded(self._take_and_store(checked))
             return Admitted(run=run, created=created, rate=rate)
-        async with _holding(self._locks, keys):
+        async with holding(self._locks, keys):
             earlier = await self._earlier_run(checked)
             if earlier is not None:
                 return Admitted(run=earlier, created=False, rate=rate)
@@ -200,16 +204,15 @@ class Admission:
     async def admit_many(self, triggers: Sequence[Trigger]) -> list[Admitted | MoorlineError]:
         """Decide each trigger on its own, as :meth:`admit` would; its run or its refusal.
 
-        A trigger with an idempotency key or a conversation takes :meth:`admit`'s way, those
+        Most are decided together, by :class:`~moorline.admission.bulk.BulkAdmission`, when
+        the units are taken with the runs. A trigger with a conversation, or whose idempotency
+        key another trigger of the batch shares, takes :meth:`admit`'s way instead, those
         started in the order given, so that triggers sharing a key are decided in that order.
-        The others (most of a bulk submission) are decided together, by
-        :class:`~moorline.admission.bulk.BulkAdmission`, when the units are taken with the runs.
 
         Raises:
             Exception: an error that is not a refusal (a bug), once every trigger is decided.
         """
-        bulk = self._quotas.taken_with_runs or self._submitter.is_gated
-        plain = [i for i, trigger in enumerate(triggers) if bulk and not trigger.has_lookups]
+        plain = self._bulk.decides(triggers) if self._decides_together else []
         alone = sorted(set(range(len(triggers))).difference(plain))
         together = asyncio.ensure_future(self._bulk.admit([triggers[index] for index in plain]))
         try:
@@ -300,13 +303,9 @@ class Admission:
         run = await self._runs.find_by_idempotency_key(trigger.tenant_id, key)
         if run is None:
             return None
-        if run.workflow != trigger.workflow.name or run.input_hash != hash_input(
-            dict(trigger.input)
-        ):
-            raise IdempotencyConflict(
-                f"idempotency key {key!r} was used by run {run.run_id} with another "
-                "workflow or input"
-            )
+        conflict = key_conflict(trigger, run)
+        if conflict is not None:
+            raise conflict
         return run
 
     async def _take_and_store(
@@ -383,24 +382,3 @@ def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None
             logger.debug("a trigger decision ended with %r", task.exception())
 
     return done
-
-
-def _lock_keys(trigger: Trigger) -> list[str]:
-    keys: list[str] = []
-    if trigger.idempotency_key is not None:
-        keys.append(f"idempotency:{trigger.tenant_id}:{trigger.idempotency_key}")
-    if trigger.conversation_id is not None:
-        keys.append(f"conversation:{trigger.tenant_id}:{trigger.conversation_id}")
-    return keys
-
-
-@asynccontextmanager
-async def _holding(locks: KeyedLock[str], keys: list[str]) -> AsyncIterator[None]:
-    """Hold the lock of every key in ``keys`` (seed 002's per-key locks).
-
-    Taken in sorted order, so two triggers can never hold one each and wait for the other's.
-    """
-    async with AsyncExitStack() as stack:
-        for key in sorted(set(keys)):
-            await stack.enter_async_context(locks.hold(key))
-        yield

@@ -1,26 +1,34 @@
-"""Admitting many triggers together: the part of a bulk submission with nothing to look up.
+"""Admitting many triggers together: most of a bulk submission.
 
 ``app.submit_many`` and the HTTP batch hand admission up to a thousand triggers at once
-(:meth:`~moorline.admission.admit.Admission.admit_many`). Those with an idempotency key or a
-conversation are decided one by one, since each needs its lookups under its key's lock. The
-rest, most of a bulk submission, take :meth:`~moorline.admission.admit.Admission.admit`'s
-steps here, each step once for all of them:
+(:meth:`~moorline.admission.admit.Admission.admit_many`). A trigger with a conversation, or
+whose idempotency key another trigger of the batch shares, is decided on its own, in the
+order of the batch. The rest, a bulk submission's triggers with no key or with a key of their
+own, take :meth:`~moorline.admission.admit.Admission.admit`'s steps here, each step once for
+all of them:
 
+- the locks of their idempotency keys taken together, in one order (:func:`holding`), and held
+  until their runs are stored, as one trigger holds its key's;
 - the budget read once per tenant;
 - the inputs validated;
 - the rate-limit hits counted in one call (:meth:`RateLimiter.hit_many`), or, with a gate,
-  by the gate with the Submitter's batch as a single trigger's would be;
-- every run handed to the Submitter at once (:meth:`Submitter.submit_all`) with its quota
-  claim, so that the units go to the runs in the order given and each run is stored with its
-  unit, or neither is.
+  by the gate with the Submitter's batch as a single trigger's would be (a keyed trigger's is
+  counted before its lookup, as alone);
+- the runs already stored under their keys read in one query: a repeat is answered with the
+  earlier run (or ``idempotency_conflict``) and takes no unit;
+- every other run handed to the Submitter with its quota claim, a Submitter batch at a time:
+  the units go to the runs in the order given, each run is stored with its unit or neither
+  is, and one part is written while the next is decided.
 
-Decided one by one, each trigger of a thousand was a task, a shielded decision and a quota
-message of its own, which cost more than storing its run. Only deployments whose units are
-taken with the runs (in the batch's transaction, or by the Submitter's gate) decide this way;
-with units consumed one at a time, admission decides each trigger on its own.
+Decided one by one, each trigger of a thousand was a task, a shielded decision, a quota
+message, and with a key a lock and a query of its own, which cost more than storing its run.
+Only deployments whose units are taken with the runs (in the batch's transaction, or by the
+Submitter's gate) decide this way; with units consumed one at a time, admission decides each
+trigger on its own.
 """
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime
@@ -30,15 +38,20 @@ from moorline.admission.triggers import (
     Admitted,
     QuotaTerms,
     Trigger,
+    holding,
+    key_conflict,
     new_run_of,
     over_budget,
     quota_terms,
 )
+from moorline.concurrency import KeyedLock
 from moorline.db.repos.records import Run
+from moorline.db.repos.runs import RunsRepo
 from moorline.dispatch.budgets import BudgetStore
 from moorline.dispatch.submit import ClaimedRun, RateClaim, Submitter
 from moorline.errors import (
     BudgetExhausted,
+    IdempotencyConflict,
     InvalidInput,
     MoorlineError,
     QuotaExceeded,
@@ -50,61 +63,105 @@ from moorline.types import RunStatus, TenantId
 Answers = list[Admitted | MoorlineError | None]
 """Each trigger's answer so far, by its index: None while undecided."""
 
-_Claimed = tuple[int, RateClaim | None, RateLimitState | RateLimited | None, ClaimedRun]
-"""A trigger's run for the Submitter: its index, its rate claim (with a gate) or the window
-admission counted it in, and the run with its claims."""
+Window = RateClaim | RateLimitState | RateLimited | None
+"""Where a trigger's rate-limit hit was counted: the gate's claim, or the window admission
+counted it in (None: not counted, or the storage did not answer)."""
+
+_Claimed = tuple[int, Window, ClaimedRun]
+"""A trigger's run for the Submitter: its index, its hit, and the run with its claims."""
 
 
 class BulkAdmission:
-    """Decides triggers without lookups together (see the module docstring)."""
+    """Decides a bulk submission's triggers together (see the module docstring)."""
 
     def __init__(
         self,
         *,
+        runs: RunsRepo,
+        locks: KeyedLock[str],
         submitter: Submitter,
         rate_limiter: RateLimiter,
         budgets: BudgetStore | None,
         clock: Callable[[], datetime],
         metrics: Metrics,
     ) -> None:
+        self._runs = runs
+        self._locks = locks
         self._submitter = submitter
         self._rate_limiter = rate_limiter
         self._budgets = budgets
         self._clock = clock
         self._rejections = metrics.rejections
 
-    async def admit(self, triggers: Sequence[Trigger]) -> list[Admitted | MoorlineError]:
-        """Decide ``triggers`` (none with lookups); each one's run or refusal, in order.
+    @staticmethod
+    def decides(triggers: Sequence[Trigger]) -> list[int]:
+        """The indexes of the triggers decided here.
 
-        A batch of the Submitter's size at a time: each is queued as soon as it is decided, so
-        that the Submitter writes it while the next one is decided (the database's time of one
-        overlaps this process's time of the other).
+        Those with no conversation, and no idempotency key that another of ``triggers`` shares.
+        """
+        keys: Counter[tuple[TenantId, str | None]] = Counter(
+            (trigger.tenant_id, trigger.idempotency_key)
+            for trigger in triggers
+            if trigger.idempotency_key is not None
+        )
+        return [
+            index
+            for index, trigger in enumerate(triggers)
+            if trigger.conversation_id is None
+            and keys[trigger.tenant_id, trigger.idempotency_key] <= 1
+        ]
+
+    async def admit(self, triggers: Sequence[Trigger]) -> list[Admitted | MoorlineError]:
+        """Decide ``triggers`` (as :meth:`decides` picks them); each one's run or refusal.
 
         Raises:
             Exception: an error that is not a refusal (a bug).
         """
         answers: Answers = [None] * len(triggers)
-        if self._budgets is not None:
-            await self._refuse_over_budget(triggers, answers, self._budgets)
+        keys = [key for trigger in triggers for key in trigger.lock_keys()]
+        async with holding(self._locks, keys):
+            if self._budgets is not None:
+                await self._refuse_over_budget(triggers, answers, self._budgets)
+            terms: dict[str, QuotaTerms] = {}
+            queued = await self._queue_parts(triggers, answers, terms)
+            conflicts: list[int] = []
+            for claimed, outcomes in queued:
+                for (index, window, _), outcome in zip(claimed, await outcomes, strict=True):
+                    plan = triggers[index].plan.name
+                    answers[index] = self._answer(outcome, window, terms[plan])
+                    if isinstance(outcome, IdempotencyConflict):
+                        conflicts.append(index)
+            for index in conflicts:
+                await self._repeat_or_conflict(triggers[index], index, answers)
+        return answers  # type: ignore[return-value]  # every index was answered above
+
+    async def _queue_parts(
+        self, triggers: Sequence[Trigger], answers: Answers, terms: dict[str, QuotaTerms]
+    ) -> list[tuple[list[_Claimed], "asyncio.Future[list[Run | BaseException]]"]]:
+        """Decide the triggers a Submitter batch at a time, queueing each part's runs.
+
+        Each part is queued as soon as it is decided, so that the Submitter writes it while
+        the next one is decided (the database's time of one overlaps this process's time of
+        the other).
+
+        Returns:
+            Per part, its runs and the future of their outcomes; ``terms`` gets each plan's
+            quota terms.
+        """
         now = self._clock()
-        terms: dict[str, QuotaTerms] = {}
         queued: list[tuple[list[_Claimed], asyncio.Future[list[Run | BaseException]]]] = []
         size = self._submitter.max_batch
         for first in range(0, len(triggers), size):
             part = range(first, min(first + size, len(triggers)))
             checked = self._checked(triggers, part, answers)
-            states = await self._hit(triggers, part, answers)
-            claimed = self._claimed(checked, states, answers, terms, now)
-            outcomes = await self._submitter.queue_all([run for _, _, _, run in claimed])
+            windows = await self._hit(triggers, part, answers)
+            await self._repeats(checked, windows, answers)
+            claimed = self._claimed(checked, windows, answers, terms, now)
+            outcomes = await self._submitter.queue_all([run for _, _, run in claimed])
             queued.append((claimed, outcomes))
             # Lets the Submitter's writer take this part before the next is decided.
             await asyncio.sleep(0)
-        for claimed, outcomes in queued:
-            for (index, rate, state, _), outcome in zip(claimed, await outcomes, strict=True):
-                answers[index] = self._answer(
-                    outcome, rate or state, terms[triggers[index].plan.name]
-                )
-        return answers  # type: ignore[return-value]  # every index was answered above
+        return queued
 
     def _checked(
         self, triggers: Sequence[Trigger], part: range, answers: Answers
@@ -125,32 +182,63 @@ class BulkAdmission:
     def _claimed(
         self,
         checked: dict[int, Trigger],
-        states: dict[int, RateLimitState | RateLimited | None],
+        windows: dict[int, Window],
         answers: Answers,
         terms: dict[str, QuotaTerms],
         now: datetime,
-    ) -> list["_Claimed"]:
-        """The runs of the checked triggers the rate limit let through, with their claims."""
-        gated = self._submitter.is_gated
+    ) -> list[_Claimed]:
+        """The runs of the checked triggers still undecided, with their claims.
+
+        With a gate, a trigger whose hit admission did not count gets a claim of it for the
+        gate to count with the batch.
+        """
         claimed: list[_Claimed] = []
         for index, trigger in checked.items():
             if answers[index] is not None:
-                continue  # over the rate limit
+                continue  # over the rate limit, or a repeat
             plan = trigger.plan
             if plan.name not in terms:
                 terms[plan.name] = quota_terms(plan, now)
+            window = windows.get(index)
             rate = None
-            if gated:
-                rate = RateClaim(identity=trigger.rate_identity, rate=plan.rate_limit)
-            run = (new_run_of(trigger), terms[plan.name].claim, rate)
-            claimed.append((index, rate, states.get(index), run))
+            if index not in windows and self._submitter.is_gated:
+                window = rate = RateClaim(identity=trigger.rate_identity, rate=plan.rate_limit)
+            claimed.append((index, window, (new_run_of(trigger), terms[plan.name].claim, rate)))
         return claimed
 
+    async def _repeats(
+        self, checked: dict[int, Trigger], windows: dict[int, Window], answers: Answers
+    ) -> None:
+        """Answer the keyed triggers whose key has a run already, read in one query a tenant."""
+        keyed: dict[TenantId, dict[str, int]] = {}
+        for index, trigger in checked.items():
+            if answers[index] is None and trigger.idempotency_key is not None:
+                keyed.setdefault(trigger.tenant_id, {})[trigger.idempotency_key] = index
+        for tenant_id, indexes in keyed.items():
+            found = await self._runs.find_by_idempotency_keys(tenant_id, list(indexes))
+            for key, run in found.items():
+                index = indexes[key]
+                answers[index] = key_conflict(checked[index], run) or Admitted(
+                    run=run, created=False, rate=_state(windows.get(index))
+                )
+
+    async def _repeat_or_conflict(self, trigger: Trigger, index: int, answers: Answers) -> None:
+        """After the database refused a keyed run: another process stored its key meanwhile.
+
+        The run stored under the key is the answer when it is the same trigger's, as for one
+        trigger; the conflict stays otherwise.
+        """
+        key = trigger.idempotency_key
+        if key is None:
+            return
+        earlier = (await self._runs.find_by_idempotency_keys(trigger.tenant_id, [key])).get(key)
+        if earlier is not None:
+            checked = replace(trigger, input=trigger.workflow.validate_input(trigger.input))
+            if key_conflict(checked, earlier) is None:
+                answers[index] = Admitted(run=earlier, created=False, rate=None)
+
     def _answer(
-        self,
-        outcome: Run | BaseException,
-        rate: RateClaim | RateLimitState | RateLimited | None,
-        terms: QuotaTerms,
+        self, outcome: Run | BaseException, window: Window, terms: QuotaTerms
     ) -> Admitted | MoorlineError:
         """A trigger's answer from what the Submitter made of its run.
 
@@ -166,12 +254,7 @@ class BulkAdmission:
         if outcome.status is RunStatus.RATE_LIMITED:
             self._rejections.labels(reason=QuotaExceeded.code).inc()
             return terms.refused(outcome)
-        state = rate.state if isinstance(rate, RateClaim) else rate
-        return Admitted(
-            run=outcome,
-            created=True,
-            rate=state if isinstance(state, RateLimitState) else None,
-        )
+        return Admitted(run=outcome, created=True, rate=_state(window))
 
     async def _refuse_over_budget(
         self, triggers: Sequence[Trigger], answers: Answers, budgets: BudgetStore
@@ -192,11 +275,12 @@ class BulkAdmission:
 
     async def _hit(
         self, triggers: Sequence[Trigger], part: range, answers: Answers
-    ) -> dict[int, RateLimitState | RateLimited | None]:
+    ) -> dict[int, Window]:
         """Count the hits of ``part`` admission counts itself, in one call; refuse those over it.
 
-        Every trigger without a gate; with one, only the invalid ones (the gate counts the rest
-        with their batch). Over the limit is 429 before an invalid input's 422, as one trigger.
+        Every trigger without a gate; with one, the invalid ones and the keyed ones (counted
+        before their lookup, as alone), the gate counting the rest with their batch. Over the
+        limit is 429 before an invalid input's 422, as for one trigger.
 
         Returns:
             The window after each counted trigger's hit, by index.
@@ -205,14 +289,25 @@ class BulkAdmission:
         counted = [
             index
             for index in part
-            if (answers[index] is None and not gated) or isinstance(answers[index], InvalidInput)
+            if isinstance(answers[index], InvalidInput)
+            or (
+                answers[index] is None
+                and (not gated or triggers[index].idempotency_key is not None)
+            )
         ]
         if not counted:
             return {}
         hits = [(triggers[i].rate_identity, triggers[i].plan.rate_limit) for i in counted]
-        states = dict(zip(counted, await self._rate_limiter.hit_many(hits), strict=True))
-        for index, state in states.items():
+        windows: dict[int, Window] = {}
+        for index, state in zip(counted, await self._rate_limiter.hit_many(hits), strict=True):
+            windows[index] = state
             if isinstance(state, RateLimited):
                 self._rejections.labels(reason=RateLimited.code).inc()
                 answers[index] = state
-        return states
+        return windows
+
+
+def _state(window: Window) -> RateLimitState | None:
+    """The window after a trigger's hit, where it is known."""
+    state = window.state if isinstance(window, RateClaim) else window
+    return state if isinstance(state, RateLimitState) else None

@@ -6,20 +6,22 @@ Shared by the two ways a trigger is decided, one at a time
 budget the same way and word the quota's refusal alike.
 """
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from moorline.admission.ratelimit import RateLimitState
+from moorline.concurrency import KeyedLock
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
-from moorline.db.repos.runs import NewRun
+from moorline.db.repos.runs import NewRun, hash_input
 from moorline.dispatch.budgets import BudgetStore, exhausted
 from moorline.dispatch.days import next_reset, quota_day, seconds_until
 from moorline.dispatch.submit import new_run_for_plan
 from moorline.engine.registry import WorkflowDefinition
-from moorline.errors import BudgetExhausted, QuotaExceeded
+from moorline.errors import BudgetExhausted, IdempotencyConflict, QuotaExceeded
 from moorline.plans import Plan
 from moorline.types import RunId, TenantId
 
@@ -51,10 +53,14 @@ class Trigger:
     delay_s: float = 0.0
     rerun_of: RunId | None = None
 
-    @property
-    def has_lookups(self) -> bool:
-        """Whether an idempotency key or a conversation must be looked up before storing."""
-        return self.idempotency_key is not None or self.conversation_id is not None
+    def lock_keys(self) -> list[str]:
+        """The keys of the per-key locks its lookups are made under (none without lookups)."""
+        keys: list[str] = []
+        if self.idempotency_key is not None:
+            keys.append(f"idempotency:{self.tenant_id}:{self.idempotency_key}")
+        if self.conversation_id is not None:
+            keys.append(f"conversation:{self.tenant_id}:{self.conversation_id}")
+        return keys
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +128,20 @@ def new_run_of(trigger: Trigger) -> NewRun:
     )
 
 
+def key_conflict(trigger: Trigger, run: Run) -> IdempotencyConflict | None:
+    """The conflict when ``run``, stored under the trigger's idempotency key, is another's.
+
+    Another workflow or another input (``trigger``'s validated, compared by its hash): the
+    key was used for something else. None when the trigger repeats the run's.
+    """
+    if run.workflow == trigger.workflow.name and run.input_hash == hash_input(dict(trigger.input)):
+        return None
+    return IdempotencyConflict(
+        f"idempotency key {trigger.idempotency_key!r} was used by run {run.run_id} with "
+        "another workflow or input"
+    )
+
+
 async def over_budget(
     trigger: Trigger, budgets: BudgetStore, now: datetime
 ) -> BudgetExhausted | None:
@@ -138,3 +158,16 @@ async def over_budget(
     return BudgetExhausted(
         f"{why}; it resets at 00:00 UTC, in {retry_after_s}s", retry_after_s=retry_after_s
     )
+
+
+@asynccontextmanager
+async def holding(locks: KeyedLock[str], keys: Iterable[str]) -> AsyncIterator[None]:
+    """Hold the lock of every key in ``keys`` (seed 002's per-key locks).
+
+    Taken in sorted order, by one trigger or by a whole bulk submission at once, so two
+    holders can never hold one each and wait for the other's.
+    """
+    async with AsyncExitStack() as stack:
+        for key in sorted(set(keys)):
+            await stack.enter_async_context(locks.hold(key))
+        yield

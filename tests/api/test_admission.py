@@ -21,7 +21,7 @@ from moorline.admission.admit import Admission
 from moorline.admission.gate import RedisGate
 from moorline.admission.quotas import DatabaseQuotaStore, QuotaStore, RedisQuotaStore
 from moorline.admission.ratelimit import RateLimiter
-from moorline.admission.triggers import Trigger
+from moorline.admission.triggers import Admitted, Trigger
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.listing import RunListing
 from moorline.db.repos.quotas import QuotaClaim
@@ -332,6 +332,96 @@ async def test_with_units_taken_with_runs_a_lost_key_race_or_a_failed_store_take
             )
         assert await quotas.used(tenant_id, day) == 0
         assert await api.count_runs(caller) == 1
+
+
+async def test_a_bulk_submission_that_loses_a_key_race_answers_with_the_winners_run(
+    make_api: MakeApi,
+) -> None:
+    # Decided together, the keyed triggers find no run under their keys; "another process"
+    # then stores one under the first key before the batch's transaction. The batch is
+    # retried run by run: the loser answers with the winner's run and takes no unit.
+    async with make_api() as api:
+        caller = await api.tenant("sandbox")
+        tenant_id = TenantId(caller.tenant_id)
+        plan = await PlansProvider(api.settings).get("sandbox")
+        quotas = DatabaseQuotaStore(api.db, taken_with_runs=True)
+        rival = NewRun(
+            tenant_id=tenant_id,
+            workflow="echo",
+            input={"message": "hi"},
+            lane=plan.lane,
+            idempotency_key="race-1",
+        )
+        racing = Submitter(RacingRuns(api.db, rival))
+        trigger = Trigger(
+            tenant_id=tenant_id,
+            plan=plan,
+            rate_identity="test",
+            workflow=workflows.app.get("echo"),
+            input={"message": "hi"},
+        )
+        try:
+            admission = await admission_over(api.db, racing, quotas)
+            lost, other, conflict = await admission.admit_many(
+                [
+                    replace(trigger, idempotency_key="race-1"),
+                    replace(trigger, idempotency_key="race-2"),
+                    replace(trigger, idempotency_key="race-3", input={"message": "other"}),
+                ]
+            )
+        finally:
+            await racing.close()
+        assert isinstance(lost, Admitted) and not lost.created
+        assert lost.run.idempotency_key == "race-1" and lost.run.input == {"message": "hi"}
+        assert isinstance(other, Admitted) and other.created
+        assert isinstance(conflict, Admitted) and conflict.created
+        assert await quotas.used(tenant_id, quota_day(other.run.created_at)) == 2
+        assert await api.count_runs(caller) == 3
+
+
+async def test_a_batch_of_keyed_items_answers_repeats_from_one_read(
+    make_api: MakeApi, deployment: Deployment
+) -> None:
+    # Keys of their own in the batch are decided together: the earlier runs are the answers of
+    # repeats (200, or 409 for another input), which take no unit; new keys get new runs.
+    async with make_api(**deployment.settings) as api:
+        caller = await api.tenant("sandbox")  # daily quota 50
+        for key in ("a", "b"):
+            assert (
+                await api.trigger(caller, input={"message": key}, idempotency_key=key)
+            ).status_code == 202
+        items = [
+            {"input": {"message": "a"}, "idempotency_key": "a"},
+            {"input": {"message": "changed"}, "idempotency_key": "b"},
+            *({"input": {"message": f"n{n}"}, "idempotency_key": f"n{n}"} for n in range(300)),
+        ]
+        response = await api.client.post(
+            "/v1/workflows/echo/runs/batch", json={"runs": items}, headers=caller.headers
+        )
+        assert response.status_code == 200, response.text
+        results = response.json()["results"]
+        assert results[0]["status_code"] == 200
+        assert results[1]["status_code"] == 409
+        assert results[1]["error"]["code"] == "idempotency_conflict"
+        codes = Counter(
+            "accepted" if item["status_code"] == 202 else item["error"]["code"]
+            for item in results[2:]
+        )
+        # The two earlier triggers took 2 units: 48 left for the new keys, in the list's order.
+        assert codes == {"accepted": 48, "quota_exceeded": 252}
+        assert all(item["status_code"] == 202 for item in results[2:50])
+        again = await api.client.post(
+            "/v1/workflows/echo/runs/batch", json={"runs": items[2:52]}, headers=caller.headers
+        )
+        answers = again.json()["results"]
+        assert [item["status_code"] for item in answers[:48]] == [200] * 48
+        assert [item["run_id"] for item in answers[:48]] == [r["run_id"] for r in results[2:50]]
+        # A refused key was stored without it: it may be used again (and the quota refuses).
+        assert {item["error"]["code"] for item in answers[48:]} == {"quota_exceeded"}
+        usage = (await api.client.get("/v1/usage", headers=caller.headers)).json()
+        assert usage["used_today"] == 50
+        assert await api.count_runs(caller, RunStatus.QUEUED) == 50
+        assert await deployment.immortal_keys() == []
 
 
 async def test_usage_and_queues_tell_the_truth(api: Api) -> None:

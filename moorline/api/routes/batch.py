@@ -4,9 +4,9 @@ Each item is admitted on its own, exactly as the single trigger would admit its 
 (:func:`~moorline.admission.submission.admit_each`: rate limit, input, idempotency key,
 conversation, quota), and answered at its index with the status the single trigger would
 answer and the run it names. Not all-or-nothing: one item's refusal stores nothing for that
-item and changes nothing for the others. The items without lookups are decided together
+item and changes nothing for the others. Most items are decided together
 (:mod:`moorline.admission.bulk`), so the Submitter stores them in a few transactions; items
-that share an idempotency key or a conversation are decided in the order of the list.
+that share an idempotency key or a conversation are decided one by one, in the list's order.
 
 What refuses the whole request is what the single trigger refuses before admission: a missing
 or unknown key (401), an unknown workflow (404), a body that is not JSON (400), one that does

@@ -50,12 +50,27 @@ class RunReads(RunRepoBase):
 
     async def find_by_idempotency_key(self, tenant_id: TenantId, key: str) -> Run | None:
         """The tenant's run stored under idempotency ``key``, or None."""
-        stmt = select(runs).where(runs.c.tenant_id == tenant_id, runs.c.idempotency_key == key)
+        return (await self.find_by_idempotency_keys(tenant_id, [key])).get(key)
 
-        async def read() -> Run | None:
+    async def find_by_idempotency_keys(
+        self, tenant_id: TenantId, keys: Sequence[str]
+    ) -> dict[str, Run]:
+        """The tenant's runs stored under any of ``keys``, by key (a bulk submission's)."""
+        wanted = sorted(set(keys))
+        if not wanted:
+            return {}
+
+        async def read() -> dict[str, Run]:
+            found: dict[str, Run] = {}
             async with self._db.connect() as conn:
-                row = (await conn.execute(stmt)).mappings().first()
-            return None if row is None else run_from_row(row)
+                for offset in range(0, len(wanted), IN_CHUNK):
+                    chunk = wanted[offset : offset + IN_CHUNK]
+                    stmt = select(runs).where(
+                        runs.c.tenant_id == tenant_id, runs.c.idempotency_key.in_(chunk)
+                    )
+                    for row in (await conn.execute(stmt)).mappings():
+                        found[row["idempotency_key"]] = run_from_row(row)
+            return found
 
         return await self._db.with_retry(read)
 
