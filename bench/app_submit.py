@@ -4,13 +4,14 @@ tree (issue 19).
 The public in-process path: the app of ``bench/peers/moorline_app.py`` on a fresh database, the
 shipped ``professional`` plan with its quota and rate limit raised out of the way (its quota is
 still taken, one unit per run), one coroutine awaiting ``app.submit`` after ``app.submit`` (with
-``--bulk N``: ``app.submit_many`` of N runs after ``app.submit_many``). Prints runs/s and this
+``--bulk N``: ``app.submit_many`` of N runs after ``app.submit_many``; ``--keyed``: each run
+with an idempotency key of its own, as a retry-safe enqueue sends them). Prints runs/s and this
 process's CPU per run. ``--baseline DIR`` measures the tree in
 DIR (``git archive COMMIT | tar -x -C DIR``) the same way, each round running both trees in
 turn, each in a process of its own.
 
     PYTHONPATH=. .venv/bin/python bench/app_submit.py [--runs 3000] [--rounds 2]
-        [--backends postgresql] [--bulk N] [--baseline DIR]
+        [--backends postgresql] [--bulk N] [--keyed] [--baseline DIR]
 """
 
 import argparse
@@ -28,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 WARM_UP = 50
 
 
-async def measure(url: str, runs: int, bulk: int) -> dict[str, float]:
+async def measure(url: str, runs: int, bulk: int, keyed: bool) -> dict[str, float]:
     """Runs/s and CPU ms per run of ``runs`` submitted on ``url`` (``bulk`` a call, or one)."""
     from moorline_app import app  # its settings: the MOORLINE_* set by main
 
@@ -45,13 +46,21 @@ async def measure(url: str, runs: int, bulk: int) -> dict[str, float]:
     finally:
         await db.dispose()
 
+    sent = 0
+
+    def key() -> str | None:
+        nonlocal sent
+        sent += 1
+        return f"run-{sent}" if keyed else None
+
     async def submit(count: int) -> None:
         if not bulk:
             for _ in range(count):
-                await app.submit("noop", tenant=tenant)
+                await app.submit("noop", tenant=tenant, idempotency_key=key())
             return
         for first in range(0, count, bulk):
-            items = [Submission(workflow="noop") for _ in range(min(bulk, count - first))]
+            size = min(bulk, count - first)
+            items = [Submission(workflow="noop", idempotency_key=key()) for _ in range(size)]
             for result in await app.submit_many(items, tenant=tenant):
                 if isinstance(result, Exception):
                     raise SystemExit(f"submit_many refused a run: {result!r}")
@@ -64,7 +73,7 @@ async def measure(url: str, runs: int, bulk: int) -> dict[str, float]:
     return {"rate": runs / wall, "cpu_ms": 1000 * cpu / runs}
 
 
-def child(backend: str, runs: int, bulk: int) -> None:
+def child(backend: str, runs: int, bulk: int, keyed: bool) -> None:
     """In a process of its own (its tree first on ``sys.path``): one measurement, as JSON."""
     from moorline_driver import PLAN, plans_yaml
 
@@ -79,16 +88,16 @@ def child(backend: str, runs: int, bulk: int) -> None:
 
         async def on(url: str) -> dict[str, float]:
             os.environ["MOORLINE_DATABASE_URL"] = url
-            return await measure(url, runs, bulk)
+            return await measure(url, runs, bulk, keyed)
 
         print(json.dumps(asyncio.run(on_fresh_database(backend, on))))
 
 
-def run_tree(source: Path, backend: str, runs: int, bulk: int) -> dict[str, float]:
+def run_tree(source: Path, backend: str, runs: int, bulk: int, keyed: bool) -> dict[str, float]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("MOORLINE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(source), str(HERE / "peers"), str(HERE)])
     command = [sys.executable, str(Path(__file__)), "--child", backend, "--runs", str(runs)]
-    command += ["--bulk", str(bulk)]
+    command += ["--bulk", str(bulk), *(["--keyed"] if keyed else [])]
     done = subprocess.run(command, env=env, cwd=source, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{source}: {done.stderr[-2000:]}")
@@ -102,11 +111,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--backends", default="postgresql")
     parser.add_argument("--bulk", type=int, default=0, help="runs an app.submit_many call")
+    parser.add_argument("--keyed", action="store_true", help="an idempotency key per run")
     parser.add_argument("--baseline", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.runs, args.bulk)
+        child(args.child, args.runs, args.bulk, args.keyed)
         return
     trees = [("this tree", HERE.parent)]
     if args.baseline:
@@ -114,7 +124,7 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         for backend in args.backends.split(","):
             for label, source in trees:
-                got = run_tree(source, backend, args.runs, args.bulk)
+                got = run_tree(source, backend, args.runs, args.bulk, args.keyed)
                 print(
                     f"round {round_} {backend:<10} {label:<9} {got['rate']:7.0f} runs/s, "
                     f"CPU {got['cpu_ms']:.3f} ms per run",
