@@ -66,6 +66,7 @@ from moorline.admission.triggers import (
     Admitted,
     QuotaTerms,
     Trigger,
+    as_refusal,
     holding,
     key_conflict,
     new_run_of,
@@ -224,8 +225,11 @@ class Admission:
             raise
         answers: dict[int, Admitted | MoorlineError] = dict(zip(plain, await together, strict=True))
         for index, outcome in zip(alone, singles, strict=True):
-            if isinstance(outcome, BaseException) and not isinstance(outcome, MoorlineError):
-                raise outcome
+            if isinstance(outcome, BaseException):
+                refusal = as_refusal(outcome)
+                if refusal is None:
+                    raise outcome
+                outcome = refusal
             answers[index] = outcome
         return [answers[index] for index in range(len(triggers))]
 

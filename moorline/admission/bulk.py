@@ -38,6 +38,7 @@ from moorline.admission.triggers import (
     Admitted,
     QuotaTerms,
     Trigger,
+    as_refusal,
     holding,
     key_conflict,
     new_run_of,
@@ -154,8 +155,14 @@ class BulkAdmission:
         for first in range(0, len(triggers), size):
             part = range(first, min(first + size, len(triggers)))
             checked = self._checked(triggers, part, answers)
-            windows = await self._hit(triggers, part, answers)
-            await self._repeats(checked, windows, answers)
+            try:
+                windows = await self._hit(triggers, part, answers)
+                await self._repeats(checked, windows, answers)
+            except Exception as exc:
+                # A store that did not answer (BackendUnavailable) refuses this part's triggers
+                # still undecided, as it would refuse each alone; nothing of theirs is stored.
+                _refuse_undecided(answers, part, _refusal_or_raise(exc))
+                continue
             claimed = self._claimed(checked, windows, answers, terms, now)
             outcomes = await self._submitter.queue_all([run for _, _, run in claimed])
             queued.append((claimed, outcomes))
@@ -231,7 +238,11 @@ class BulkAdmission:
         key = trigger.idempotency_key
         if key is None:
             return
-        earlier = (await self._runs.find_by_idempotency_keys(trigger.tenant_id, [key])).get(key)
+        try:
+            earlier = await self._runs.find_by_idempotency_key(trigger.tenant_id, key)
+        except Exception as exc:
+            _refusal_or_raise(exc)  # unread: the conflict stays the answer
+            return
         if earlier is not None:
             checked = replace(trigger, input=trigger.workflow.validate_input(trigger.input))
             if key_conflict(checked, earlier) is None:
@@ -246,11 +257,10 @@ class BulkAdmission:
             BaseException: ``outcome``, an error that is not a refusal.
         """
         if isinstance(outcome, BaseException):
-            if not isinstance(outcome, MoorlineError):
-                raise outcome
-            if isinstance(outcome, RateLimited):
+            refusal = _refusal_or_raise(outcome)
+            if isinstance(refusal, RateLimited):
                 self._rejections.labels(reason=RateLimited.code).inc()
-            return outcome
+            return refusal
         if outcome.status is RunStatus.RATE_LIMITED:
             self._rejections.labels(reason=QuotaExceeded.code).inc()
             return terms.refused(outcome)
@@ -261,16 +271,21 @@ class BulkAdmission:
     ) -> None:
         """Answer each trigger of a tenant over its budget with the refusal (one read each)."""
         now = self._clock()
-        refusals: dict[tuple[TenantId, str], BudgetExhausted | None] = {}
+        refusals: dict[tuple[TenantId, str], MoorlineError | None] = {}
         for index, trigger in enumerate(triggers):
             if not trigger.plan.has_budget:
                 continue
             tenant = (trigger.tenant_id, trigger.plan.name)
             if tenant not in refusals:
-                refusals[tenant] = await over_budget(trigger, budgets, now)
+                try:
+                    refusals[tenant] = await over_budget(trigger, budgets, now)
+                except Exception as exc:
+                    # The budget store did not answer: refused, as each would be alone.
+                    refusals[tenant] = _refusal_or_raise(exc)
             refusal = refusals[tenant]
-            if refusal is not None:
+            if isinstance(refusal, BudgetExhausted):
                 self._rejections.labels(reason=BudgetExhausted.code).inc()
+            if refusal is not None:
                 answers[index] = refusal
 
     async def _hit(
@@ -305,6 +320,21 @@ class BulkAdmission:
                 self._rejections.labels(reason=RateLimited.code).inc()
                 answers[index] = state
         return windows
+
+
+def _refusal_or_raise(exc: BaseException) -> MoorlineError:
+    """``exc`` as a trigger's answer (:func:`as_refusal`); raised when it is a bug."""
+    refusal = as_refusal(exc)
+    if refusal is None:
+        raise exc
+    return refusal
+
+
+def _refuse_undecided(answers: Answers, part: range, error: MoorlineError) -> None:
+    """Answer every trigger of ``part`` not answered yet with ``error``."""
+    for index in part:
+        if answers[index] is None:
+            answers[index] = error
 
 
 def _state(window: Window) -> RateLimitState | None:

@@ -26,6 +26,7 @@ from moorline.admission.submission import (
     check_submission,
     submitted,
 )
+from moorline.admission.triggers import as_refusal
 from moorline.concurrency import TTLCache
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.tenants import AUTH_CACHE_TTL_S, TenantsRepo
@@ -61,9 +62,16 @@ class LocalSubmissions(Submissions):
         check_submission(submission)
         opened = await self._opened()
         origin = await opened.origins.get(tenant)
-        admitted = await admit_submission(
-            opened.stack.admission, self._workflows, origin, submission
-        )
+        try:
+            admitted = await admit_submission(
+                opened.stack.admission, self._workflows, origin, submission
+            )
+        except Exception as exc:
+            # A driver's error of an outage is raised as the HTTP route answers it (503).
+            refusal = as_refusal(exc)
+            if refusal is None or refusal is exc:
+                raise
+            raise refusal from exc
         return submitted(admitted)
 
     async def submit_many(

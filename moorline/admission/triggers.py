@@ -14,6 +14,7 @@ from typing import Any
 
 from moorline.admission.ratelimit import RateLimitState
 from moorline.concurrency import KeyedLock
+from moorline.db.failures import as_unavailable
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, hash_input
@@ -21,7 +22,7 @@ from moorline.dispatch.budgets import BudgetStore, exhausted
 from moorline.dispatch.days import next_reset, quota_day, seconds_until
 from moorline.dispatch.submit import new_run_for_plan
 from moorline.engine.registry import WorkflowDefinition
-from moorline.errors import BudgetExhausted, IdempotencyConflict, QuotaExceeded
+from moorline.errors import BudgetExhausted, IdempotencyConflict, MoorlineError, QuotaExceeded
 from moorline.plans import Plan
 from moorline.types import RunId, TenantId
 
@@ -140,6 +141,19 @@ def key_conflict(trigger: Trigger, run: Run) -> IdempotencyConflict | None:
         f"idempotency key {trigger.idempotency_key!r} was used by run {run.run_id} with "
         "another workflow or input"
     )
+
+
+def as_refusal(exc: BaseException) -> MoorlineError | None:
+    """The answer a trigger gets for ``exc``; None for a bug.
+
+    A refusal as it is, a database outage as :class:`~moorline.errors.BackendUnavailable` (as
+    the API answers it). What a bulk submission answers item by item, where one item's outage
+    must not become the whole call's error, and what ``app.submit`` raises in the place of a
+    driver's error.
+    """
+    if isinstance(exc, MoorlineError):
+        return exc
+    return as_unavailable(exc)
 
 
 async def over_budget(

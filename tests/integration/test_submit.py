@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, make_url, select, text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.repos.tenants import TenantsRepo
-from moorline.db.schema import runs
+from moorline.db.schema import quota_usage, runs
 from moorline.engine.context import Context
 from moorline.engine.registry import Moorline
 from moorline.engine.submitting import Submission, Submitted
@@ -35,7 +36,8 @@ from moorline.errors import (
 )
 from moorline.settings import Settings
 from moorline.types import JSONObject, RunId, RunStatus
-from tests.servers import REDIS_TEST_URL
+from tests.helpers import wait_for
+from tests.servers import PG_ADMIN_URL, REDIS_TEST_URL
 
 
 def free_port() -> int:
@@ -234,6 +236,87 @@ async def test_a_submission_larger_than_a_batch_takes_the_units_in_its_order(
     ]
     assert await count_runs(db, tenant, RunStatus.QUEUED) == 300
     assert await count_runs(db, tenant, RunStatus.RATE_LIMITED) == 400
+
+
+async def test_an_outage_mid_bulk_leaves_every_unit_with_its_run(
+    db: DatabaseManager, database_url: str, plans_file: Path, backend: str
+) -> None:
+    # The fault: once the first runs of one submit_many of 3,000 (half with an idempotency
+    # key) are committed, the database stops accepting connections and every connection to it
+    # is terminated, for 0.3 s, longer than the retries last. Each item must end as a
+    # committed run that took its unit, or BackendUnavailable with neither; a client's retry
+    # of the failed items then stores each of them once.
+    if backend != "postgresql":
+        pytest.skip("one server whose backends can be terminated is enough")
+    tenant = await new_tenant(db, "roomy")
+    settings = Settings(database_url=database_url, plans_file=plans_file, db_retry_base=0.005)
+    items = [
+        Submission(
+            workflow="add", input={"a": n, "b": 0}, idempotency_key=f"k{n}" if n % 2 else None
+        )
+        for n in range(3000)
+    ]
+    stored_runs = select(func.count()).where(runs.c.tenant_id == tenant)
+    async with build_app(settings) as app:
+        await app.submit("add", {"a": -1, "b": 0}, tenant=tenant)  # its connections are open
+        submitting = asyncio.create_task(app.submit_many(items, tenant=tenant))
+        async with db.connect() as watcher:
+
+            async def runs_stored() -> bool:
+                return bool((await watcher.execute(stored_runs)).scalar_one() >= 2)
+
+            await wait_for(runs_stored, interval_s=0.001, message="the first runs stored")
+        # From another database: PostgreSQL cannot close the one it is connected to.
+        admin = create_async_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+        try:
+            async with admin.connect() as control:
+                name = make_url(database_url).database
+                await control.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+                try:
+                    killed = (
+                        await control.execute(
+                            text(
+                                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                "WHERE datname = :name"
+                            ),
+                            {"name": name},
+                        )
+                    ).scalar_one()
+                    await asyncio.sleep(0.3)  # the outage itself, longer than the retries
+                finally:
+                    await control.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        finally:
+            await admin.dispose()
+        results = await submitting
+        assert killed > 0
+        failed = [n for n, result in enumerate(results) if not isinstance(result, Submitted)]
+        assert failed, "the outage came after the whole submission was stored"
+        assert all(isinstance(results[n], BackendUnavailable) for n in failed), [
+            results[n] for n in failed[:1]
+        ]
+        stored = [result for result in results if isinstance(result, Submitted)]
+        assert all(result.created for result in stored)
+        # Nothing doubled, nothing half-written: the runs are those answered, each with a unit.
+        found = await RunsRepo(db).get_many([RunId(result.run_id) for result in stored])
+        assert len(found) == len(stored)
+        assert await count_runs(db, tenant, RunStatus.QUEUED) == len(stored) + 1
+        assert await units_taken(db, tenant) == len(stored) + 1
+        # The client retries what failed: every item is then stored once.
+        retried = await app.submit_many([items[n] for n in failed], tenant=tenant)
+    assert all(isinstance(result, Submitted) and result.created for result in retried)
+    assert await count_runs(db, tenant, RunStatus.QUEUED) == 3001
+    assert await units_taken(db, tenant) == 3001
+
+
+async def units_taken(db: DatabaseManager, tenant: str) -> int:
+    """The tenant's quota units taken today (counters in the database)."""
+    async with db.connect() as conn:
+        used = (
+            await conn.execute(
+                select(func.sum(quota_usage.c.used)).where(quota_usage.c.tenant_id == tenant)
+            )
+        ).scalar_one()
+    return int(used or 0)
 
 
 async def test_a_registered_workflow_submits_itself(app: Moorline, db: DatabaseManager) -> None:
