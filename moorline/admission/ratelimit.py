@@ -262,16 +262,7 @@ class RateLimiter:
                     self._memory.hit(item, identity, cost=allowed)
             reset_at, remaining = self._memory.get_window_stats(item, identity)
             windows[identity, rate] = (allowed, reset_at, remaining)
-        seen: Counter[tuple[str, str]] = Counter()
-        states: list[RateLimitState | RateLimited] = []
-        for hit in hits:
-            allowed, reset_at, remaining = windows[hit]
-            nth = seen[hit]
-            seen[hit] += 1
-            # The nth counted hit left remaining + (allowed - 1 - nth) hits in the window.
-            left = remaining + allowed - 1 - nth
-            states.append(self._state(self._item(hit[1]), hit[1], nth < allowed, reset_at, left))
-        return states
+        return self._spread(hits, windows)
 
     def script_calls(self, hits: Sequence[tuple[str, str]]) -> "list[ScriptCall]":
         """The Redis script calls that count ``hits`` (see :meth:`hit_many`), for a pipeline.
@@ -295,23 +286,33 @@ class RateLimiter:
     def read_replies(
         self, hits: Sequence[tuple[str, str]], replies: Sequence[Any]
     ) -> list[RateLimitState | RateLimited]:
-        """Per hit, the window after it or its refusal, from the replies of :meth:`script_calls`.
+        """Per hit, the window after it or its refusal, from the replies of :meth:`script_calls`."""
+        windows: dict[tuple[str, str], tuple[int, float, int]] = {}
+        for (identity, rate), (allowed, oldest, count) in zip(Counter(hits), replies, strict=True):
+            item = self._item(rate)
+            reset_at = float(oldest) + item.get_expiry()
+            windows[identity, rate] = (int(allowed), reset_at, item.amount - int(count))
+        return self._spread(hits, windows)
+
+    def _spread(
+        self,
+        hits: Sequence[tuple[str, str]],
+        windows: dict[tuple[str, str], tuple[int, float, int]],
+    ) -> list[RateLimitState | RateLimited]:
+        """Per hit, its state, from each credential's (hits counted, reset time, room left).
 
         A credential's hits were counted in their order until its window was full: the first
         ones see the window fill up one hit at a time, the rest are refused.
         """
-        windows = dict(zip(Counter(hits), replies, strict=True))
         seen: Counter[tuple[str, str]] = Counter()
         states: list[RateLimitState | RateLimited] = []
         for hit in hits:
-            allowed, oldest, count = windows[hit]
+            allowed, reset_at, remaining = windows[hit]
             nth = seen[hit]
             seen[hit] += 1
-            item = self._item(hit[1])
-            reset_at = float(oldest) + item.get_expiry()
-            # The nth counted hit left count - (allowed - 1 - nth) hits in the window.
-            remaining = item.amount - (int(count) - (int(allowed) - 1 - nth))
-            states.append(self._state(item, hit[1], nth < int(allowed), reset_at, remaining))
+            # The nth counted hit left remaining + (allowed - 1 - nth) hits in the window.
+            left = remaining + allowed - 1 - nth
+            states.append(self._state(self._item(hit[1]), hit[1], nth < allowed, reset_at, left))
         return states
 
     @staticmethod

@@ -293,30 +293,36 @@ class RacingRuns(RunsRepo):
         return await super().submit_many(new, quotas=quotas)
 
 
+async def lost_race(api: Api, tenant_id: TenantId, key: str) -> tuple[Trigger, Submitter]:
+    """A sandbox trigger of ``echo`` under ``key``, and a Submitter before whose first batch
+    "another API process" stores a run of the same trigger under the key."""
+    plan = await PlansProvider(api.settings).get("sandbox")
+    rival = NewRun(
+        tenant_id=tenant_id,
+        workflow="echo",
+        input={"message": "hi"},
+        lane=plan.lane,
+        idempotency_key=key,
+    )
+    trigger = Trigger(
+        tenant_id=tenant_id,
+        plan=plan,
+        rate_identity="test",
+        workflow=workflows.app.get("echo"),
+        input={"message": "hi"},
+        idempotency_key=key,
+    )
+    return trigger, Submitter(RacingRuns(api.db, rival))
+
+
 async def test_with_units_taken_with_runs_a_lost_key_race_or_a_failed_store_takes_no_unit(
     make_api: MakeApi,
 ) -> None:
     async with make_api() as api:
         caller = await api.tenant("sandbox")
         tenant_id = TenantId(caller.tenant_id)
-        plan = await PlansProvider(api.settings).get("sandbox")
         quotas = DatabaseQuotaStore(api.db, taken_with_runs=True)
-        rival = NewRun(
-            tenant_id=tenant_id,
-            workflow="echo",
-            input={"message": "hi"},
-            lane=plan.lane,
-            idempotency_key="race",
-        )
-        racing = Submitter(RacingRuns(api.db, rival))
-        trigger = Trigger(
-            tenant_id=tenant_id,
-            plan=plan,
-            rate_identity="test",
-            workflow=workflows.app.get("echo"),
-            input={"message": "hi"},
-            idempotency_key="race",
-        )
+        trigger, racing = await lost_race(api, tenant_id, "race")
         try:
             admitted = await (await admission_over(api.db, racing, quotas)).admit(trigger)
         finally:
@@ -343,28 +349,13 @@ async def test_a_bulk_submission_that_loses_a_key_race_answers_with_the_winners_
     async with make_api() as api:
         caller = await api.tenant("sandbox")
         tenant_id = TenantId(caller.tenant_id)
-        plan = await PlansProvider(api.settings).get("sandbox")
         quotas = DatabaseQuotaStore(api.db, taken_with_runs=True)
-        rival = NewRun(
-            tenant_id=tenant_id,
-            workflow="echo",
-            input={"message": "hi"},
-            lane=plan.lane,
-            idempotency_key="race-1",
-        )
-        racing = Submitter(RacingRuns(api.db, rival))
-        trigger = Trigger(
-            tenant_id=tenant_id,
-            plan=plan,
-            rate_identity="test",
-            workflow=workflows.app.get("echo"),
-            input={"message": "hi"},
-        )
+        trigger, racing = await lost_race(api, tenant_id, "race-1")
         try:
             admission = await admission_over(api.db, racing, quotas)
             lost, other, conflict = await admission.admit_many(
                 [
-                    replace(trigger, idempotency_key="race-1"),
+                    trigger,
                     replace(trigger, idempotency_key="race-2"),
                     replace(trigger, idempotency_key="race-3", input={"message": "other"}),
                 ]
