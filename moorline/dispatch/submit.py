@@ -78,7 +78,7 @@ class Claims:
 
 
 ClaimedRun = tuple[NewRun, QuotaClaim | None, RateClaim | None]
-"""A run for :meth:`Submitter.submit_all`, with its quota and rate claims (see :meth:`submit`)."""
+"""A run for :meth:`Submitter.queue_all`, with its quota and rate claims (see :meth:`submit`)."""
 
 Verdict = BaseException | JSONObject | None
 """The gate's answer for one submission: an error to hand its caller (nothing is stored), the
@@ -211,27 +211,17 @@ class Submitter:
             self._fail_waiting(RuntimeError(_CLOSED))
         return await future
 
-    async def submit_all(self, submissions: Sequence[ClaimedRun]) -> list[Run | BaseException]:
-        """:meth:`submit` each of ``submissions``; each one's run or its error, in order.
-
-        For a bulk submission: the runs are queued one after the other, so the writer takes
-        them into its batches in this order, and the caller waits for all of them at once
-        rather than with a task per run. The errors are :meth:`submit`'s, as values.
-
-        Raises:
-            RuntimeError: the submitter is closed.
-            ValueError: a rate claim without a gate.
-        """
-        return await (await self.queue_all(submissions))
-
     async def queue_all(
         self, submissions: Sequence[ClaimedRun]
     ) -> "asyncio.Future[list[Run | BaseException]]":
-        """Queue ``submissions`` as :meth:`submit_all` does, without waiting for their write.
+        """Queue each of ``submissions`` as :meth:`submit` does, without waiting for the write.
 
-        Returns once they are queued (after waiting for room, as :meth:`submit` does): the
-        future of :meth:`submit_all`'s answer. A caller that decides runs part by part queues
-        each part this way, so that the writer stores one part while it decides the next.
+        For a bulk submission: the runs are queued one after the other, so the writer takes
+        them into its batches in this order, and the caller waits for all of them at once
+        rather than with a task per run. Returns once they are queued (after waiting for room,
+        as :meth:`submit` does): the future of each one's run or its error (:meth:`submit`'s
+        errors, as values), in order. A caller that decides runs part by part queues each
+        part this way, so that the writer stores one part while it decides the next.
 
         Raises:
             RuntimeError: the submitter is closed.

@@ -210,7 +210,7 @@ async def test_quota_claims_admit_exactly_the_limit_in_the_runs_transactions(
     assert set().union(*woken) == {lane} and len(woken) < submitter.batches_written
 
 
-async def test_submit_all_answers_each_run_in_order_with_its_own_error(
+async def test_queue_all_answers_each_run_in_order_with_its_own_error(
     db: DatabaseManager, tenants: Tenants
 ) -> None:
     tenant = await tenants.new()
@@ -219,7 +219,7 @@ async def test_submit_all_answers_each_run_in_order_with_its_own_error(
     await repo.submit_many([new_run(tenant, lane, -1, key="taken")])
     submitter = Submitter(repo, max_batch=64)
     try:
-        outcomes = await submitter.submit_all(
+        queued = await submitter.queue_all(
             [
                 (
                     new_run(tenant, lane, i, key="taken" if i == 100 else None),
@@ -229,6 +229,7 @@ async def test_submit_all_answers_each_run_in_order_with_its_own_error(
                 for i in range(200)
             ]
         )
+        outcomes = await queued
     finally:
         await submitter.close()
     conflict = outcomes.pop(100)
@@ -243,7 +244,7 @@ async def test_submit_all_answers_each_run_in_order_with_its_own_error(
     assert submitter.runs_written == 199
     assert submitter.batches_written == 3 + 63
     with pytest.raises(RuntimeError, match="closed"):
-        await submitter.submit_all([(new_run(tenant, lane, 0), None, None)])
+        await submitter.queue_all([(new_run(tenant, lane, 0), None, None)])
 
 
 async def test_concurrent_submitters_never_pass_the_quota(
