@@ -20,9 +20,9 @@ from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, hash_input
 from moorline.dispatch.budgets import BudgetStore, exhausted
 from moorline.dispatch.days import next_reset, quota_day, seconds_until
-from moorline.dispatch.submit import new_run_for_plan
 from moorline.engine.registry import WorkflowDefinition
 from moorline.errors import BudgetExhausted, IdempotencyConflict, MoorlineError, QuotaExceeded
+from moorline.observability import tracing
 from moorline.plans import Plan
 from moorline.types import RunId, TenantId
 
@@ -114,18 +114,27 @@ def quota_terms(plan: Plan, now: datetime) -> QuotaTerms:
 
 
 def new_run_of(trigger: Trigger) -> NewRun:
-    """The run ``trigger`` (its input validated) stores, routed by its plan."""
-    return new_run_for_plan(
-        trigger.plan,
+    """The run ``trigger`` (its input validated) stores, routed by its plan.
+
+    The plan's lane and priority: the plan comes from :class:`moorline.plans.PlansProvider`,
+    which has already routed it for the edition (community: every plan to the lane
+    ``workflow``). The workflow's attempts and timeout.
+    """
+    plan, workflow = trigger.plan, trigger.workflow
+    return NewRun(
         tenant_id=trigger.tenant_id,
-        workflow=trigger.workflow.name,
+        workflow=workflow.name,
         input=dict(trigger.input),
-        max_attempts=trigger.workflow.max_attempts,
+        lane=plan.lane,
+        priority=plan.priority,
+        max_attempts=workflow.max_attempts,
         idempotency_key=trigger.idempotency_key,
         conversation_id=trigger.conversation_id,
-        timeout_s=trigger.workflow.timeout_s,
+        timeout_s=workflow.timeout_s,
         delay_s=trigger.delay_s,
         rerun_of=trigger.rerun_of,
+        # Built in the trigger's task: the trigger's span (or the submitting attempt's).
+        trace_context=tracing.carrier(),
     )
 
 

@@ -1,4 +1,4 @@
-"""Enqueueing runs: group commit of concurrent submissions, and routing a run by its plan.
+"""Enqueueing runs: group commit of concurrent submissions.
 
 A single-run write transaction costs about a millisecond through aiosqlite (the commit, the
 thread hop, the write lock), and every writer waits for SQLite's one write lock, so one process
@@ -40,9 +40,7 @@ from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.errors import MoorlineError
-from moorline.observability import tracing
-from moorline.plans import Plan
-from moorline.types import JSONObject, RunId, RunStatus, TenantId
+from moorline.types import JSONObject, RunStatus, TenantId
 
 logger = logging.getLogger(__name__)
 
@@ -478,53 +476,3 @@ class Submitter:
 
 def _claims(request: _Request) -> Claims:
     return Claims(tenant_id=request.new.tenant_id, rate=request.rate, quota=request.quota)
-
-
-def new_run_for_plan(
-    plan: Plan,
-    *,
-    tenant_id: TenantId,
-    workflow: str,
-    input: JSONObject,
-    max_attempts: int,
-    idempotency_key: str | None = None,
-    conversation_id: str | None = None,
-    timeout_s: float | None = None,
-    delay_s: float = 0.0,
-    run_id: RunId | None = None,
-    rerun_of: RunId | None = None,
-) -> NewRun:
-    """A :class:`NewRun` routed by the tenant's plan: the plan's lane and priority.
-
-    The plan comes from :class:`moorline.plans.PlansProvider`, which has already routed it for
-    the edition (community: every plan to the lane ``workflow``).
-
-    Args:
-        plan: The tenant's plan.
-        tenant_id: The owner.
-        workflow: The registered workflow's name.
-        input: The workflow's validated JSON arguments.
-        max_attempts: The workflow's attempt budget.
-        idempotency_key: See :class:`NewRun`.
-        conversation_id: See :class:`NewRun`.
-        timeout_s: See :class:`NewRun`.
-        delay_s: See :class:`NewRun`.
-        run_id: See :class:`NewRun`.
-        rerun_of: See :class:`NewRun`.
-    """
-    return NewRun(
-        tenant_id=tenant_id,
-        workflow=workflow,
-        input=input,
-        lane=plan.lane,
-        priority=plan.priority,
-        max_attempts=max_attempts,
-        idempotency_key=idempotency_key,
-        conversation_id=conversation_id,
-        timeout_s=timeout_s,
-        delay_s=delay_s,
-        run_id=run_id,
-        rerun_of=rerun_of,
-        # Built in the submitter's task: the trigger's span (or the submitting attempt's).
-        trace_context=tracing.carrier(),
-    )

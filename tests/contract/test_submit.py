@@ -8,16 +8,19 @@ from typing import Any
 import pytest
 from sqlalchemy import event, func, select
 
+from moorline.admission.triggers import Trigger, new_run_of
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.quotas import QuotaClaim, QuotasRepo
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.schema import events, runs
-from moorline.dispatch.submit import Submitter, new_run_for_plan
+from moorline.dispatch.submit import Submitter
+from moorline.engine.context import Context
+from moorline.engine.registry import Moorline
 from moorline.errors import ConversationBusy, IdempotencyConflict
 from moorline.plans import COMMUNITY_LANE, DEFAULT_PLANS, for_edition
 from moorline.settings import Edition
-from moorline.types import JSONObject, RunId, RunStatus, TenantId
+from moorline.types import JSONObject, RunStatus, TenantId
 from tests.contract.queue_helpers import Tenants, unique
 
 CONCURRENT = 500
@@ -359,26 +362,30 @@ async def test_one_counters_units_and_its_runs_are_one_statement_where_they_can_
     assert [stored[run.run_id] for run in returned] == returned
 
 
-def test_new_run_for_plan_takes_lane_and_priority_from_the_plan() -> None:
+def test_a_triggers_run_takes_lane_and_priority_from_the_plan() -> None:
+    app = Moorline()
+
+    @app.workflow("review_pr", max_attempts=5)
+    async def review_pr(ctx: Context, pr: int) -> None:
+        return None
+
     tenant = TenantId("t-1")
-    team = DEFAULT_PLANS["team"]
-    new = new_run_for_plan(
-        team,
+    trigger = Trigger(
         tenant_id=tenant,
-        workflow="review_pr",
+        plan=DEFAULT_PLANS["team"],
+        rate_identity="key",
+        workflow=app.get("review_pr"),
         input={"pr": 1},
-        max_attempts=5,
         idempotency_key="delivery-1",
         delay_s=2.0,
-        run_id=RunId("r-1"),
     )
+    new = new_run_of(trigger)
     assert (new.lane, new.priority, new.max_attempts) == ("workflow_team", 50, 5)
     assert (new.tenant_id, new.workflow, new.input) == (tenant, "review_pr", {"pr": 1})
-    assert (new.idempotency_key, new.delay_s, new.run_id) == ("delivery-1", 2.0, "r-1")
+    assert (new.idempotency_key, new.delay_s) == ("delivery-1", 2.0)
     community = for_edition(DEFAULT_PLANS, Edition.COMMUNITY)
     routed = {
-        name: new_run_for_plan(plan, tenant_id=tenant, workflow="w", input={}, max_attempts=3).lane
-        for name, plan in community.items()
+        name: new_run_of(replace(trigger, plan=plan)).lane for name, plan in community.items()
     }
     assert set(routed.values()) == {COMMUNITY_LANE}
 
