@@ -604,7 +604,13 @@ function viewRun(runId) {
   }
 
   // The run's place in its tree: a link up to its parent, and its children with links down.
+  // Redrawn only when it changed: every event of the run refreshes the page, and a link
+  // replaced between the press and the release of a click swallows the click.
+  let familyDrawn = null;
   function drawFamily() {
+    const drawn = JSON.stringify([run.parent_run_id, run.rerun_of, run.children]);
+    if (drawn === familyDrawn) return;
+    familyDrawn = drawn;
     const parts = [];
     if (run.parent_run_id) {
       parts.push(h("p", { id: "parent" }, "Child of ",
