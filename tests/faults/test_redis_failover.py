@@ -234,9 +234,12 @@ async def test_killing_the_redis_master_loses_no_run_cancel_decision_or_quota(
 
     # The new master counts every unit it was told of; the old one may have taken a few more
     # that never reached it (forgotten, so admitted again): never more than the slack.
+    # And a take whose reply was lost (the new master closing its clients as it is promoted,
+    # after the script ran) counts a unit its caller saw refused as unavailable: the quota
+    # fails closed, so the tenant gets fewer, never more; at most one such unit per refusal.
     forgotten = load.admitted - counted
     assert counted == QUOTA
-    assert 0 <= forgotten <= FAILOVER_QUOTA_SLACK, (load.admitted, counted)
+    assert -load.unavailable <= forgotten <= FAILOVER_QUOTA_SLACK, (load.admitted, counted)
 
     workers.terminate_all()
     assert all(proc.returncode == 0 for proc in workers.procs), [
