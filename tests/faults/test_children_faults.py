@@ -298,11 +298,17 @@ async def test_kill_9_of_the_childrens_workers_mid_fan_out_ends_each_child_once(
                 held = await running_under(db, kids, owner_pattern(proc))
                 if held:
                     return [(index, held)]
+            if len(kids) == PARENTS * CHILDREN and all(
+                RunStatus(status).is_terminal for status in await count_by_status(db, kids)
+            ):
+                return [(-1, [])]  # every child ended before this kill: nothing left to catch
             return []
 
         [(index, held)] = await wait_for(
             a_child_in_flight, timeout_s=SETTLE_S, interval_s=0.005, message="a child running"
         )
+        if index < 0:
+            break
         procs[index].kill()
         procs[index].wait()
         interrupted += held
