@@ -146,7 +146,9 @@ class Admission:
         metrics = metrics or Metrics()
         self._rejections = metrics.rejections
         self._locks: KeyedLock[str] = KeyedLock()
-        self._decides_together = quotas.taken_with_runs or submitter.is_gated
+        # Whether a run's unit is taken where it is stored: in the Submitter's transaction
+        # (counters in the database) or by its gate (in Redis), not by a consume of its own.
+        self._units_with_runs = quotas.taken_with_runs or submitter.is_gated
         self._bulk = BulkAdmission(
             runs=runs,
             locks=self._locks,
@@ -213,7 +215,7 @@ class Admission:
         Raises:
             Exception: an error that is not a refusal (a bug), once every trigger is decided.
         """
-        plain = self._bulk.decides(triggers) if self._decides_together else []
+        plain = self._bulk.decides(triggers) if self._units_with_runs else []
         alone = sorted(set(range(len(triggers))).difference(plain))
         together = asyncio.ensure_future(self._bulk.admit([triggers[index] for index in plain]))
         try:
@@ -319,7 +321,7 @@ class Admission:
         terms = quota_terms(trigger.plan, self._clock())
         claim = terms.claim
         day = claim.day
-        if self._quotas.taken_with_runs or self._submitter.is_gated:
+        if self._units_with_runs:
             run, created = await self._store_with_unit(trigger, new, claim, rate)
             if run.status is RunStatus.RATE_LIMITED:
                 raise self._refused(run, terms)

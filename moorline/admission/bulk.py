@@ -68,8 +68,9 @@ Window = RateClaim | RateLimitState | RateLimited | None
 """Where a trigger's rate-limit hit was counted: the gate's claim, or the window admission
 counted it in (None: not counted, or the storage did not answer)."""
 
-_Claimed = tuple[int, Window, ClaimedRun]
-"""A trigger's run for the Submitter: its index, its hit, and the run with its claims."""
+_Claimed = tuple[int, Trigger, Window, ClaimedRun]
+"""A trigger's run for the Submitter: its index, the trigger with its input validated, its
+hit, and the run with its claims."""
 
 
 class BulkAdmission:
@@ -125,15 +126,16 @@ class BulkAdmission:
                 await self._refuse_over_budget(triggers, answers, self._budgets)
             terms: dict[str, QuotaTerms] = {}
             queued = await self._queue_parts(triggers, answers, terms)
-            conflicts: list[int] = []
+            conflicts: list[tuple[int, Trigger]] = []
             for claimed, outcomes in queued:
-                for (index, window, _), outcome in zip(claimed, await outcomes, strict=True):
-                    plan = triggers[index].plan.name
-                    answers[index] = self._answer(outcome, window, terms[plan])
+                for (index, checked, window, _), outcome in zip(
+                    claimed, await outcomes, strict=True
+                ):
+                    answers[index] = self._answer(outcome, window, terms[checked.plan.name])
                     if isinstance(outcome, IdempotencyConflict):
-                        conflicts.append(index)
-            for index in conflicts:
-                await self._repeat_or_conflict(triggers[index], index, answers)
+                        conflicts.append((index, checked))
+            for index, checked in conflicts:
+                await self._repeat_or_conflict(checked, index, answers)
         return answers  # type: ignore[return-value]  # every index was answered above
 
     async def _queue_parts(
@@ -164,7 +166,7 @@ class BulkAdmission:
                 _refuse_undecided(answers, part, _refusal_or_raise(exc))
                 continue
             claimed = self._claimed(checked, windows, answers, terms, now)
-            outcomes = await self._submitter.queue_all([run for _, _, run in claimed])
+            outcomes = await self._submitter.queue_all([run for *_, run in claimed])
             queued.append((claimed, outcomes))
             # Lets the Submitter's writer take this part before the next is decided.
             await asyncio.sleep(0)
@@ -210,7 +212,8 @@ class BulkAdmission:
             rate = None
             if index not in windows and self._submitter.is_gated:
                 window = rate = RateClaim(identity=trigger.rate_identity, rate=plan.rate_limit)
-            claimed.append((index, window, (new_run_of(trigger), terms[plan.name].claim, rate)))
+            run = (new_run_of(trigger), terms[plan.name].claim, rate)
+            claimed.append((index, trigger, window, run))
         return claimed
 
     async def _repeats(
@@ -232,8 +235,8 @@ class BulkAdmission:
     async def _repeat_or_conflict(self, trigger: Trigger, index: int, answers: Answers) -> None:
         """After the database refused a keyed run: another process stored its key meanwhile.
 
-        The run stored under the key is the answer when it is the same trigger's, as for one
-        trigger; the conflict stays otherwise.
+        The run stored under the key is the answer when it is the same trigger's (``trigger``
+        has its input validated), as for one trigger; the conflict stays otherwise.
         """
         key = trigger.idempotency_key
         if key is None:
@@ -243,10 +246,8 @@ class BulkAdmission:
         except Exception as exc:
             _refusal_or_raise(exc)  # unread: the conflict stays the answer
             return
-        if earlier is not None:
-            checked = replace(trigger, input=trigger.workflow.validate_input(trigger.input))
-            if key_conflict(checked, earlier) is None:
-                answers[index] = Admitted(run=earlier, created=False, rate=None)
+        if earlier is not None and key_conflict(trigger, earlier) is None:
+            answers[index] = Admitted(run=earlier, created=False, rate=None)
 
     def _answer(
         self, outcome: Run | BaseException, window: Window, terms: QuotaTerms
