@@ -409,7 +409,7 @@ async def test_runs_ending_under_a_cap_hand_their_slots_to_the_next_claim(
         await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the capped runs")
     assert probe.most_active == 2
     # How many outcomes wait for a claim rather than the group commit is the machine's timing
-    # (19 of 40 on a loaded CI run); without the handoff it is none.
+    # (a loaded run hands fewer); without the handoff it is none.
     assert worker.handed_off >= 10, worker.handed_off
     assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
     assert set((await event_counts(db, run_ids, "started")).values()) == {1}
