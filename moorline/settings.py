@@ -105,7 +105,8 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=5, ge=1)
     """Connections kept open per process (PostgreSQL, MySQL).
 
-    A worker process keeps more, one per slot and one per worker loop, within
+    A worker process keeps more, one per slot and one per loop of its workers that writes
+    beside them (claims, outcomes, heartbeats), within
     ``db_pool_size + db_max_overflow`` (``moorline.worker.process.with_worker_pool``).
     """
 
