@@ -66,12 +66,12 @@ from moorline.admission.triggers import (
     Admitted,
     QuotaTerms,
     Trigger,
-    as_refusal,
     holding,
     key_conflict,
     new_run_of,
     over_budget,
     quota_terms,
+    refusal_or_raise,
 )
 from moorline.concurrency import KeyedLock
 from moorline.db.repos.listing import RunListing
@@ -227,12 +227,9 @@ class Admission:
             raise
         answers: dict[int, Admitted | MoorlineError] = dict(zip(plain, await together, strict=True))
         for index, outcome in zip(alone, singles, strict=True):
-            if isinstance(outcome, BaseException):
-                refusal = as_refusal(outcome)
-                if refusal is None:
-                    raise outcome
-                outcome = refusal
-            answers[index] = outcome
+            answers[index] = (
+                refusal_or_raise(outcome) if isinstance(outcome, BaseException) else outcome
+            )
         return [answers[index] for index in range(len(triggers))]
 
     async def _hit(self, trigger: Trigger) -> RateLimitState | None:

@@ -38,12 +38,12 @@ from moorline.admission.triggers import (
     Admitted,
     QuotaTerms,
     Trigger,
-    as_refusal,
     holding,
     key_conflict,
     new_run_of,
     over_budget,
     quota_terms,
+    refusal_or_raise,
 )
 from moorline.concurrency import KeyedLock
 from moorline.db.repos.records import Run
@@ -163,7 +163,7 @@ class BulkAdmission:
             except Exception as exc:
                 # A store that did not answer (BackendUnavailable) refuses this part's triggers
                 # still undecided, as it would refuse each alone; nothing of theirs is stored.
-                _refuse_undecided(answers, part, _refusal_or_raise(exc))
+                _refuse_undecided(answers, part, refusal_or_raise(exc))
                 continue
             claimed = self._claimed(checked, windows, answers, terms, now)
             outcomes = await self._submitter.queue_all([run for *_, run in claimed])
@@ -244,7 +244,7 @@ class BulkAdmission:
         try:
             earlier = await self._runs.find_by_idempotency_key(trigger.tenant_id, key)
         except Exception as exc:
-            _refusal_or_raise(exc)  # unread: the conflict stays the answer
+            refusal_or_raise(exc)  # unread: the conflict stays the answer
             return
         if earlier is not None and key_conflict(trigger, earlier) is None:
             answers[index] = Admitted(run=earlier, created=False, rate=None)
@@ -258,7 +258,7 @@ class BulkAdmission:
             BaseException: ``outcome``, an error that is not a refusal.
         """
         if isinstance(outcome, BaseException):
-            refusal = _refusal_or_raise(outcome)
+            refusal = refusal_or_raise(outcome)
             if isinstance(refusal, RateLimited):
                 self._rejections.labels(reason=RateLimited.code).inc()
             return refusal
@@ -282,7 +282,7 @@ class BulkAdmission:
                     refusals[tenant] = await over_budget(trigger, budgets, now)
                 except Exception as exc:
                     # The budget store did not answer: refused, as each would be alone.
-                    refusals[tenant] = _refusal_or_raise(exc)
+                    refusals[tenant] = refusal_or_raise(exc)
             refusal = refusals[tenant]
             if isinstance(refusal, BudgetExhausted):
                 self._rejections.labels(reason=BudgetExhausted.code).inc()
@@ -321,14 +321,6 @@ class BulkAdmission:
                 self._rejections.labels(reason=RateLimited.code).inc()
                 answers[index] = state
         return windows
-
-
-def _refusal_or_raise(exc: BaseException) -> MoorlineError:
-    """``exc`` as a trigger's answer (:func:`as_refusal`); raised when it is a bug."""
-    refusal = as_refusal(exc)
-    if refusal is None:
-        raise exc
-    return refusal
 
 
 def _refuse_undecided(answers: Answers, part: range, error: MoorlineError) -> None:

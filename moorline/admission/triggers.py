@@ -165,6 +165,14 @@ def as_refusal(exc: BaseException) -> MoorlineError | None:
     return as_unavailable(exc)
 
 
+def refusal_or_raise(exc: BaseException) -> MoorlineError:
+    """``exc`` as a trigger's answer (:func:`as_refusal`); raised when it is a bug."""
+    refusal = as_refusal(exc)
+    if refusal is None:
+        raise exc
+    return refusal
+
+
 async def over_budget(
     trigger: Trigger, budgets: BudgetStore, now: datetime
 ) -> BudgetExhausted | None:
