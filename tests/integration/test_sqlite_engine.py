@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import QueuePool, StaticPool
 
 from moorline.db import sqlite_driver
 from moorline.db.backends import sqlite as sqlite_backend
@@ -45,6 +45,8 @@ async def sqlite_db(db_path: Path) -> AsyncIterator[DatabaseManager]:
         async with manager.transaction() as conn:
             await conn.execute(text("CREATE TABLE counter (id INTEGER PRIMARY KEY, n INTEGER)"))
             await conn.execute(text("INSERT INTO counter (id, n) VALUES (1, 0)"))
+        async with manager.connect() as conn:  # the reads' connection, beside the writes' one
+            await conn.execute(text("SELECT 1"))
         yield manager
     finally:
         await manager.dispose()
@@ -646,6 +648,31 @@ async def test_a_failed_write_statement_rolls_back(
     async with sqlite_db.connect() as conn:
         rows = await conn.execute(text("SELECT id, n FROM counter ORDER BY id"))
         assert rows.all() == [(1, 1), (2, 3)]
+
+
+async def test_writes_take_turns_on_one_connection_and_a_failed_one_gives_it_back(
+    sqlite_db: DatabaseManager,
+) -> None:
+    pool = sqlite_db.engine.sync_engine.pool
+    assert isinstance(pool, QueuePool)
+
+    async def written_on() -> object:
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+            return (await conn.get_raw_connection()).driver_connection
+
+    first = await written_on()
+    assert await sqlite_db.write_statement(text("UPDATE counter SET n = n + 1")) == 1
+    assert await written_on() is first
+    assert pool.checkedout() == 1  # kept for the writes, between them too
+    with pytest.raises(ZeroDivisionError):
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("UPDATE counter SET n = 100 WHERE id = 1"))
+            _ = 1 / 0
+    assert pool.checkedout() == 0  # given back, and reset: its transaction rolled back
+    await written_on()
+    async with sqlite_db.connect() as conn:
+        assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 4
 
 
 async def test_a_write_statement_on_an_in_memory_database() -> None:

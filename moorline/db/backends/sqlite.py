@@ -7,6 +7,9 @@ writer got there first. ``:memory:`` lives on one static connection because ever
 connection would see an empty database. A one-statement write sends ``BEGIN IMMEDIATE``, the
 statement and ``COMMIT`` to the connection's thread in one crossing
 (:meth:`moorline.db.sqlite_driver.Connection.commit_with_next_statement`).
+
+The process's writes go through one connection it keeps for them, since its writer queue lets
+only one write at a time anyway: a write then skips the pool's checkout, reset and check-in.
 """
 
 import asyncio
@@ -22,7 +25,7 @@ from typing import Any, ClassVar
 from sqlalchemy import Executable, Insert, Row, Select, Table, event, func, select, type_coerce
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.dialects.sqlite.aiosqlite import SQLiteDialect_aiosqlite
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.elements import ColumnElement
@@ -85,6 +88,8 @@ class SQLiteBackend(Backend):
     handler, which sleeps up to 100 ms between tries: without it, two tasks that want the
     write lock at once cost the second one tens of milliseconds. ``busy_timeout`` still
     covers writers in other processes."""
+    _writing: AsyncConnection | None = None
+    """The connection the writes take in turn (under ``_writer``), opened by the first."""
     _checkpointer: sqlite_checkpoint.WalCheckpointer | None = None
     _file: str | None = None
 
@@ -145,11 +150,8 @@ class SQLiteBackend(Backend):
 
         A deferred read-then-write transaction would fail with SQLITE_BUSY instead.
         """
-        async with self._writer, pools.main.connect() as conn:
-            await conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
-            async with conn.begin():
-                yield conn
-        self._after_write()
+        async with self._writing_connection(pools) as conn, conn.begin():
+            yield conn
 
     def background(self) -> AbstractContextManager[None]:
         return sqlite_driver.off_loop()
@@ -157,17 +159,8 @@ class SQLiteBackend(Backend):
     async def write_statement(
         self, pools: Pools, statement: Executable, params: dict[str, Any]
     ) -> int:
-        async with self._writer:
-            changed = await greenlet_spawn(
-                _write_statement, pools.main.sync_engine, statement, params
-            )
-        self._after_write()
-        # Run inline, the write never suspended: let the loop run the rest of its ready work
-        # once, as a write to a server does while it waits for the reply. Without it a
-        # workflow of many cheap steps would hold the loop (heartbeats, other runs, the API)
-        # for as long as it kept writing.
-        await asyncio.sleep(0)
-        return changed
+        async with self._writing_connection(pools) as conn:
+            return await greenlet_spawn(_write_statement, conn.sync_connection, statement, params)
 
     async def write_statement_rows(
         self, pools: Pools, statement: Executable, params: dict[str, Any]
@@ -220,7 +213,37 @@ class SQLiteBackend(Backend):
         """Size of the WAL file; None in memory."""
         return None if self._checkpointer is None else self._checkpointer.wal_bytes()
 
+    @asynccontextmanager
+    async def _writing_connection(self, pools: Pools) -> AsyncIterator[AsyncConnection]:
+        """The write connection, once this process's earlier writes are done with it.
+
+        A write that fails (or is cancelled) gives it back to the pool, whose reset rolls back
+        whatever the failure left open, even a statement still running on the connection's
+        thread; the next write takes a connection from the pool again.
+
+        After a write the caller lets the loop run the rest of its ready work once, as a write
+        to a server does while it waits for the reply: run inline, the write never suspended,
+        and a task writing one transaction after another (a workflow of many cheap steps)
+        would hold the loop (heartbeats, other runs, the API) for as long as it kept writing.
+        """
+        async with self._writer:
+            conn = self._writing
+            if conn is None:
+                engine = pools.main.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+                conn = self._writing = await engine.connect()
+            try:
+                yield conn
+            except BaseException:
+                self._writing = None
+                await asyncio.shield(conn.close())
+                raise
+        self._after_write()
+        await asyncio.sleep(0)
+
     async def close(self) -> None:
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            await writing.close()
         if self._checkpointer is not None:
             await self._checkpointer.close()
         if self._versions is not None:
@@ -308,18 +331,16 @@ def _incremental_vacuum(database: str, max_pages: int) -> int | None:
     return int(before) - int(after)
 
 
-def _write_statement(engine: Engine, statement: Executable, params: dict[str, Any]) -> int:
-    # One greenlet for checkout, statement, commit and checkin (see backends.server).
-    with engine.connect() as conn:
-        conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
-        driver = conn.connection.driver_connection
-        with conn.begin():
-            if isinstance(driver, sqlite_driver.Connection):
-                # BEGIN (held back), the statement and COMMIT in one crossing; the commit
-                # below then finds no transaction open and does not cross.
-                driver.commit_with_next_statement()
-            # (``:memory:`` has SQLAlchemy's own aiosqlite connection: three crossings.)
-            return conn.execute(statement, params).rowcount
+def _write_statement(conn: Connection, statement: Executable, params: dict[str, Any]) -> int:
+    # One greenlet for the statement and its commit (see backends.server).
+    driver = conn.connection.driver_connection
+    with conn.begin():
+        if isinstance(driver, sqlite_driver.Connection):
+            # BEGIN (held back), the statement and COMMIT in one crossing; the commit below
+            # then finds no transaction open and does not cross.
+            driver.commit_with_next_statement()
+        # (``:memory:`` has SQLAlchemy's own aiosqlite connection: three crossings.)
+        return conn.execute(statement, params).rowcount
 
 
 @functools.lru_cache(maxsize=256)
