@@ -112,7 +112,8 @@ async def test_listing_filters_and_pages_newest_first(api: Api) -> None:
         if cursor is None:
             break
     assert len(seen) == len({run["run_id"] for run in seen}) == 3
-    order = [(run["created_at"], run["run_id"]) for run in seen]
+    # As times, not text: a time on the whole second is written without a fraction.
+    order = [(datetime.fromisoformat(run["created_at"]), run["run_id"]) for run in seen]
     assert order == sorted(order, reverse=True)
     assert "input" not in seen[0] and "steps" not in seen[0]
 
