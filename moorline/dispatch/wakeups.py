@@ -10,9 +10,9 @@ the reaper) and :class:`Waiter` (worker loops):
 
 - :class:`LocalWakeups`: one :class:`asyncio.Event` per lane, for producers and workers that
   share a process (and the in-process half of the other two).
-- :class:`PostgresWakeups`: ``SELECT pg_notify(channel, payload)`` through the pool, and
-  ``LISTEN`` on a dedicated asyncpg connection that is not part of the pool (to
-  ``MOORLINE_LISTEN_URL`` when set: behind PgBouncer the pool's sessions are not its own).
+- :class:`PostgresWakeups`: ``SELECT pg_notify(channel, payload)`` and ``LISTEN``, each on an
+  asyncpg connection of its own that is not part of the pool (to ``MOORLINE_LISTEN_URL`` when
+  set: behind PgBouncer the pool's sessions are not its own).
 - :class:`RedisWakeups`: ``PUBLISH`` and ``SUBSCRIBE`` on ``<redis_prefix>:wakeups``.
 - :class:`~moorline.dispatch.datagrams.DatagramWakeups`: Unix datagram sockets in a directory
   next to a SQLite file, for the processes of one host without Redis.
@@ -38,8 +38,6 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol
-
-from sqlalchemy import Select, String, bindparam, func, select
 
 from moorline.concurrency import is_set_within
 from moorline.db.dsn import make_failover_creator
@@ -342,27 +340,19 @@ class ListeningWakeups(Notifier, Waiter, ABC):
 
 
 @functools.cache
-def _notify_statement(lanes: int) -> Select[Any]:
-    """``SELECT pg_notify(:channel, :payload_0), …`` for ``lanes`` payloads, built once.
-
-    Built per call, the statement cost the submitting process more CPU (its cache key) than
-    the round trip it sends.
-    """
-    channel = bindparam("channel", type_=String())
-    return select(
-        *(
-            func.pg_notify(channel, bindparam(f"payload_{index}", type_=String()))
-            for index in range(lanes)
-        )
-    )
+def _notify_sql(lanes: int) -> str:
+    """``SELECT pg_notify($1, $2), pg_notify($1, $3), …``: the channel, then a payload a lane."""
+    return "SELECT " + ", ".join(f"pg_notify($1, ${index + 2})" for index in range(lanes))
 
 
 class PostgresWakeups(ListeningWakeups):
     """Wake-ups across processes through PostgreSQL LISTEN/NOTIFY.
 
-    ``notify`` sends ``pg_notify`` through the manager's pool, one statement committed alone
-    (NOTIFY is delivered at commit). The listener holds a dedicated asyncpg connection opened
-    by the manager's primary-first failover creator, so it follows a database failover too.
+    ``notify`` sends ``pg_notify``, one statement committed alone (NOTIFY is delivered at
+    commit), on an asyncpg connection kept for it, opened at the first notify; the listener
+    holds another. Both are opened by the manager's primary-first failover creator, so they
+    follow a database failover too; a publishing connection that fails is dropped and the next
+    notify opens another.
     A lost connection is noticed at once by asyncpg's termination callback, and a silently
     dead one by a ``SELECT 1`` after ``ping_interval_s`` of silence.
     """
@@ -401,23 +391,48 @@ class PostgresWakeups(ListeningWakeups):
         super().__init__(
             hub=hub, notify_timeout_s=notify_timeout_s, ping_interval_s=ping_interval_s
         )
-        self._db = db
         self.channel = channel
         self._connect = make_failover_creator(db.listen_targets)
         self._backend_pid: int | None = None
+        self._publisher: Any = None  # the asyncpg connection notifies go out on, once opened
+        self._publishing = asyncio.Lock()  # one statement at a time on it
 
     @property
     def backend_pid(self) -> int | None:
         """Server process id of the listener connection while it is connected."""
         return self._backend_pid
 
+    @property
+    def publisher_pid(self) -> int | None:
+        """Server process id of the connection notifies go out on, once one is open."""
+        publisher = self._publisher
+        return None if publisher is None or publisher.is_closed() else publisher.get_server_pid()
+
     async def _publish(self, lanes: list[str]) -> None:
-        params = {f"payload_{index}": self._payload(lane) for index, lane in enumerate(lanes)}
-        # One statement committed alone: one round trip, where a transaction around it was
-        # three (BEGIN, the statement, COMMIT). The notifications go out as it commits.
-        await self._db.write_statement(
-            _notify_statement(len(lanes)), {"channel": self.channel, **params}
-        )
+        payloads = [self._payload(lane) for lane in lanes]
+        # asyncpg's own statement, not one through SQLAlchemy and the pool: this is all a
+        # submitting process sends besides its runs, and SQLAlchemy's way cost it four times
+        # the CPU (docs/performance.md). Committed alone, the notifications go out at once.
+        async with self._publishing:
+            if self._publisher is not None and not self._publisher.is_closed():
+                try:
+                    await self._send(payloads)
+                    return
+                except Exception:
+                    # Kept from an earlier notify, it may have died since (a restart, a
+                    # terminated backend): one more try, on a new connection.
+                    pass
+            self._publisher = await self._connect()
+            await self._send(payloads)
+
+    async def _send(self, payloads: list[str]) -> None:
+        conn = self._publisher
+        try:
+            await conn.execute(_notify_sql(len(payloads)), self.channel, *payloads)
+        except BaseException:
+            self._publisher = None
+            conn.terminate()
+            raise
 
     async def _listen(self) -> None:
         conn = await self._connect()
@@ -437,6 +452,11 @@ class PostgresWakeups(ListeningWakeups):
 
     def _on_notification(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         self._receive(payload)
+
+    async def _close_transport(self) -> None:
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.terminate()
 
     def _is_transport_error(self, exc: Exception) -> bool:
         import asyncpg

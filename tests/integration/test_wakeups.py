@@ -174,6 +174,7 @@ async def test_postgres_wakes_every_waiter_in_every_process(
     finally:
         await first.close()
         await second.close()
+        await producer.close()
 
 
 @pytest.mark.requires("listen_notify")
@@ -241,6 +242,29 @@ async def test_postgres_listener_survives_pg_terminate_backend(
         task = await waiting(consumer, name)
         elapsed = await woken_within(task, lambda: producer.notify({name}))
         assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms after a reconnect"
+
+
+@pytest.mark.requires("listen_notify", "terminate_backend")
+async def test_postgres_publisher_reconnects_after_pg_terminate_backend(
+    pg_pair: tuple[PostgresWakeups, PostgresWakeups], db: DatabaseManager
+) -> None:
+    producer, consumer = pg_pair
+    name = lane()
+    assert producer.publisher_pid is None  # opened by the first notify
+    for _ in range(2):
+        task = await waiting(consumer, name)
+        elapsed = await woken_within(task, lambda: producer.notify({name}))
+        assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms"
+        pid = producer.publisher_pid
+        assert pid is not None
+        async with db.transaction() as conn:
+            killed = await conn.execute(select(func.pg_terminate_backend(pid)))
+            assert killed.scalar_one() is True
+        # The next notify finds its connection dead and goes out on a new one.
+        task = await waiting(consumer, name)
+        elapsed = await woken_within(task, lambda: producer.notify({name}))
+        assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms after a kill"
+        assert producer.publisher_pid not in (None, pid)
 
 
 async def test_postgres_wakeups_refuse_another_database(tmp_path: Path) -> None:
