@@ -2,7 +2,8 @@
 
 Starts ``moorline serve --workers 0`` and a separate ``moorline worker`` on one fresh database
 (``sqlite``: a file, no Redis, the wake-ups are datagrams between the two processes;
-``postgresql``: with Redis, under a fresh key prefix), then triggers ``echo`` runs one at a time
+``postgresql``: with Redis, under a fresh key prefix, or with ``--without-redis`` alone, woken
+by LISTEN/NOTIFY), then triggers ``echo`` runs one at a time
 through ``moorline.Client``, each after the previous one has started and a short random pause
 (so every run finds the worker idle, waiting for a wake-up), and prints p50, p99 and max of
 
@@ -20,7 +21,7 @@ runs the servers from another source tree (an export of an earlier commit, say:
 ``git archive COMMIT | tar -x -C DIR``) for a before/after figure.
 
     PYTHONPATH=. .venv/bin/python bench/latency.py [--runs 200] [--backends sqlite,postgresql]
-        [--poll 1.0] [--embedded] [--source DIR]
+        [--poll 1.0] [--embedded] [--source DIR] [--without-redis]
 """
 
 import argparse
@@ -137,7 +138,8 @@ async def run_backend(
         prefix = f"bench_{uuid.uuid4().hex[:10]}"
         if backend == "postgresql":
             await upgrade_with(args.source, url)
-            settings |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
+            if not args.without_redis:
+                settings |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
         try:
             loops = 1 if args.embedded else 0
             async with serving(settings, None, source=args.source, workers=loops) as server:
@@ -168,6 +170,11 @@ async def main() -> None:
         help="One process: moorline serve with a worker loop (the in-process wake-up's floor).",
     )
     parser.add_argument("--source", type=Path, default=SOURCE_ROOT, help="Source tree to run.")
+    parser.add_argument(
+        "--without-redis",
+        action="store_true",
+        help="PostgreSQL alone: its LISTEN/NOTIFY wakes the worker.",
+    )
     args = parser.parse_args()
     args.source = args.source.resolve()
     print(
@@ -180,7 +187,7 @@ async def main() -> None:
         (root / "plans.yaml").write_text(PLANS_YAML, encoding="utf-8")
         for backend in args.backends:
             measured = await run_backend(backend, args, root)
-            label = "sqlite" if backend == "sqlite" else "postgresql+redis"
+            label = backend if backend == "sqlite" or args.without_redis else f"{backend}+redis"
             columns = zip(*measured, strict=True)
             for name, ms in zip(("trigger → start", "created → start"), columns, strict=True):
                 print(
