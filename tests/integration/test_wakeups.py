@@ -22,6 +22,7 @@ from moorline.db.manager import DatabaseManager
 from moorline.dispatch.datagrams import DatagramWakeups
 from moorline.dispatch.wakeups import (
     LocalWakeups,
+    Notifier,
     PostgresWakeups,
     RedisWakeups,
     Waiter,
@@ -221,6 +222,18 @@ async def test_postgres_timeout_returns_false(
     assert time.perf_counter() - started >= 0.09
 
 
+async def terminate_backend(db: DatabaseManager, pid: int) -> None:
+    async with db.transaction() as conn:
+        killed = await conn.execute(select(func.pg_terminate_backend(pid)))
+        assert killed.scalar_one() is True
+
+
+async def wakes_within_remote_time(producer: Notifier, consumer: Waiter, name: str) -> None:
+    task = await waiting(consumer, name)
+    elapsed = await woken_within(task, lambda: producer.notify({name}))
+    assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms"
+
+
 @pytest.mark.requires("listen_notify", "terminate_backend")
 async def test_postgres_listener_survives_pg_terminate_backend(
     pg_pair: tuple[PostgresWakeups, PostgresWakeups], db: DatabaseManager
@@ -231,17 +244,13 @@ async def test_postgres_listener_survives_pg_terminate_backend(
         pid = consumer.backend_pid
         assert pid is not None
         blocked = await waiting(consumer, name)
-        async with db.transaction() as conn:
-            killed = await conn.execute(select(func.pg_terminate_backend(pid)))
-            assert killed.scalar_one() is True
+        await terminate_backend(db, pid)
         # A reconnect counts as a wake-up: what was sent in the gap is lost.
         assert await asyncio.wait_for(blocked, LONG_S) is True
         assert consumer.connections == 1 + kill
         assert consumer.backend_pid not in (None, pid)
         assert await consumer.wait(name, 0) is False  # nothing else pending
-        task = await waiting(consumer, name)
-        elapsed = await woken_within(task, lambda: producer.notify({name}))
-        assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms after a reconnect"
+        await wakes_within_remote_time(producer, consumer, name)  # after a reconnect
 
 
 @pytest.mark.requires("listen_notify", "terminate_backend")
@@ -252,18 +261,12 @@ async def test_postgres_publisher_reconnects_after_pg_terminate_backend(
     name = lane()
     assert producer.publisher_pid is None  # opened by the first notify
     for _ in range(2):
-        task = await waiting(consumer, name)
-        elapsed = await woken_within(task, lambda: producer.notify({name}))
-        assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms"
+        await wakes_within_remote_time(producer, consumer, name)
         pid = producer.publisher_pid
         assert pid is not None
-        async with db.transaction() as conn:
-            killed = await conn.execute(select(func.pg_terminate_backend(pid)))
-            assert killed.scalar_one() is True
+        await terminate_backend(db, pid)
         # The next notify finds its connection dead and goes out on a new one.
-        task = await waiting(consumer, name)
-        elapsed = await woken_within(task, lambda: producer.notify({name}))
-        assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms after a kill"
+        await wakes_within_remote_time(producer, consumer, name)
         assert producer.publisher_pid not in (None, pid)
 
 
@@ -368,9 +371,7 @@ async def test_redis_listener_survives_client_kill(
         assert await asyncio.wait_for(blocked, LONG_S) is True  # the reconnect woke it
         assert consumer.connections == 1 + kill
         assert await consumer.wait(name, 0) is False
-        task = await waiting(consumer, name)
-        elapsed = await woken_within(task, lambda: producer.notify({name}))
-        assert elapsed < REMOTE_WAKE_S, f"woke after {elapsed * 1000:.1f} ms after a reconnect"
+        await wakes_within_remote_time(producer, consumer, name)  # after a reconnect
 
 
 async def test_redis_down_costs_latency_not_errors(
