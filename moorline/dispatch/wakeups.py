@@ -351,8 +351,8 @@ class PostgresWakeups(ListeningWakeups):
     ``notify`` sends ``pg_notify``, one statement committed alone (NOTIFY is delivered at
     commit), on an asyncpg connection kept for it, opened at the first notify; the listener
     holds another. Both are opened by the manager's primary-first failover creator, so they
-    follow a database failover too; a publishing connection that fails is dropped and the next
-    notify opens another.
+    follow a database failover too; a publishing connection that fails is dropped, and the
+    notify is tried once more on a new one.
     A lost connection is noticed at once by asyncpg's termination callback, and a silently
     dead one by a ``SELECT 1`` after ``ping_interval_s`` of silence.
     """
@@ -411,8 +411,9 @@ class PostgresWakeups(ListeningWakeups):
     async def _publish(self, lanes: list[str]) -> None:
         payloads = [self._payload(lane) for lane in lanes]
         # asyncpg's own statement, not one through SQLAlchemy and the pool: this is all a
-        # submitting process sends besides its runs, and SQLAlchemy's way cost it four times
-        # the CPU (docs/performance.md). Committed alone, the notifications go out at once.
+        # submitting process sends besides its runs, and SQLAlchemy's way cost it several
+        # times the CPU (docs/performance.md). Committed alone, the notifications go out at
+        # once.
         async with self._publishing:
             if self._publisher is not None and not self._publisher.is_closed():
                 try:

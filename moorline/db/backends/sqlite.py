@@ -221,8 +221,8 @@ class SQLiteBackend(Backend):
         whatever the failure left open, even a statement still running on the connection's
         thread; the next write takes a connection from the pool again.
 
-        After a write the caller lets the loop run the rest of its ready work once, as a write
-        to a server does while it waits for the reply: run inline, the write never suspended,
+        After a write it lets the loop run the rest of its ready work once, as a write to a
+        server does while it waits for the reply: run inline, the write never suspended,
         and a task writing one transaction after another (a workflow of many cheap steps)
         would hold the loop (heartbeats, other runs, the API) for as long as it kept writing.
         """
