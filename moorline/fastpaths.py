@@ -1,7 +1,8 @@
 """The private names of other libraries that Moorline's fast paths use, and their check.
 
 A fast path is code that reaches into a dependency's internals to skip work its public API
-does: aiosqlite's thread crossings (:mod:`moorline.db.sqlite_driver`), aiomysql's needless
+does: aiosqlite's thread crossings (:mod:`moorline.db.sqlite_driver`), SQLAlchemy's execution
+of a one-statement write on SQLite (:mod:`moorline.db.backends.sqlite_direct`), aiomysql's needless
 ``ROLLBACK`` and ping (:mod:`moorline.db.mysql_driver`), the ``limits`` memory storage's sweep
 thread (:mod:`moorline.admission.ratelimit`), Starlette's response construction and FastAPI's
 dependency solving on the trigger route (:mod:`moorline.api.routes.runs`,
@@ -145,6 +146,22 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         shape=Shape.KEYWORDS,
         details=("fn",),
         user="moorline/db/backends/ (sqlite.py, server.py)",
+    ),
+    # sqlite_direct sends a one-statement write past SQLAlchemy unless the connection has
+    # cursor or error event listeners, which it reads from the event dispatch.
+    PrivateName(
+        library="sqlalchemy",
+        owner="sqlalchemy.engine.Connection",
+        name="dispatch",
+        shape=Shape.ATTRIBUTE,
+        user="moorline/db/backends/sqlite_direct.py",
+    ),
+    PrivateName(
+        library="sqlalchemy",
+        owner="sqlalchemy.engine.Dialect",
+        name="dispatch",
+        shape=Shape.ATTRIBUTE,
+        user="moorline/db/backends/sqlite_direct.py",
     ),
     # guards.solved_by's route replaces the ASGI app FastAPI builds for an APIRoute.
     PrivateName(

@@ -421,6 +421,18 @@ class Connection(aiosqlite.Connection):
         commit, self._commit_next = self._commit_next, False
         return commit
 
+    async def write_alone(self, begin: str, sql: str, parameters: Sequence[Any]) -> int:
+        """``begin``, the statement and its commit as one call: the rows the statement changed.
+
+        For a statement that is a transaction by itself, sent past SQLAlchemy
+        (:mod:`moorline.db.backends.sqlite_direct`); an error rolls the transaction back.
+        """
+        if self._held_begin is not None or self._is_in_transaction():
+            raise sqlite3.ProgrammingError("write_alone with a transaction open")
+        cursor = _Cursor(self)
+        await self.cross_statement(cursor._run, begin, sql, parameters, True)
+        return cursor.rowcount
+
     def cursor(self) -> _OpenCursor:  # type: ignore[override]
         """A cursor, without a crossing (its sqlite3 cursor comes with its first statement)."""
         return _OpenCursor(_Cursor(self))

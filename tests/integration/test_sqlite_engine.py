@@ -420,8 +420,9 @@ async def test_a_call_given_up_while_it_waits_for_the_lock_keeps_the_next_off_th
     sqlite_db: DatabaseManager, db_path: Path, crossings: list[str]
 ) -> None:
     # A cancelled attempt gives up a write waiting for the lock on the connection's thread; the
-    # write goes on there. What SQLAlchemy then does with the connection (it closes it) must
-    # queue behind that write on the thread: run inline beside it, it crashed sqlite3.
+    # write goes on there. What then happens to the connection (given back to the pool, whose
+    # reset rolls back) must queue behind that write on the thread: run inline beside it, it
+    # crashed sqlite3.
     other = raw_connection(db_path)
     ticker = Ticker()
     try:
@@ -439,12 +440,12 @@ async def test_a_call_given_up_while_it_waits_for_the_lock_keeps_the_next_off_th
             await asyncio.sleep(0)
             return len(crossings) > 1
 
-        await wait_for(followed_up, message="SQLAlchemy's close of the given-up connection")
+        await wait_for(followed_up, message="the pool's reset of the given-up connection")
         other.execute("COMMIT")
     finally:
         ticker.stop()
         other.close()
-    assert crossings[:2] == ["_run", "_roll_back_and_close"]
+    assert crossings[:2] == ["_run", "rollback"]
 
 
 async def test_closing_a_connection_whose_cursor_lives_on_releases_the_write_lock(

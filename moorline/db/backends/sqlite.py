@@ -31,8 +31,9 @@ from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util import greenlet_spawn
 
+from moorline import fastpaths
 from moorline.db import sqlite_driver
-from moorline.db.backends import sqlite_checkpoint
+from moorline.db.backends import sqlite_checkpoint, sqlite_direct
 from moorline.db.backends.base import Backend, Capabilities, DialectName, Pools, upsert_below
 from moorline.db.dsn import ConnectTarget
 from moorline.db.types import UTCDateTime
@@ -92,6 +93,8 @@ class SQLiteBackend(Backend):
     """The connection the writes take in turn (under ``_writer``), opened by the first."""
     _checkpointer: sqlite_checkpoint.WalCheckpointer | None = None
     _file: str | None = None
+    _direct: sqlite_direct.DirectWrites | None = None
+    """One-statement writes past SQLAlchemy's execution (a file, with ``fast_paths``)."""
 
     @property
     def shared_file(self) -> str | None:
@@ -140,6 +143,9 @@ class SQLiteBackend(Backend):
             self._checkpointer = sqlite_checkpoint.WalCheckpointer(parsed.database)
             self._file = parsed.database
         engine = create_async_engine(parsed, **kwargs)
+        if not in_memory and settings.fast_paths:
+            fastpaths.require("sqlalchemy")
+            self._direct = sqlite_direct.DirectWrites(engine.dialect)
         event.listen(engine.sync_engine, "connect", _configure)
         event.listen(engine.sync_engine, "begin", _begin)
         return Pools(main=engine)
@@ -160,6 +166,13 @@ class SQLiteBackend(Backend):
         self, pools: Pools, statement: Executable, params: dict[str, Any]
     ) -> int:
         async with self._writing_connection(pools) as conn:
+            direct = self._direct
+            if direct is not None:
+                driver = direct.driver_of(conn)
+                form = None if driver is None else direct.compiled(statement, params)
+                if form is not None:
+                    assert driver is not None
+                    return await direct.write(driver, form, params)
             return await greenlet_spawn(_write_statement, conn.sync_connection, statement, params)
 
     async def write_statement_rows(
