@@ -147,8 +147,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         details=("fn",),
         user="moorline/db/backends/ (sqlite.py, server.py)",
     ),
-    # sqlite_direct sends a one-statement write past SQLAlchemy unless the connection has
-    # cursor or error event listeners, which it reads from the event dispatch.
+    # sqlite_direct sends the write connection's statements past SQLAlchemy unless the
+    # connection has cursor or error event listeners, which it reads from the event dispatch,
+    # ...
     PrivateName(
         library="sqlalchemy",
         owner="sqlalchemy.engine.Connection",
@@ -161,6 +162,23 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         owner="sqlalchemy.engine.Dialect",
         name="dispatch",
         shape=Shape.ATTRIBUTE,
+        user="moorline/db/backends/sqlite_direct.py",
+    ),
+    # ... and builds the rows of such a statement as SQLAlchemy's results do: from the
+    # compiler's record of the columns, on the metadata of an in-memory result.
+    PrivateName(
+        library="sqlalchemy",
+        owner="sqlalchemy.sql.compiler.SQLCompiler",
+        name="_result_columns",
+        shape=Shape.ATTRIBUTE,
+        user="moorline/db/backends/sqlite_direct.py",
+    ),
+    PrivateName(
+        library="sqlalchemy",
+        owner="sqlalchemy.engine.result.SimpleResultMetaData",
+        name="__init__",
+        shape=Shape.METHOD,
+        details=("keys", "extra", "_processors"),
         user="moorline/db/backends/sqlite_direct.py",
     ),
     # guards.solved_by's route replaces the ASGI app FastAPI builds for an APIRoute.
@@ -243,11 +261,16 @@ def mismatch(name: PrivateName) -> str | None:
         return f"has a {name.owner} that cannot be checked ({type(exc).__name__}: {reason})"
 
 
+_ABSENT = object()
+
+
 def _mismatch(name: PrivateName, cls: type[Any]) -> str | None:
     short = f"{name.owner.rpartition('.')[2]}.{name.name}"
-    found = inspect.getattr_static(cls, name.name, None)
+    found = inspect.getattr_static(cls, name.name, _ABSENT)
     if name.shape is Shape.ATTRIBUTE:
-        if found is None and not hasattr(_instance_of(name.owner, cls), name.name):
+        # A class attribute whose default is None (SQLAlchemy's Compiled._result_columns) is
+        # there all the same.
+        if found is _ABSENT and not hasattr(_instance_of(name.owner, cls), name.name):
             return f"no longer has {short}"
         return None
     if not callable(found):

@@ -16,6 +16,7 @@ from sqlalchemy import (
     Table,
     bindparam,
     event,
+    func,
     insert,
     select,
     update,
@@ -23,6 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from moorline.db import sqlite_driver
+from moorline.db.backends import sqlite_direct
 from moorline.db.manager import DatabaseManager
 from moorline.db.types import JSONDocument, UTCDateTime
 from moorline.settings import Settings
@@ -142,3 +144,75 @@ async def test_a_statement_with_python_side_defaults_goes_through_sqlalchemy(
     # ``weight`` has a Python-side default, which SQLAlchemy's execution computes.
     assert await db.write_statement(insert(things), {"id": 9, "label": "defaulted"}) == 1
     assert stored(db, (9,)) == [("defaulted", None, None, 7)]
+
+
+async def test_a_transactions_statements_go_direct_and_return_what_sqlalchemy_returns(
+    db: DatabaseManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    direct: list[str] = []
+    execute = sqlite_direct.DirectWrites.execute
+
+    async def counted(self: sqlite_direct.DirectWrites, *args: Any) -> Any:
+        direct.append("statement")
+        return await execute(self, *args)
+
+    monkeypatch.setattr(sqlite_direct.DirectWrites, "execute", counted)
+    data = {"k": ["v", 1.5]}
+    params = {"new_label": "x", "new_data": data, "new_at": AT, "ids": [1, 2, 3]}
+    reading = select(things.c.id, things.c.data, things.c.at.label("when"), func.count().over())
+
+    async def scenario() -> list[Any]:
+        seen: list[Any] = []
+        async with db.transaction() as conn:
+            seen.append((await conn.execute(RENAME, params)).rowcount)
+            # A copy of a statement that ran: SQLAlchemy copies what it memoized about it.
+            returning = RENAME.returning(things.c.id, things.c.at)
+            found = await conn.execute(
+                reading.where(things.c.id < bindparam("below")), {"below": 3}
+            )
+            seen.append([(row.id, row.data, row.when, row[3]) for row in found])
+            seen.append((await conn.execute(returning, params)).mappings().all())
+            seen.append((await conn.execute(select(func.count()).select_from(things))).scalar_one())
+            await conn.execute(update(things).values(label=None))
+        return seen
+
+    first = await scenario()
+    assert len(direct) == 5, "every statement of the transaction went to the driver"
+    with statements_seen(db) as seen:
+        again = await scenario()
+    assert len(seen) == 5 and len(direct) == 5, "with a listener, SQLAlchemy's path ran them"
+    assert first == again
+    assert first[0] == 3
+    assert first[1] == [(1, data, AT, 2), (2, data, AT, 2)]
+    assert first[2] == [{"id": i, "at": AT} for i in (1, 2, 3)]
+    assert first[3] == 4
+
+
+async def test_in_lists_of_any_length_bind_as_sqlalchemy_binds_them(db: DatabaseManager) -> None:
+    # The expanded SQL is kept per list length: lengths that come and go, an empty list, a
+    # value embedded in the statement (the ``'n%'`` below), a value rendered into the SQL.
+    picked = (
+        select(things.c.id)
+        .where(things.c.id.in_(bindparam("ids", expanding=True)))
+        .where(things.c.name.like("n%"))
+        .where(things.c.weight.in_(bindparam("weights", expanding=True)))
+        .order_by(things.c.id)
+    )
+    rendered = select(things.c.id).where(things.c.id < bindparam("below", literal_execute=True))
+    calls = [[1, 2, 3], [2], [], [4, 1], [2], [1, 2, 3]]
+
+    async def scenario() -> list[Any]:
+        seen: list[Any] = []
+        async with db.transaction() as conn:
+            await conn.execute(update(things).values(weight=1))
+            for ids in calls:
+                found = await conn.execute(picked, {"ids": ids, "weights": [1, 2][: len(ids)]})
+                seen.append(found.scalars().all())
+            seen.append((await conn.execute(rendered, {"below": 3})).scalars().all())
+        return seen
+
+    first = await scenario()
+    with statements_seen(db) as seen:
+        again = await scenario()
+    assert len(seen) == len(calls) + 2, "with a listener, SQLAlchemy's path ran them"
+    assert first == again == [[1, 2, 3], [2], [], [1, 4], [2], [1, 2, 3], [1, 2]]

@@ -94,7 +94,8 @@ class SQLiteBackend(Backend):
     _checkpointer: sqlite_checkpoint.WalCheckpointer | None = None
     _file: str | None = None
     _direct: sqlite_direct.DirectWrites | None = None
-    """One-statement writes past SQLAlchemy's execution (a file, with ``fast_paths``)."""
+    """Statements of the write connection past SQLAlchemy's execution (a file, with
+    ``fast_paths``)."""
 
     @property
     def shared_file(self) -> str | None:
@@ -168,11 +169,11 @@ class SQLiteBackend(Backend):
         async with self._writing_connection(pools) as conn:
             direct = self._direct
             if direct is not None:
-                driver = direct.driver_of(conn)
-                form = None if driver is None else direct.compiled(statement, params)
+                driver = direct.driver_of(conn, in_transaction=False)
+                form = None if driver is None else direct.form(statement, params)
                 if form is not None:
                     assert driver is not None
-                    return await direct.write(driver, form, params)
+                    return await direct.write_alone(driver, form, params)
             return await greenlet_spawn(_write_statement, conn.sync_connection, statement, params)
 
     async def write_statement_rows(
@@ -243,7 +244,12 @@ class SQLiteBackend(Backend):
             conn = self._writing
             if conn is None:
                 engine = pools.main.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
-                conn = self._writing = await engine.connect()
+                if self._direct is None:
+                    conn = await engine.connect()
+                else:
+                    conn = sqlite_direct.DirectConnection(engine, self._direct)
+                    await conn.start()
+                self._writing = conn
             try:
                 yield conn
             except BaseException:

@@ -1,61 +1,124 @@
-"""One-statement writes on SQLite, handed to the driver past SQLAlchemy's execution layer.
+"""Statements of SQLite's write connection, handed to the driver past SQLAlchemy's execution.
 
-A checkpointed step is two one-statement writes, each its own transaction
-(:meth:`~moorline.db.manager.DatabaseManager.write_statement`): its start and its outcome. On
-SQLite the statement itself costs SQLite a few tens of microseconds; SQLAlchemy's way to it
-(an execution context, a cursor wrapper, the transaction's begin and commit, a greenlet) cost
-more than twice that in CPU, the larger part of a step's cost on the worker's loop.
+On SQLite a statement costs SQLite a few tens of microseconds; SQLAlchemy's way to it (an
+execution context, a cursor wrapper, a result built around the cursor, a greenlet, and for a
+one-statement write the transaction's begin and commit) cost about twice that in CPU, the
+larger part of a checkpointed step's cost and about a third of a worker's claim and finish
+transactions on its event loop.
 
-With :mod:`moorline.db.sqlite_driver`'s connections (the setting ``fast_paths``), a statement is
-compiled once per statement object and parameter names, its parameters bound through the
-compiled form's public :meth:`~sqlalchemy.sql.compiler.SQLCompiler.construct_expanded_state`
-(expanding ``IN`` lists, the types' bind processors) as SQLAlchemy's execution binds them, and
-sent with its ``BEGIN IMMEDIATE`` and ``COMMIT`` as one driver call. Errors come back as the
-same :mod:`sqlalchemy.exc` classes, so callers catch what they caught before.
+With :mod:`moorline.db.sqlite_driver`'s connections (the setting ``fast_paths``), the write
+connection (:meth:`SQLiteBackend._writing_connection
+<moorline.db.backends.sqlite.SQLiteBackend>`) is a :class:`DirectConnection`. A statement is
+compiled once per statement object and parameter names; each execution binds its parameters
+through the compiled form's public
+:meth:`~sqlalchemy.sql.compiler.SQLCompiler.construct_expanded_state` (expanding ``IN`` lists)
+and the types' bind processors, as SQLAlchemy's execution binds them, and sends the SQL to the
+driver, whose ``BEGIN`` held back and ``COMMIT`` asked for go with it as they would from
+SQLAlchemy. Rows come back as SQLAlchemy rows through the columns' result processors
+(:class:`DirectResult`, which has ``rowcount`` too); errors as the same :mod:`sqlalchemy.exc`
+classes. A one-statement write (:meth:`DirectWrites.write_alone`) sends its ``BEGIN IMMEDIATE``
+and ``COMMIT`` in the same driver call.
 
-SQLAlchemy's path is still taken for what the direct one would skip:
+SQLAlchemy's path is still taken for what the direct one would skip or could get wrong:
 
-- a statement that needs Python-side column defaults computed for it, or returns rows;
-- a connection with cursor or error event listeners (a tracer that records statements, the
-  tests that count them): they see every statement, as they would without this module. That
-  check reads the connection's and the dialect's event ``dispatch``, SQLAlchemy internals
+- a statement outside a transaction SQLAlchemy began (its autobegin), a ``text()`` statement
+  in a transaction (it may return rows of unknown keys), an executemany, execution options;
+- a statement that needs Python-side column defaults computed for it;
+- every statement of a connection with cursor or error event listeners (a tracer that records
+  statements, the tests that count them): they see every statement, as without this module.
+  That check reads the connection's and the dialect's event ``dispatch``; the rows are built
+  from the compiler's ``_result_columns`` on ``SimpleResultMetaData``: SQLAlchemy internals
   listed in :data:`moorline.fastpaths.PRIVATE_NAMES`.
 """
 
 import sqlite3
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
 
-from sqlalchemy import Executable
-from sqlalchemy.engine import Dialect
+from sqlalchemy import Executable, TextClause
+from sqlalchemy.engine import CursorResult, Dialect, IteratorResult
+from sqlalchemy.engine.result import SimpleResultMetaData
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.elements import ClauseElement
+from sqlalchemy.sql.elements import BindParameter, ClauseElement
+from sqlalchemy.types import TupleType
 
 from moorline.db import sqlite_driver
 
 _MAX_FORMS = 512
 """Compiled statements kept; all are forgotten at once past it (statements are built once)."""
 
+_MAX_TEXTS = 64
+"""Expanded SQL texts kept per statement (one per combination of ``IN`` list lengths)."""
+
 _BEGIN = "BEGIN IMMEDIATE"
 
 _Key = tuple[int, tuple[str, ...]]
 
 
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """One positional parameter of a compiled statement (or an expanded list of them)."""
+
+    key: str
+    """The key callers give its value under (the bind parameter's ``key``)."""
+    name: str
+    """Its name in the compiled statement (callers may give the value under it too)."""
+    bind: BindParameter[Any]
+    process: Callable[[Any], Any] | None
+    expanding: bool
+    """An ``IN`` list: as many parameters as the list has members."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Form:
+    """A statement compiled for the dialect, its bind processors, and its rows' shape."""
+
+    compiled: SQLCompiler
+    processors: Mapping[str, Callable[[Any], Any]]
+    rows: SimpleResultMetaData | None
+    """The keys and result processors of the rows it returns; None: it returns none."""
+    textual: bool = False
+    """A ``text()`` statement: whether it returns rows is not known before it runs."""
+    slots: tuple[_Slot, ...] | None = None
+    """Its positional parameters in order, for binding without SQLAlchemy's parameter
+    processing; None: a statement only ``construct_expanded_state`` binds right (escaped
+    names, values rendered into the SQL, tuple lists)."""
+    texts: dict[tuple[int, ...], str] = field(default_factory=dict)
+    """The SQL with each ``IN`` list expanded, per the lists' lengths (the slots' order)."""
+
+
+class DirectResult(IteratorResult[Any]):
+    """A statement's rows, all fetched, and the rows it changed (``rowcount``)."""
+
+    def __init__(self, shape: SimpleResultMetaData, rows: Sequence[Any], rowcount: int) -> None:
+        super().__init__(shape, iter(rows))
+        self.rowcount = rowcount
+
+
+_NO_ROWS = SimpleResultMetaData([])
+
+
 class DirectWrites:
-    """Compiled forms of one-statement writes, and their execution on the driver."""
+    """Compiled forms of statements, and their execution on the driver."""
 
     def __init__(self, dialect: Dialect) -> None:
         """Compile for ``dialect`` (the engine's, which fixes the parameter style)."""
         self._dialect = dialect
         self._forms: dict[_Key, tuple[Executable, _Form | None]] = {}
 
-    def driver_of(self, conn: AsyncConnection) -> sqlite_driver.Connection | None:
-        """``conn``'s driver connection, if a direct write may use it now; else None."""
+    def driver_of(
+        self, conn: AsyncConnection, *, in_transaction: bool
+    ) -> sqlite_driver.Connection | None:
+        """``conn``'s driver connection if a direct statement may use it now, else None.
+
+        ``in_transaction``: whether SQLAlchemy must have begun a transaction on ``conn`` (a
+        statement of a transaction) or must not have (a one-statement write).
+        """
         sync = conn.sync_connection
-        if sync is None or sync.invalidated or sync.in_transaction():
+        if sync is None or sync.invalidated or sync.in_transaction() != in_transaction:
             return None
         cursor_events = sync.dispatch
         if (
@@ -67,8 +130,8 @@ class DirectWrites:
         driver = sync.connection.driver_connection
         return driver if isinstance(driver, sqlite_driver.Connection) else None
 
-    def compiled(self, statement: Executable, params: Mapping[str, Any]) -> "_Form | None":
-        """``statement``'s compiled form for these parameter names; None: not a direct write."""
+    def form(self, statement: Executable, params: Mapping[str, Any]) -> _Form | None:
+        """``statement``'s compiled form for these parameter names; None: SQLAlchemy's path."""
         names = tuple(sorted(params))
         key = (id(statement), names)
         found = self._forms.get(key)
@@ -81,41 +144,126 @@ class DirectWrites:
         self._forms[key] = (statement, form)
         return form
 
-    async def write(
-        self,
-        driver: sqlite_driver.Connection,
-        form: "_Form",
-        params: Mapping[str, Any],
+    async def execute(
+        self, driver: sqlite_driver.Connection, form: _Form, params: Mapping[str, Any]
+    ) -> DirectResult:
+        """Run ``form`` in the open transaction: its rows (if any) and rowcount.
+
+        Raises:
+            sqlalchemy.exc.DBAPIError: as SQLAlchemy's execution would have raised it.
+        """
+        sql, arguments = self._bound(form, params)
+        try:
+            async with driver.cursor() as cursor:
+                await cursor.execute(sql, arguments)
+                rows = await cursor.fetchall()
+                rowcount = cursor.rowcount
+        except sqlite3.Error as exc:
+            raise self._error(sql, arguments, exc) from exc
+        return DirectResult(_NO_ROWS if form.rows is None else form.rows, rows, rowcount)
+
+    async def write_alone(
+        self, driver: sqlite_driver.Connection, form: _Form, params: Mapping[str, Any]
     ) -> int:
-        """Run ``compiled`` with ``params`` in a transaction of its own: the rows it changed.
+        """Run ``form`` in a transaction of its own: the rows it changed.
 
         Raises:
             sqlalchemy.exc.DBAPIError: as SQLAlchemy's execution would have raised it
                 (``IntegrityError``, ``OperationalError`` …); nothing was written.
         """
-        state = form.compiled.construct_expanded_state(dict(params))
-        processors, values = form.processors, state.parameters
-        if state.processors:  # an expanded list's members
-            processors = {**processors, **state.processors}
-        assert state.positiontup is not None  # SQLite's paramstyle is positional
-        arguments = [
-            processors[name](values[name]) if name in processors else values[name]
-            for name in state.positiontup
-        ]
+        sql, arguments = self._bound(form, params)
         try:
-            return await driver.write_alone(_BEGIN, state.statement, arguments)
+            return await driver.write_alone(_BEGIN, sql, arguments)
         except sqlite3.Error as exc:
-            raise DBAPIError.instance(
-                state.statement, arguments, exc, sqlite3.Error, dialect=self._dialect
-            ) from exc
+            raise self._error(sql, arguments, exc) from exc
+
+    @staticmethod
+    def _bound(form: _Form, params: Mapping[str, Any]) -> tuple[str, list[Any]]:
+        if form.slots is not None:
+            bound = _bound_by_slots(form, form.slots, params)
+            if bound is not None:
+                return bound
+        return _bound_by_sqlalchemy(form, params)
+
+    def _error(self, sql: str, arguments: list[Any], exc: sqlite3.Error) -> Exception:
+        return DBAPIError.instance(sql, arguments, exc, sqlite3.Error, dialect=self._dialect)
 
 
-@dataclass(frozen=True, slots=True)
-class _Form:
-    """A statement compiled for the dialect, with its parameters' bind processors."""
+def _bound_by_slots(
+    form: _Form, slots: tuple[_Slot, ...], params: Mapping[str, Any]
+) -> tuple[str, list[Any]] | None:
+    """The SQL and its arguments, as construct_expanded_state gives them; None: ask it.
 
-    compiled: SQLCompiler
-    processors: Mapping[str, Callable[[Any], Any]]
+    Rendering the ``IN`` lists into the SQL was the largest part of binding a worker's claim
+    and finish statements; the text depends only on the lists' lengths, so it is kept per
+    lengths, and the arguments are laid out here in the slots' order.
+    """
+    arguments: list[Any] = []
+    lengths: list[int] = []
+    for slot in slots:
+        if slot.key in params:
+            value = params[slot.key]
+        elif slot.name in params:
+            value = params[slot.name]
+        elif slot.bind.required:
+            return None  # SQLAlchemy's error for a missing value
+        else:
+            value = slot.bind.effective_value
+        process = slot.process
+        if slot.expanding:
+            members = list(value)
+            lengths.append(len(members))
+            arguments += members if process is None else [process(item) for item in members]
+        else:
+            arguments.append(value if process is None else process(value))
+    texts = form.texts
+    sql = texts.get(tuple(lengths))
+    if sql is None:
+        if len(texts) >= _MAX_TEXTS:
+            texts.clear()
+        sql = texts[tuple(lengths)] = form.compiled.construct_expanded_state(dict(params)).statement
+    return sql, arguments
+
+
+def _bound_by_sqlalchemy(form: _Form, params: Mapping[str, Any]) -> tuple[str, list[Any]]:
+    state = form.compiled.construct_expanded_state(dict(params))
+    processors, values = form.processors, state.parameters
+    if state.processors:  # an expanded list's members
+        processors = {**processors, **state.processors}
+    assert state.positiontup is not None  # SQLite's paramstyle is positional
+    arguments = [
+        processors[name](values[name]) if name in processors else values[name]
+        for name in state.positiontup
+    ]
+    return state.statement, arguments
+
+
+class DirectConnection(AsyncConnection):
+    """SQLite's write connection: its statements go to the driver where they can."""
+
+    def __init__(self, engine: AsyncEngine, direct: DirectWrites) -> None:
+        """A connection of ``engine`` (not yet connected: ``await start()``)."""
+        super().__init__(engine)
+        self._direct = direct
+
+    async def execute(
+        self,
+        statement: Executable,
+        parameters: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        *,
+        execution_options: Mapping[str, Any] | None = None,
+    ) -> CursorResult[Any]:
+        """As :meth:`AsyncConnection.execute`; past SQLAlchemy where the module docstring says."""
+        if execution_options is None and not isinstance(parameters, Sequence):
+            params = {} if parameters is None else parameters
+            driver = self._direct.driver_of(self, in_transaction=True)
+            form = None if driver is None else self._direct.form(statement, params)
+            if form is not None and not form.textual:
+                assert driver is not None
+                # A CursorResult to its callers: the rows, rowcount and the Result methods
+                # they use, without the cursor behind them.
+                return cast(CursorResult[Any], await self._direct.execute(driver, form, params))
+        return await super().execute(statement, parameters, execution_options=execution_options)
 
 
 def _compile(statement: Executable, dialect: Dialect, names: tuple[str, ...]) -> _Form | None:
@@ -125,8 +273,8 @@ def _compile(statement: Executable, dialect: Dialect, names: tuple[str, ...]) ->
     compiled = statement.compile(dialect=dialect, column_keys=list(names), for_executemany=False)
     if not isinstance(compiled, SQLCompiler):
         return None
-    if compiled.insert_prefetch or compiled.update_prefetch or compiled.effective_returning:
-        return None  # Python-side defaults to compute, or rows to return: SQLAlchemy's path
+    if compiled.insert_prefetch or compiled.update_prefetch:
+        return None  # Python-side defaults to compute: SQLAlchemy's path
     processors = {}
     for name, bind in compiled.binds.items():
         # The dialect's form of the type (a TypeDecorator's load_dialect_impl), as execution
@@ -134,4 +282,40 @@ def _compile(statement: Executable, dialect: Dialect, names: tuple[str, ...]) ->
         process = bind.type.dialect_impl(dialect).bind_processor(dialect)
         if process is not None:
             processors[name] = process
-    return _Form(compiled, processors)
+    slots = _slots(compiled, processors)
+    if isinstance(statement, TextClause):
+        return _Form(compiled, processors, None, textual=True, slots=slots)
+    # The columns of the rows it returns (a SELECT's, a RETURNING's), as SQLAlchemy's own
+    # results read them: the compiler's record, not the statement's ``exported_columns``, which
+    # memoizes on the statement and would outlive a later ``.returning()`` copied from it.
+    returned = compiled._result_columns
+    if not returned:
+        return _Form(compiled, processors, None, slots=slots)
+    keys = [column.keyname for column in returned]
+    if len(set(keys)) != len(keys):
+        return None  # two columns of one name: SQLAlchemy's rules for which one a key means
+    readers = [
+        column.type.dialect_impl(dialect).result_processor(dialect, None) for column in returned
+    ]
+    shape = SimpleResultMetaData(
+        keys, extra=[column.objects for column in returned], _processors=readers
+    )
+    return _Form(compiled, processors, shape, slots=slots)
+
+
+def _slots(
+    compiled: SQLCompiler, processors: Mapping[str, Callable[[Any], Any]]
+) -> tuple[_Slot, ...] | None:
+    """``compiled``'s positional parameters for :func:`_bound_by_slots`, if it can bind them."""
+    if compiled.positiontup is None or compiled.escaped_bind_names:
+        return None
+    if compiled.literal_execute_params:
+        return None  # values rendered into the SQL: its text depends on them
+    slots = []
+    for name in compiled.positiontup:
+        bind = compiled.binds[name]
+        expanding = bind in compiled.post_compile_params
+        if expanding and (not bind.expanding or isinstance(bind.type, TupleType)):
+            return None  # rendered otherwise, or a list of tuples: flattened by SQLAlchemy
+        slots.append(_Slot(bind.key, name, bind, processors.get(name), expanding))
+    return tuple(slots)
