@@ -9,6 +9,8 @@ the lane's slots. So the ending run hands its outcome to the loop instead
 together are handed together) and writes it with its claim in one transaction
 (:meth:`~moorline.db.repos.handoffs.HandoffsRepo.finish_and_claim`). The slots of the runs it
 ended are free from that commit: the loop counts them free at once, so the claim fills them.
+A run that ends while the loop is in the middle of a claim hands its outcome over too: it goes
+with the next claim, together with the others that ended meanwhile.
 
 Each ending run still awaits its own answer (whether its outcome applied), as from the group
 commit. Outcomes the loop cannot write that way (the transaction failed, the worker stops)

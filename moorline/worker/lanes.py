@@ -7,7 +7,7 @@ round-robin between tenants), then sleeps until a wake-up, the slow poll, or a l
 look again: a freed slot when the lane was full or a tenant's cap held runs back, or a retry of
 its own whose delay has passed (:meth:`Lane.wake`).
 
-While the loop waits for a freed slot, ending runs hand it their outcomes, and its next claim
+While the loop wants a freed slot, ending runs hand it their outcomes, and its next claim
 writes them first, in the same transaction (:mod:`moorline.worker.handoffs`).
 """
 
@@ -122,8 +122,16 @@ class Lane:
             self._recheck.set()
 
     async def complete(self, execution: Execution, outcome: Outcome) -> bool:
-        """Write ``outcome``: handed to the loop if it waits for a slot, else grouped."""
-        if self._is_claiming and self._waiting and self._wants_slot:
+        """Write ``outcome``: handed to the loop if it wants a slot, else grouped.
+
+        Handed also while the loop is claiming, not only while it waits: the outcome then goes
+        with the claim after this one. Runs of a lane that end one after another (each ends a
+        step or a commit after the one before) otherwise met a loop that was busy with the
+        last one's claim, and each outcome became a group commit of its own beside a claim
+        of one run. Handed that way they gather while a claim runs, and the next claim writes
+        them all.
+        """
+        if self._is_claiming and self._wants_slot:
             answer = self._handoffs.hand(self.name, execution, outcome)
             self._recheck.set()
             return await answer
@@ -170,7 +178,10 @@ class Lane:
         except (DBAPIError, BackendUnavailable) as exc:
             # A dropped connection, a failover, a terminated backend: the worker outlives it. A
             # claim whose commit went through unseen only delays its runs until the reaper
-            # hands them back (their lease names this worker, which never ran them).
+            # hands them back (their lease names this worker, which never ran them). Outcomes
+            # handed during the claim go through the group commit, which retries them, rather
+            # than wait out the pause below.
+            await self._handoffs.to_completer(self._handoffs.take(self.name))
             failures += 1
             delay_s = min(CLAIM_BACKOFF_MAX_S, CLAIM_BACKOFF_S * 2 ** (failures - 1))
             logger.warning(

@@ -24,6 +24,8 @@ from moorline.engine.runner import WorkflowRunner
 from moorline.observability.metrics import Metrics
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
+from moorline.worker.completions import Completer
+from moorline.worker.handoffs import Handoffs
 from moorline.worker.lanes import Waiter
 from moorline.worker.process import with_worker_pool
 from moorline.worker.worker import Worker, WorkerCrashed
@@ -52,6 +54,8 @@ class Probe:
         self.cancelled = 0
         self.gate = asyncio.Event()
         self.entered = 0
+        self.held: dict[str, asyncio.Event] = {}
+        """Each ``held`` run's own gate, by run id, in the order they started."""
 
 
 async def _one() -> int:
@@ -77,6 +81,10 @@ def make_app(probe: Probe) -> Moorline:
             await asyncio.sleep(0.005)  # long enough for the other slots' runs to overlap
         finally:
             probe.active -= 1
+
+    @app.workflow("held")
+    async def held(ctx: Context) -> None:
+        await probe.held.setdefault(ctx.run_id, asyncio.Event()).wait()
 
     @app.workflow("boom")
     async def boom(ctx: Context) -> None:
@@ -415,6 +423,63 @@ async def test_runs_ending_under_a_cap_hand_their_slots_to_the_next_claim(
     assert worker.handed_off >= 10, worker.handed_off
     assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
     assert set((await event_counts(db, run_ids, "started")).values()) == {1}
+
+
+async def test_a_run_that_ends_during_a_claim_hands_its_outcome_to_the_next(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Three slots, a tenant cap of two: the loop always wants a slot. The first run's outcome
+    # goes with a claim that is held open; the second run ends meanwhile, and its outcome must
+    # wait for the claim after it, not become a group commit of its own.
+    probe = Probe()
+    lane = unique("lane")
+    run_ids = await add_runs(db, await tenants.new("two_at_a_time"), lane, 4)
+    await set_workflow(db, run_ids, "held")
+    in_claim, claim_may_go = asyncio.Event(), asyncio.Event()
+    handed: list[Any] = []
+    grouped: list[Any] = []
+    finish_and_claim = HandoffsRepo.finish_and_claim
+    hand, complete = Handoffs.hand, Completer.complete
+
+    async def held_first(self: HandoffsRepo, outcomes: Any, request: Any) -> Any:
+        if not in_claim.is_set():
+            in_claim.set()
+            await claim_may_go.wait()
+        return await finish_and_claim(self, outcomes, request)
+
+    def counted_hand(self: Handoffs[Any], lane: str, execution: Any, outcome: Any) -> Any:
+        handed.append(outcome)
+        return hand(self, lane, execution, outcome)
+
+    async def counted_complete(self: Completer, outcome: Any) -> bool:
+        grouped.append(outcome)
+        return await complete(self, outcome)
+
+    monkeypatch.setattr(HandoffsRepo, "finish_and_claim", held_first)
+    monkeypatch.setattr(Handoffs, "hand", counted_hand)
+    monkeypatch.setattr(Completer, "complete", counted_complete)
+    worker = slow_polling_worker(db, {lane: 3}, caps={"two_at_a_time": 2}, probe=probe)
+
+    async def started(count: int) -> bool:
+        return len(probe.held) == count
+
+    async def both_outcomes_given() -> bool:
+        return len(handed) + len(grouped) == 2
+
+    async with Running(worker):
+        await wait_for(lambda: started(2), message="two runs started")
+        first, second = probe.held.values()
+        first.set()
+        await in_claim.wait()
+        second.set()
+        await wait_for(both_outcomes_given, message="the second outcome")
+        claim_may_go.set()
+        await wait_for(lambda: started(4), message="the other two started")
+        for gate in probe.held.values():
+            gate.set()
+        await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the runs")
+    assert len(handed) >= 2 and grouped == [], (len(handed), len(grouped))
+    assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
 
 
 async def test_a_failed_handoff_writes_its_outcomes_through_the_group_commit(
