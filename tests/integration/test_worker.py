@@ -482,6 +482,62 @@ async def test_a_run_that_ends_during_a_claim_hands_its_outcome_to_the_next(
     assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
 
 
+async def test_outcomes_handed_during_a_claim_that_fails_go_to_the_group_commit(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, but the held claim fails: the loop pauses before it claims again, and the
+    # outcome handed meanwhile must not wait out that pause.
+    probe = Probe()
+    lane = unique("lane")
+    run_ids = await add_runs(db, await tenants.new("two_at_a_time"), lane, 2)
+    await set_workflow(db, run_ids, "held")
+    in_claim, claim_may_go = asyncio.Event(), asyncio.Event()
+    grouped: list[Any] = []
+    handed: list[Any] = []
+    finish_and_claim = HandoffsRepo.finish_and_claim
+    hand, complete = Handoffs.hand, Completer.complete
+
+    def counted_hand(self: Handoffs[Any], lane: str, execution: Any, outcome: Any) -> Any:
+        handed.append(outcome.fence.run_id)
+        return hand(self, lane, execution, outcome)
+
+    async def failing_first(self: HandoffsRepo, outcomes: Any, request: Any) -> Any:
+        if not in_claim.is_set():
+            in_claim.set()
+            await claim_may_go.wait()
+            raise OperationalError("SELECT 1", {}, ConnectionResetError("the connection dropped"))
+        return await finish_and_claim(self, outcomes, request)
+
+    async def counted_complete(self: Completer, outcome: Any) -> bool:
+        grouped.append(outcome.fence.run_id)
+        return await complete(self, outcome)
+
+    monkeypatch.setattr(HandoffsRepo, "finish_and_claim", failing_first)
+    monkeypatch.setattr(Handoffs, "hand", counted_hand)
+    monkeypatch.setattr(Completer, "complete", counted_complete)
+    worker = slow_polling_worker(db, {lane: 3}, caps={"two_at_a_time": 2}, probe=probe)
+
+    async def started() -> bool:
+        return len(probe.held) == 2
+
+    async def second_handed() -> bool:
+        return second in handed
+
+    async with Running(worker):
+        await wait_for(started, message="two runs started")
+        (first, first_gate), (second, second_gate) = probe.held.items()
+        first_gate.set()
+        await in_claim.wait()
+        second_gate.set()
+        await wait_for(second_handed, message="the second outcome handed during the claim")
+        claim_may_go.set()
+        await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the runs")
+    # Both through the group commit: the first from the failed claim, the second handed
+    # during it and passed on at the failure.
+    assert sorted(grouped) == sorted([first, second])
+    assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
+
+
 async def test_a_failed_handoff_writes_its_outcomes_through_the_group_commit(
     db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
 ) -> None:
