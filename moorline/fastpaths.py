@@ -79,6 +79,17 @@ def _sqlite(owner: str, name: str, shape: Shape, *details: str) -> PrivateName:
     )
 
 
+def _sqlalchemy_direct(owner: str, name: str, shape: Shape, *details: str) -> PrivateName:
+    return PrivateName(
+        library="sqlalchemy",
+        owner=owner,
+        name=name,
+        shape=shape,
+        details=details,
+        user="moorline/db/backends/sqlite_direct.py",
+    )
+
+
 def _mysql(owner: str, name: str, shape: Shape, *details: str) -> PrivateName:
     return PrivateName(
         library="aiomysql", owner=owner, name=name, shape=shape, details=details, user=_MYSQL
@@ -149,37 +160,18 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     # sqlite_direct sends the write connection's statements past SQLAlchemy unless the
     # connection has cursor or error event listeners, which it reads from the event dispatch,
-    # ...
-    PrivateName(
-        library="sqlalchemy",
-        owner="sqlalchemy.engine.Connection",
-        name="dispatch",
-        shape=Shape.ATTRIBUTE,
-        user="moorline/db/backends/sqlite_direct.py",
-    ),
-    PrivateName(
-        library="sqlalchemy",
-        owner="sqlalchemy.engine.Dialect",
-        name="dispatch",
-        shape=Shape.ATTRIBUTE,
-        user="moorline/db/backends/sqlite_direct.py",
-    ),
-    # ... and builds the rows of such a statement as SQLAlchemy's results do: from the
-    # compiler's record of the columns, on the metadata of an in-memory result.
-    PrivateName(
-        library="sqlalchemy",
-        owner="sqlalchemy.sql.compiler.SQLCompiler",
-        name="_result_columns",
-        shape=Shape.ATTRIBUTE,
-        user="moorline/db/backends/sqlite_direct.py",
-    ),
-    PrivateName(
-        library="sqlalchemy",
-        owner="sqlalchemy.engine.result.SimpleResultMetaData",
-        name="__init__",
-        shape=Shape.METHOD,
-        details=("keys", "extra", "_processors"),
-        user="moorline/db/backends/sqlite_direct.py",
+    # and builds their rows as SQLAlchemy's results do: from the compiler's record of the
+    # columns, on the metadata of an in-memory result.
+    _sqlalchemy_direct("sqlalchemy.engine.Connection", "dispatch", Shape.ATTRIBUTE),
+    _sqlalchemy_direct("sqlalchemy.engine.Dialect", "dispatch", Shape.ATTRIBUTE),
+    _sqlalchemy_direct("sqlalchemy.sql.compiler.SQLCompiler", "_result_columns", Shape.ATTRIBUTE),
+    _sqlalchemy_direct(
+        "sqlalchemy.engine.result.SimpleResultMetaData",
+        "__init__",
+        Shape.METHOD,
+        "keys",
+        "extra",
+        "_processors",
     ),
     # guards.solved_by's route replaces the ASGI app FastAPI builds for an APIRoute.
     PrivateName(

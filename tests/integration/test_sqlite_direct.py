@@ -1,8 +1,7 @@
 """One-statement writes on SQLite sent past SQLAlchemy's execution (``sqlite_direct``)."""
 
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ from sqlalchemy import (
     String,
     Table,
     bindparam,
-    event,
     func,
     insert,
     select,
@@ -28,6 +26,7 @@ from moorline.db.backends import sqlite_direct
 from moorline.db.manager import DatabaseManager
 from moorline.db.types import JSONDocument, UTCDateTime
 from moorline.settings import Settings
+from tests.contract.statements import data_statements
 
 metadata = MetaData()
 things = Table(
@@ -61,22 +60,6 @@ async def db(tmp_path: Path) -> AsyncIterator[DatabaseManager]:
         await manager.dispose()
 
 
-@contextmanager
-def statements_seen(db: DatabaseManager) -> Iterator[list[str]]:
-    """What SQLAlchemy's cursor events see; listening also turns the direct path off."""
-    seen: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        seen.append(statement)
-
-    engine = db.engine.sync_engine
-    event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
-
-
 def stored(db: DatabaseManager, ids: tuple[int, ...]) -> list[tuple[Any, ...]]:
     """The rows as SQLite holds them (text, not SQLAlchemy's types), read by a connection apart."""
     path = db.engine.url.database
@@ -106,7 +89,7 @@ async def test_a_direct_write_binds_its_parameters_as_sqlalchemy_does(
     params = {"new_label": "direct", "new_data": data, "new_at": AT}
     assert await db.write_statement(RENAME, {**params, "ids": [1, 2]}) == 2
     assert sent == ["UPDATE things SET label=?, data=?, at=? WHERE things.id IN (?, ?)"]
-    with statements_seen(db) as seen:
+    with data_statements(db, None) as seen:
         changed = await db.write_statement(RENAME, {**params, "new_label": "sqla", "ids": [3, 4]})
     assert changed == 2
     assert len(seen) == 1, "a listener sees the statement: SQLAlchemy's path ran it"
@@ -178,7 +161,7 @@ async def test_a_transactions_statements_go_direct_and_return_what_sqlalchemy_re
 
     first = await scenario()
     assert len(direct) == 5, "every statement of the transaction went to the driver"
-    with statements_seen(db) as seen:
+    with data_statements(db, None) as seen:
         again = await scenario()
     assert len(seen) == 5 and len(direct) == 5, "with a listener, SQLAlchemy's path ran them"
     assert first == again
@@ -212,7 +195,7 @@ async def test_in_lists_of_any_length_bind_as_sqlalchemy_binds_them(db: Database
         return seen
 
     first = await scenario()
-    with statements_seen(db) as seen:
+    with data_statements(db, None) as seen:
         again = await scenario()
     assert len(seen) == len(calls) + 2, "with a listener, SQLAlchemy's path ran them"
     assert first == again == [[1, 2, 3], [2], [], [1, 4], [2], [1, 2, 3], [1, 2]]
