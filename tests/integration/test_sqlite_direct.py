@@ -94,6 +94,10 @@ async def test_a_direct_write_binds_its_parameters_as_sqlalchemy_does(
     assert changed == 2
     assert len(seen) == 1, "a listener sees the statement: SQLAlchemy's path ran it"
     assert len(sent) == 1
+    # Execution options are SQLAlchemy's to read: such a statement goes its way.
+    with_options = RENAME.execution_options(synchronize_session=False)
+    assert await db.write_statement(with_options, {**params, "ids": [1]}) == 1
+    assert len(sent) == 1
     direct, through_sqlalchemy = stored(db, (1, 2)), stored(db, (3, 4))
     assert [row[1:] for row in direct] == [row[1:] for row in through_sqlalchemy]
     assert direct[0][2] == "2026-11-29 20:15:01.250000"  # SQLAlchemy's SQLite datetime text

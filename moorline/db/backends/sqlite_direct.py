@@ -22,7 +22,8 @@ and ``COMMIT`` in the same driver call.
 SQLAlchemy's path is still taken for what the direct one would skip or could get wrong:
 
 - a statement outside a transaction SQLAlchemy began (its autobegin), a ``text()`` statement
-  in a transaction (it may return rows of unknown keys), an executemany, execution options;
+  in a transaction (it may return rows of unknown keys), an executemany, execution options
+  (given with the call or set on the statement);
 - a statement that needs Python-side column defaults computed for it;
 - every statement of a connection with cursor or error event listeners (a tracer that records
   statements, the tests that count them): they see every statement, as without this module.
@@ -267,8 +268,8 @@ class DirectConnection(AsyncConnection):
 
 
 def _compile(statement: Executable, dialect: Dialect, names: tuple[str, ...]) -> _Form | None:
-    if not isinstance(statement, ClauseElement):
-        return None
+    if not isinstance(statement, ClauseElement) or statement.get_execution_options():
+        return None  # not SQL, or options only SQLAlchemy's execution reads
     # As Connection.execute compiles it: the parameter names are the INSERT/UPDATE columns.
     compiled = statement.compile(dialect=dialect, column_keys=list(names), for_executemany=False)
     if not isinstance(compiled, SQLCompiler):
