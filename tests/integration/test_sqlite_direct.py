@@ -1,4 +1,4 @@
-"""One-statement writes on SQLite sent past SQLAlchemy's execution (``sqlite_direct``)."""
+"""The SQLite write connection's statements, sent past SQLAlchemy's execution."""
 
 import sqlite3
 from collections.abc import AsyncIterator
