@@ -169,11 +169,9 @@ class SQLiteBackend(Backend):
         async with self._writing_connection(pools) as conn:
             direct = self._direct
             if direct is not None:
-                driver = direct.driver_of(conn, in_transaction=False)
-                form = None if driver is None else direct.form(statement, params)
-                if form is not None:
-                    assert driver is not None
-                    return await direct.write_alone(driver, form, params)
+                prepared = direct.prepared(conn, statement, params, in_transaction=False)
+                if prepared is not None:
+                    return await direct.write_alone(*prepared, params)
             return await greenlet_spawn(_write_statement, conn.sync_connection, statement, params)
 
     async def write_statement_rows(

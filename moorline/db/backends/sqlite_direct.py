@@ -110,14 +110,31 @@ class DirectWrites:
         self._dialect = dialect
         self._forms: dict[_Key, tuple[Executable, _Form | None]] = {}
 
-    def driver_of(
-        self, conn: AsyncConnection, *, in_transaction: bool
-    ) -> sqlite_driver.Connection | None:
-        """``conn``'s driver connection if a direct statement may use it now, else None.
+    def prepared(
+        self,
+        conn: AsyncConnection,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        in_transaction: bool,
+    ) -> tuple[sqlite_driver.Connection, _Form] | None:
+        """``conn``'s driver and ``statement``'s form, if it may go direct now; else None.
 
         ``in_transaction``: whether SQLAlchemy must have begun a transaction on ``conn`` (a
-        statement of a transaction) or must not have (a one-statement write).
+        statement of a transaction, for :meth:`execute`) or must not have (a one-statement
+        write, for :meth:`write_alone`).
         """
+        driver = self._driver_of(conn, in_transaction=in_transaction)
+        if driver is None:
+            return None
+        form = self._form(statement, params)
+        if form is None or (in_transaction and form.textual):
+            return None
+        return driver, form
+
+    def _driver_of(
+        self, conn: AsyncConnection, *, in_transaction: bool
+    ) -> sqlite_driver.Connection | None:
         sync = conn.sync_connection
         if sync is None or sync.invalidated or sync.in_transaction() != in_transaction:
             return None
@@ -131,7 +148,7 @@ class DirectWrites:
         driver = sync.connection.driver_connection
         return driver if isinstance(driver, sqlite_driver.Connection) else None
 
-    def form(self, statement: Executable, params: Mapping[str, Any]) -> _Form | None:
+    def _form(self, statement: Executable, params: Mapping[str, Any]) -> _Form | None:
         """``statement``'s compiled form for these parameter names; None: SQLAlchemy's path."""
         names = tuple(sorted(params))
         key = (id(statement), names)
@@ -257,13 +274,12 @@ class DirectConnection(AsyncConnection):
         """As :meth:`AsyncConnection.execute`; past SQLAlchemy where the module docstring says."""
         if execution_options is None and not isinstance(parameters, Sequence):
             params = {} if parameters is None else parameters
-            driver = self._direct.driver_of(self, in_transaction=True)
-            form = None if driver is None else self._direct.form(statement, params)
-            if form is not None and not form.textual:
-                assert driver is not None
+            prepared = self._direct.prepared(self, statement, params, in_transaction=True)
+            if prepared is not None:
                 # A CursorResult to its callers: the rows, rowcount and the Result methods
                 # they use, without the cursor behind them.
-                return cast(CursorResult[Any], await self._direct.execute(driver, form, params))
+                result = await self._direct.execute(*prepared, params)
+                return cast(CursorResult[Any], result)
         return await super().execute(statement, parameters, execution_options=execution_options)
 
 
