@@ -57,6 +57,10 @@ class Probe:
         self.held: dict[str, asyncio.Event] = {}
         """Each ``held`` run's own gate, by run id, in the order they started."""
 
+    async def has_held(self, count: int) -> bool:
+        """Whether ``count`` runs of the ``held`` workflow have started."""
+        return len(self.held) == count
+
 
 async def _one() -> int:
     return 1
@@ -425,6 +429,43 @@ async def test_runs_ending_under_a_cap_hand_their_slots_to_the_next_claim(
     assert set((await event_counts(db, run_ids, "started")).values()) == {1}
 
 
+class HeldClaim:
+    """The lane's first claim that writes handed outcomes, held open until ``may_go``.
+
+    With ``fails``, that claim then fails as a dropped connection would. Records where every
+    outcome went: ``handed`` to the claim loop, or ``grouped`` through the group commit (run
+    ids, in order).
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, fails: bool = False) -> None:
+        self.entered, self.may_go = asyncio.Event(), asyncio.Event()
+        self.handed: list[str] = []
+        self.grouped: list[str] = []
+        finish_and_claim = HandoffsRepo.finish_and_claim
+        hand, complete = Handoffs.hand, Completer.complete
+
+        async def held_first(repo: HandoffsRepo, outcomes: Any, request: Any) -> Any:
+            if not self.entered.is_set():
+                self.entered.set()
+                await self.may_go.wait()
+                if fails:
+                    dropped = ConnectionResetError("the connection dropped")
+                    raise OperationalError("SELECT 1", {}, dropped)
+            return await finish_and_claim(repo, outcomes, request)
+
+        def counted_hand(handoffs: Handoffs[Any], lane: str, execution: Any, outcome: Any) -> Any:
+            self.handed.append(outcome.fence.run_id)
+            return hand(handoffs, lane, execution, outcome)
+
+        async def counted_complete(completer: Completer, outcome: Any) -> bool:
+            self.grouped.append(outcome.fence.run_id)
+            return await complete(completer, outcome)
+
+        monkeypatch.setattr(HandoffsRepo, "finish_and_claim", held_first)
+        monkeypatch.setattr(Handoffs, "hand", counted_hand)
+        monkeypatch.setattr(Completer, "complete", counted_complete)
+
+
 async def test_a_run_that_ends_during_a_claim_hands_its_outcome_to_the_next(
     db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -435,50 +476,25 @@ async def test_a_run_that_ends_during_a_claim_hands_its_outcome_to_the_next(
     lane = unique("lane")
     run_ids = await add_runs(db, await tenants.new("two_at_a_time"), lane, 4)
     await set_workflow(db, run_ids, "held")
-    in_claim, claim_may_go = asyncio.Event(), asyncio.Event()
-    handed: list[Any] = []
-    grouped: list[Any] = []
-    finish_and_claim = HandoffsRepo.finish_and_claim
-    hand, complete = Handoffs.hand, Completer.complete
-
-    async def held_first(self: HandoffsRepo, outcomes: Any, request: Any) -> Any:
-        if not in_claim.is_set():
-            in_claim.set()
-            await claim_may_go.wait()
-        return await finish_and_claim(self, outcomes, request)
-
-    def counted_hand(self: Handoffs[Any], lane: str, execution: Any, outcome: Any) -> Any:
-        handed.append(outcome)
-        return hand(self, lane, execution, outcome)
-
-    async def counted_complete(self: Completer, outcome: Any) -> bool:
-        grouped.append(outcome)
-        return await complete(self, outcome)
-
-    monkeypatch.setattr(HandoffsRepo, "finish_and_claim", held_first)
-    monkeypatch.setattr(Handoffs, "hand", counted_hand)
-    monkeypatch.setattr(Completer, "complete", counted_complete)
+    claim = HeldClaim(monkeypatch)
     worker = slow_polling_worker(db, {lane: 3}, caps={"two_at_a_time": 2}, probe=probe)
 
-    async def started(count: int) -> bool:
-        return len(probe.held) == count
-
     async def both_outcomes_given() -> bool:
-        return len(handed) + len(grouped) == 2
+        return len(claim.handed) + len(claim.grouped) == 2
 
     async with Running(worker):
-        await wait_for(lambda: started(2), message="two runs started")
+        await wait_for(lambda: probe.has_held(2), message="two runs started")
         first, second = probe.held.values()
         first.set()
-        await in_claim.wait()
+        await claim.entered.wait()
         second.set()
         await wait_for(both_outcomes_given, message="the second outcome")
-        claim_may_go.set()
-        await wait_for(lambda: started(4), message="the other two started")
+        claim.may_go.set()
+        await wait_for(lambda: probe.has_held(4), message="the other two started")
         for gate in probe.held.values():
             gate.set()
         await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the runs")
-    assert len(handed) >= 2 and grouped == [], (len(handed), len(grouped))
+    assert len(claim.handed) >= 2 and claim.grouped == [], claim.grouped
     assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
 
 
@@ -491,50 +507,24 @@ async def test_outcomes_handed_during_a_claim_that_fails_go_to_the_group_commit(
     lane = unique("lane")
     run_ids = await add_runs(db, await tenants.new("two_at_a_time"), lane, 2)
     await set_workflow(db, run_ids, "held")
-    in_claim, claim_may_go = asyncio.Event(), asyncio.Event()
-    grouped: list[Any] = []
-    handed: list[Any] = []
-    finish_and_claim = HandoffsRepo.finish_and_claim
-    hand, complete = Handoffs.hand, Completer.complete
-
-    def counted_hand(self: Handoffs[Any], lane: str, execution: Any, outcome: Any) -> Any:
-        handed.append(outcome.fence.run_id)
-        return hand(self, lane, execution, outcome)
-
-    async def failing_first(self: HandoffsRepo, outcomes: Any, request: Any) -> Any:
-        if not in_claim.is_set():
-            in_claim.set()
-            await claim_may_go.wait()
-            raise OperationalError("SELECT 1", {}, ConnectionResetError("the connection dropped"))
-        return await finish_and_claim(self, outcomes, request)
-
-    async def counted_complete(self: Completer, outcome: Any) -> bool:
-        grouped.append(outcome.fence.run_id)
-        return await complete(self, outcome)
-
-    monkeypatch.setattr(HandoffsRepo, "finish_and_claim", failing_first)
-    monkeypatch.setattr(Handoffs, "hand", counted_hand)
-    monkeypatch.setattr(Completer, "complete", counted_complete)
+    claim = HeldClaim(monkeypatch, fails=True)
     worker = slow_polling_worker(db, {lane: 3}, caps={"two_at_a_time": 2}, probe=probe)
 
-    async def started() -> bool:
-        return len(probe.held) == 2
-
     async def second_handed() -> bool:
-        return second in handed
+        return second in claim.handed
 
     async with Running(worker):
-        await wait_for(started, message="two runs started")
+        await wait_for(lambda: probe.has_held(2), message="two runs started")
         (first, first_gate), (second, second_gate) = probe.held.items()
         first_gate.set()
-        await in_claim.wait()
+        await claim.entered.wait()
         second_gate.set()
         await wait_for(second_handed, message="the second outcome handed during the claim")
-        claim_may_go.set()
+        claim.may_go.set()
         await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="the runs")
     # Both through the group commit: the first from the failed claim, the second handed
     # during it and passed on at the failure.
-    assert sorted(grouped) == sorted([first, second])
+    assert sorted(claim.grouped) == sorted([first, second])
     assert set((await event_counts(db, run_ids, "succeeded")).values()) == {1}
 
 
