@@ -19,7 +19,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, StatementError
 
 from moorline.db import sqlite_driver
 from moorline.db.backends import sqlite_direct
@@ -38,6 +38,7 @@ things = Table(
     Column("data", JSONDocument()),
     Column("at", UTCDateTime()),
     Column("weight", Integer, nullable=False, default=7),
+    Column("origin", String(40), default=lambda: "computed"),
 )
 RENAME = (
     update(things)
@@ -125,25 +126,97 @@ async def test_a_failed_direct_write_raises_sqlalchemys_error_and_leaves_nothing
         assert list(names) == ["free", "n2", "n3", "n4"]
 
 
-async def test_a_statement_with_python_side_defaults_goes_through_sqlalchemy(
-    db: DatabaseManager,
+async def test_python_side_defaults_are_bound_as_sqlalchemy_computes_them(
+    db: DatabaseManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # ``weight`` has a Python-side default, which SQLAlchemy's execution computes.
-    assert await db.write_statement(insert(things), {"id": 9, "label": "defaulted"}) == 1
-    assert stored(db, (9,)) == [("defaulted", None, None, 7)]
+    sent = count_direct(monkeypatch, "write_alone")
+    # ``weight``'s default is a constant, bound directly; ``origin``'s a function, which only
+    # SQLAlchemy's execution calls.
+    assert await db.write_statement(insert(things), {"id": 9, "origin": "given"}) == 1
+    assert sent == ["statement"]
+    assert await db.write_statement(insert(things), {"id": 10}) == 1
+    assert sent == ["statement"]
+    assert stored(db, (9, 10)) == [(None, None, None, 7), (None, None, None, 7)]
+    async with db.connect() as conn:
+        origins = (await conn.execute(select(things.c.origin).where(things.c.id > 8))).scalars()
+        assert list(origins) == ["given", "computed"]
+
+
+async def test_an_executemany_binds_each_set_as_sqlalchemy_does(
+    db: DatabaseManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent = count_direct(monkeypatch, "execute_many")
+    shared = {"same": "object"}
+
+    def sets(first: int) -> list[dict[str, Any]]:
+        # Values shared by every set and values of their own, a default left to the column.
+        return [
+            {"id": first + i, "label": f"l{i}", "data": shared if i % 2 else {"i": i}, "at": AT}
+            for i in range(12)
+        ] + [{"id": first + 12, "label": "last", "data": shared, "at": None}]
+
+    async with db.transaction() as conn:
+        assert (await conn.execute(insert(things).values(origin="x"), sets(100))).rowcount == 13
+    assert sent == ["statement"]
+    with data_statements(db, None) as seen:
+        async with db.transaction() as conn:
+            await conn.execute(insert(things).values(origin="x"), sets(200))
+    assert len(seen) == 1 and sent == ["statement"], "with a listener, SQLAlchemy's path ran it"
+    direct, through_sqlalchemy = (
+        stored(db, tuple(range(100, 113))),
+        stored(db, tuple(range(200, 213))),
+    )
+    assert direct == through_sqlalchemy
+    assert direct[1] == ("l1", '{"same": "object"}', "2026-11-29 20:15:01.250000", 7)
+    # Sets that name other keys, or a function default, go SQLAlchemy's way, which decides:
+    # it compiles for the first set's keys, ignores others' extra keys, refuses a missing one.
+    uneven = [{"id": 300, "label": "a"}, {"id": 301, "label": "b", "at": AT}]
+    async with db.transaction() as conn:
+        await conn.execute(insert(things).values(origin="x"), uneven)
+        await conn.execute(insert(things), [{"id": 302}, {"id": 303}])
+    with pytest.raises(StatementError, match="A value is required for bind parameter 'at'"):
+        async with db.transaction() as conn:
+            await conn.execute(insert(things).values(origin="x"), uneven[::-1])
+    assert sent == ["statement"]
+    assert stored(db, (301,)) == [("b", None, None, 7)]
+    async with db.connect() as conn:
+        found = await conn.execute(select(things.c.id, things.c.origin).where(things.c.id >= 300))
+        assert sorted(tuple(row) for row in found) == [
+            (300, "x"),
+            (301, "x"),
+            (302, "computed"),
+            (303, "computed"),
+        ]
+
+
+async def test_a_failed_executemany_writes_none_of_its_sets(db: DatabaseManager) -> None:
+    clashing = [{"id": 20, "name": "fresh"}, {"id": 21, "name": "n1"}]
+    with pytest.raises(IntegrityError, match="UNIQUE"):
+        async with db.transaction() as conn:
+            await conn.execute(insert(things).values(origin="x"), clashing)
+    assert stored(db, (20, 21)) == []
+
+
+def count_direct(monkeypatch: pytest.MonkeyPatch, method: str) -> list[str]:
+    """A list that gets ``"statement"`` for each statement ``DirectWrites.<method>`` sent
+    (``execute_many`` answers None for one it leaves to SQLAlchemy)."""
+    direct: list[str] = []
+    original = getattr(sqlite_direct.DirectWrites, method)
+
+    async def counted(self: sqlite_direct.DirectWrites, *args: Any) -> Any:
+        result = await original(self, *args)
+        if result is not None:
+            direct.append("statement")
+        return result
+
+    monkeypatch.setattr(sqlite_direct.DirectWrites, method, counted)
+    return direct
 
 
 async def test_a_transactions_statements_go_direct_and_return_what_sqlalchemy_returns(
     db: DatabaseManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    direct: list[str] = []
-    execute = sqlite_direct.DirectWrites.execute
-
-    async def counted(self: sqlite_direct.DirectWrites, *args: Any) -> Any:
-        direct.append("statement")
-        return await execute(self, *args)
-
-    monkeypatch.setattr(sqlite_direct.DirectWrites, "execute", counted)
+    direct = count_direct(monkeypatch, "execute")
     data = {"k": ["v", 1.5]}
     params = {"new_label": "x", "new_data": data, "new_at": AT, "ids": [1, 2, 3]}
     reading = select(things.c.id, things.c.data, things.c.at.label("when"), func.count().over())

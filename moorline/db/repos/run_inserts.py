@@ -164,7 +164,8 @@ class RunInserts(RunRepoBase):
             {
                 **{key: value for key, value in row.items() if key != "delay_s"},
                 "status": status.value,
-                "not_before": now + timedelta(seconds=row["delay_s"]),
+                # ``now`` itself when no delay: the rows share one object, bound once.
+                "not_before": now + timedelta(seconds=row["delay_s"]) if row["delay_s"] else now,
                 "created_at": now,
                 "updated_at": now,
             }
@@ -184,8 +185,9 @@ class RunInserts(RunRepoBase):
                 await conn.execute(_INSERT_RUNS, values)
         queued_ids = [RunId(row["id"]) for row in admitted]
         if status is RunStatus.QUEUED and queued_ids:
+            no_data: JSONObject = {}  # one object for all: its JSON is made once
             queued: list[tuple[RunId, Attempt, str, JSONObject]] = [
-                (run_id, Attempt(0), EVENT_QUEUED, {}) for run_id in queued_ids
+                (run_id, Attempt(0), EVENT_QUEUED, no_data) for run_id in queued_ids
             ]
             await append_events_txn(conn, self._backend.name, queued, now=now, new_runs=True)
         # Every column is known here (the times are the database time read above), so the runs
