@@ -429,8 +429,9 @@ def _compile(
 
 
 def _scalar_defaults(compiled: SQLCompiler) -> dict[str, Any] | None:
-    """The values of the Python-side column defaults ``compiled`` leaves to its execution, by
-    column key; None: one is not a constant (a function to call per row).
+    """The Python-side column defaults ``compiled`` leaves to its execution, by column key.
+
+    None: one is not a constant (a function to call per row).
 
     SQLAlchemy's execution puts a scalar default's value among the parameters of each row (a
     bulk submission's runs leave a dozen counters to theirs); binding it here is the same.
