@@ -6,7 +6,8 @@ after the task ran), the durability closest to Moorline's its Redis broker offer
 not stored (``task_ignore_result``); the no-op task counts itself done in Redis.
 
 - ``enqueue``: ``noop.apply_async()`` one at a time (one ``LPUSH`` each). No bulk: Celery has no
-  documented bulk enqueue (a ``group`` sends one message per task).
+  documented bulk enqueue (a ``group`` sends one message per task), so the bulk's count is
+  enqueued one at a time too, untimed, for the drain.
 - ``drain``: one ``celery worker`` at its defaults: the prefork pool, one child per CPU, prefetch
   multiplier 4.
 """
@@ -78,9 +79,13 @@ def run(peer: str, storage: str, config: dict[str, Any]) -> dict[str, float]:
             for _ in range(count):
                 noop.apply_async(queue=queue)
             figures["enqueue"] = rate(count, started)
+            backlog = config["bulk_runs"]  # no bulk call: as many again, one at a time, untimed
+            for _ in range(backlog):
+                noop.apply_async(queue=queue)
             done = lambda: int(client.get(counter_key(queue)) or 0)  # noqa: E731
             with running(command, env, log) as started:
-                figures |= measure_drain(count + WARM_UP, done, started).as_dict("drain")
+                total = WARM_UP + count + backlog
+                figures |= measure_drain(total, done, started).as_dict("drain")
             if config["latency_runs"]:
                 with running(command, env, log):
                     send = lambda key: stamp.apply_async((key,), queue=queue)  # noqa: E731

@@ -6,8 +6,9 @@ returns once it is stored; the consumer takes a task off the queue before runnin
 consumer loses the task it ran). The no-op task returns ``True`` so that its result is stored:
 the result store is the record of completion (``huey.result_count()``).
 
-- ``enqueue``: ``noop()`` one at a time. No bulk: huey has no bulk enqueue.
-- ``drain``: one ``huey_consumer`` at its defaults: one worker thread.
+- ``enqueue``: ``noop()`` one at a time. No bulk: huey has no bulk enqueue, so the bulk's
+  count is enqueued one at a time too, untimed, for the drain.
+- ``drain``: one ``huey_consumer`` at its defaults (one worker thread) runs all of them.
 """
 
 import os
@@ -65,10 +66,14 @@ def run(peer: str, storage: str, config: dict[str, Any]) -> dict[str, float]:
             for _ in range(count):
                 noop()
             figures = {"enqueue": rate(count, started)}
+            backlog = config["bulk_runs"]  # no bulk call: as many again, one at a time, untimed
+            for _ in range(backlog):
+                noop()
             command = [sys.executable, "-m", "huey.bin.huey_consumer", "peer_huey.huey"]
             log = Path(folder) / "worker.log"
             with running(command, {"PEERS_HUEY": spec}, log) as started:
-                figures |= measure_drain(count + WARM_UP, huey.result_count, started).as_dict()
+                total = WARM_UP + count + backlog
+                figures |= measure_drain(total, huey.result_count, started).as_dict()
             if config["latency_runs"]:
                 with running(command, {"PEERS_HUEY": spec}, log):
                     figures |= latency(lambda key: stamp(key), config["latency_runs"])
