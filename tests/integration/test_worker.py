@@ -207,7 +207,12 @@ async def test_a_worker_process_keeps_its_connections_through_a_drain(
     run_ids = await add_runs(db, await tenants.new(), lane, 200, workflow="stepped")
     try:
         async with Running(make_worker(worker_db, Probe(), {lane: 8}, lease_ttl_s=1.5)):
-            await wait_for(lambda: all_in(db, run_ids, "succeeded"), message="all runs succeeded")
+            # 200 runs of a step: seconds on a quiet machine, more with CI loading MariaDB.
+            await wait_for(
+                lambda: all_in(db, run_ids, "succeeded"),
+                timeout_s=30.0,
+                message="all runs succeeded",
+            )
     finally:
         await worker_db.dispose()
     assert opened and max(opened.values()) <= pooled.db_pool_size, (opened, pooled.db_pool_size)
