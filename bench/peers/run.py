@@ -12,9 +12,8 @@ same run, per storage (``GROUPS``). Timing is the same for all (``timing.py``):
 - **drain**: one worker process at the system's defaults runs everything enqueued above (a
   system with no bulk call gets the bulk's count enqueued one at a time, untimed, so every
   worker drains as many tasks); the clock runs from 10 % done to the last, so start-up is
-  outside it. Moorline adds
-  ``drain_wide`` (``--wide-slots`` slots) and, with DBOS, ``drain_step`` (``--step-runs``
-  workflows of one checkpointed step);
+  outside it. Moorline adds ``drain_wide`` (``--wide-slots`` slots) and, with DBOS,
+  ``drain_step`` (``--step-runs`` workflows of one checkpointed step);
 - **latency**: enqueue → start of one task at a time, the worker idle (``--latency-runs``);
 - **the same work**: a task that does nothing; "done" read from the system's own record;
 - **durability differs, and is printed with the table** (``DURABILITY``).
