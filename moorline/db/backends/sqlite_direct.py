@@ -38,7 +38,7 @@ SQLAlchemy's path is still taken for what the direct one would skip or could get
 
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from sqlalchemy import Executable, TextClause
@@ -60,6 +60,9 @@ _MAX_TEXTS = 64
 
 _BEGIN = "BEGIN IMMEDIATE"
 
+_MISSING: Any = object()
+"""No value: none given for a slot, or no default for its column."""
+
 _Key = tuple[int, tuple[str, ...], bool]
 
 
@@ -75,9 +78,8 @@ class _Slot:
     process: Callable[[Any], Any] | None
     expanding: bool
     """An ``IN`` list: as many parameters as the list has members."""
-    default: Any = None
-    """A column's scalar default, bound when no value is given (``has_default``)."""
-    has_default: bool = False
+    default: Any
+    """A column's scalar default, bound when no value is given; _MISSING: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,14 +309,11 @@ def _rows_by_slots(
     return rows
 
 
-_MISSING: Any = object()
-
-
 def _value(slot: _Slot, params: Mapping[str, Any]) -> Any:
     """The value of a slot the parameters do not give under its key; _MISSING: none."""
     if slot.name in params:
         return params[slot.name]
-    if slot.has_default:
+    if slot.default is not _MISSING:
         return slot.default
     if slot.bind.required:
         return _MISSING
@@ -465,8 +464,6 @@ def _slots(
         expanding = bind in compiled.post_compile_params
         if expanding and (not bind.expanding or isinstance(bind.type, TupleType)):
             return None  # rendered otherwise, or a list of tuples: flattened by SQLAlchemy
-        slot = _Slot(bind.key, name, bind, processors.get(name), expanding)
-        if bind.key in defaults:
-            slot = replace(slot, default=defaults[bind.key], has_default=True)
-        slots.append(slot)
+        default = defaults.get(bind.key, _MISSING)
+        slots.append(_Slot(bind.key, name, bind, processors.get(name), expanding, default))
     return tuple(slots)
