@@ -1,0 +1,299 @@
+"""Statements compiled once and bound past SQLAlchemy's execution, for the direct paths.
+
+A direct path (SQLite's write connection, :mod:`moorline.db.backends.sqlite_direct`;
+PostgreSQL's one-statement writes, :mod:`moorline.db.backends.postgresql_direct`) sends a
+statement to the driver itself: SQLAlchemy's execution of a short statement (an execution
+context, parameter processing, a cursor wrapper, a result around it, a greenlet) costs more CPU
+than the database spends on it. What they share is here: a statement is compiled once per
+statement object and parameter names (:class:`Forms`), and each execution binds its parameters
+as SQLAlchemy's execution would, through the compiled form's slots, or its public
+:meth:`~sqlalchemy.sql.compiler.SQLCompiler.construct_expanded_state` where the slots cannot
+(:func:`bound`), with the types' bind processors; rows come back as SQLAlchemy rows through the
+columns' result processors (:class:`DirectResult`).
+
+A form is None, and the statement goes SQLAlchemy's way, where binding it here could differ: not
+a compiled SQL statement, execution options set on it, a Python-side column default that is a
+function (constants are bound as SQLAlchemy binds them), rows of two columns of one name. The
+rows are built from the compiler's ``_result_columns`` on ``SimpleResultMetaData``: SQLAlchemy
+internals listed in :data:`moorline.fastpaths.PRIVATE_NAMES`.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Executable, TextClause
+from sqlalchemy.engine import Dialect, IteratorResult
+from sqlalchemy.engine.result import SimpleResultMetaData
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import BindParameter, ClauseElement
+from sqlalchemy.types import TupleType
+
+_MAX_FORMS = 512
+"""Compiled statements kept; all are forgotten at once past it (statements are built once)."""
+
+_MAX_TEXTS = 64
+"""Expanded SQL texts kept per statement (one per combination of ``IN`` list lengths)."""
+
+_MISSING: Any = object()
+"""No value: none given for a slot, or no default for its column."""
+
+_Key = tuple[int, tuple[str, ...], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """One positional parameter of a compiled statement (or an expanded list of them)."""
+
+    key: str
+    """The key callers give its value under (the bind parameter's ``key``)."""
+    name: str
+    """Its name in the compiled statement (callers may give the value under it too)."""
+    bind: BindParameter[Any]
+    process: Callable[[Any], Any] | None
+    expanding: bool
+    """An ``IN`` list: as many parameters as the list has members."""
+    default: Any
+    """A column's scalar default, bound when no value is given; _MISSING: none."""
+
+
+@dataclass(frozen=True, slots=True)
+class Form:
+    """A statement compiled for the dialect, its bind processors, and its rows' shape."""
+
+    compiled: SQLCompiler
+    processors: Mapping[str, Callable[[Any], Any]]
+    rows: SimpleResultMetaData | None
+    """The keys and result processors of the rows it returns; None: it returns none."""
+    textual: bool = False
+    """A ``text()`` statement: whether it returns rows is not known before it runs."""
+    slots: tuple[_Slot, ...] | None = None
+    """Its positional parameters in order, for binding without SQLAlchemy's parameter
+    processing; None: a statement only ``construct_expanded_state`` binds right (escaped
+    names, values rendered into the SQL, tuple lists)."""
+    texts: dict[tuple[int, ...], str] = field(default_factory=dict)
+    """The SQL with each ``IN`` list expanded, per the lists' lengths (the slots' order)."""
+
+
+class DirectResult(IteratorResult[Any]):
+    """A statement's rows, all fetched, and the rows it changed (``rowcount``)."""
+
+    def __init__(self, shape: SimpleResultMetaData, rows: Sequence[Any], rowcount: int) -> None:
+        super().__init__(shape, iter(rows))
+        self.rowcount = rowcount
+
+
+NO_ROWS = SimpleResultMetaData([])
+"""The shape of a statement that returns no rows."""
+
+
+class Forms:
+    """The compiled forms of statements for one dialect, kept per statement and names."""
+
+    def __init__(self, dialect: Dialect) -> None:
+        """Compile for ``dialect`` (the engine's, which fixes the parameter style)."""
+        self.dialect = dialect
+        self._forms: dict[_Key, tuple[Executable, Form | None]] = {}
+
+    def form(self, statement: Executable, params: Mapping[str, Any], many: bool) -> Form | None:
+        """``statement``'s form for these parameter names; None: it goes SQLAlchemy's way.
+
+        ``many``: for an executemany, ``params`` being its first parameter set.
+        """
+        names = tuple(sorted(params))
+        key = (id(statement), names, many)
+        found = self._forms.get(key)
+        if found is not None and found[0] is statement:
+            return found[1]
+        if len(self._forms) >= _MAX_FORMS:
+            self._forms.clear()
+        form = _compile(statement, self.dialect, names, many)
+        # The statement is kept with its form: its id is not reused while it is held here.
+        self._forms[key] = (statement, form)
+        return form
+
+
+def bound(form: Form, params: Mapping[str, Any]) -> tuple[str, list[Any]]:
+    """``form``'s SQL and its positional arguments for ``params``, as SQLAlchemy binds them."""
+    if form.slots is not None:
+        by_slots = _bound_by_slots(form, form.slots, params)
+        if by_slots is not None:
+            return by_slots
+    return _bound_by_sqlalchemy(form, params)
+
+
+def _bound_by_slots(
+    form: Form, slots: tuple[_Slot, ...], params: Mapping[str, Any]
+) -> tuple[str, list[Any]] | None:
+    """The SQL and its arguments, as construct_expanded_state gives them; None: ask it.
+
+    Rendering the ``IN`` lists into the SQL was the largest part of binding a worker's claim
+    and finish statements; the text depends only on the lists' lengths, so it is kept per
+    lengths, and the arguments are laid out here in the slots' order.
+    """
+    arguments: list[Any] = []
+    lengths: list[int] = []
+    for slot in slots:
+        value = params[slot.key] if slot.key in params else _value(slot, params)
+        if value is _MISSING:
+            return None  # SQLAlchemy's error for a missing value
+        process = slot.process
+        if slot.expanding:
+            members = list(value)
+            lengths.append(len(members))
+            arguments += members if process is None else [process(item) for item in members]
+        else:
+            arguments.append(value if process is None else process(value))
+    return text_of(form, tuple(lengths), params), arguments
+
+
+def rows_by_slots(
+    slots: tuple[_Slot, ...], sets: Sequence[Mapping[str, Any]]
+) -> list[list[Any]] | None:
+    """Each parameter set's arguments, in the slots' order; None: not all bind alike.
+
+    SQLAlchemy's executemany compiles for the first set's keys and requires the same of the
+    rest. A value that is the same object as the previous set's is processed once (a batch's
+    rows share their time and their events' empty data).
+    """
+    names = sets[0].keys()
+    seen: list[Any] = [_MISSING] * len(slots)
+    made: list[Any] = [None] * len(slots)
+    rows: list[list[Any]] = []
+    for params in sets:
+        if params.keys() != names:
+            return None
+        row: list[Any] = []
+        for index, slot in enumerate(slots):
+            value = params[slot.key] if slot.key in params else _value(slot, params)
+            process = slot.process
+            if value is _MISSING:
+                return None
+            if process is None:
+                row.append(value)
+            elif value is seen[index]:
+                row.append(made[index])
+            else:
+                seen[index], made[index] = value, process(value)
+                row.append(made[index])
+        rows.append(row)
+    return rows
+
+
+def _value(slot: _Slot, params: Mapping[str, Any]) -> Any:
+    """The value of a slot the parameters do not give under its key; _MISSING: none."""
+    if slot.name in params:
+        return params[slot.name]
+    if slot.default is not _MISSING:
+        return slot.default
+    if slot.bind.required:
+        return _MISSING
+    return slot.bind.effective_value
+
+
+def text_of(form: Form, lengths: tuple[int, ...], params: Mapping[str, Any]) -> str:
+    """``form``'s SQL with its ``IN`` lists (of these lengths) expanded, as ``params`` give them."""
+    texts = form.texts
+    sql = texts.get(lengths)
+    if sql is None:
+        if len(texts) >= _MAX_TEXTS:
+            texts.clear()
+        sql = texts[lengths] = form.compiled.construct_expanded_state(dict(params)).statement
+    return sql
+
+
+def _bound_by_sqlalchemy(form: Form, params: Mapping[str, Any]) -> tuple[str, list[Any]]:
+    state = form.compiled.construct_expanded_state(dict(params))
+    processors, values = form.processors, state.parameters
+    if state.processors:  # an expanded list's members
+        processors = {**processors, **state.processors}
+    assert state.positiontup is not None  # SQLite's paramstyle is positional
+    arguments = [
+        processors[name](values[name]) if name in processors else values[name]
+        for name in state.positiontup
+    ]
+    return state.statement, arguments
+
+
+def _compile(
+    statement: Executable, dialect: Dialect, names: tuple[str, ...], many: bool
+) -> Form | None:
+    if not isinstance(statement, ClauseElement) or statement.get_execution_options():
+        return None  # not SQL, or options only SQLAlchemy's execution reads
+    # As Connection.execute compiles it: the parameter names are the INSERT/UPDATE columns.
+    compiled = statement.compile(dialect=dialect, column_keys=list(names), for_executemany=many)
+    if not isinstance(compiled, SQLCompiler):
+        return None
+    defaults = _scalar_defaults(compiled)
+    if defaults is None:
+        return None  # a default to call per row: SQLAlchemy's path
+    processors = {}
+    for name, bind in compiled.binds.items():
+        # The dialect's form of the type (a TypeDecorator's load_dialect_impl), as execution
+        # binds it: SQLite's DATETIME writes text, JSON dumps.
+        process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+        if process is not None:
+            processors[name] = process
+    slots = _slots(compiled, processors, defaults)
+    if slots is None and defaults:
+        return None  # only the slots bind the defaults
+    if isinstance(statement, TextClause):
+        return Form(compiled, processors, None, textual=True, slots=slots)
+    # The columns of the rows it returns (a SELECT's, a RETURNING's), as SQLAlchemy's own
+    # results read them: the compiler's record, not the statement's ``exported_columns``, which
+    # memoizes on the statement and would outlive a later ``.returning()`` copied from it.
+    returned = compiled._result_columns
+    if not returned:
+        return Form(compiled, processors, None, slots=slots)
+    keys = [column.keyname for column in returned]
+    if len(set(keys)) != len(keys):
+        return None  # two columns of one name: SQLAlchemy's rules for which one a key means
+    readers = [
+        column.type.dialect_impl(dialect).result_processor(dialect, None) for column in returned
+    ]
+    shape = SimpleResultMetaData(
+        keys, extra=[column.objects for column in returned], _processors=readers
+    )
+    return Form(compiled, processors, shape, slots=slots)
+
+
+def _scalar_defaults(compiled: SQLCompiler) -> dict[str, Any] | None:
+    """The Python-side column defaults ``compiled`` leaves to its execution, by column key.
+
+    None: one is not a constant (a function to call per row).
+
+    SQLAlchemy's execution puts a scalar default's value among the parameters of each row (a
+    bulk submission's runs leave a dozen counters to theirs); binding it here is the same.
+    """
+    defaults: dict[str, Any] = {}
+    for columns, kind in (
+        (compiled.insert_prefetch, "default"),
+        (compiled.update_prefetch, "onupdate"),
+    ):
+        for column in columns:
+            default = getattr(column, kind)
+            if default is None or not default.is_scalar:
+                return None
+            defaults[column.key] = default.arg
+    return defaults
+
+
+def _slots(
+    compiled: SQLCompiler,
+    processors: Mapping[str, Callable[[Any], Any]],
+    defaults: Mapping[str, Any],
+) -> tuple[_Slot, ...] | None:
+    """``compiled``'s positional parameters for :func:`_bound_by_slots`, if it can bind them."""
+    if compiled.positiontup is None or compiled.escaped_bind_names:
+        return None
+    if compiled.literal_execute_params:
+        return None  # values rendered into the SQL: its text depends on them
+    slots = []
+    for name in compiled.positiontup:
+        bind = compiled.binds[name]
+        expanding = bind in compiled.post_compile_params
+        if expanding and (not bind.expanding or isinstance(bind.type, TupleType)):
+            return None  # rendered otherwise, or a list of tuples: flattened by SQLAlchemy
+        default = defaults.get(bind.key, _MISSING)
+        slots.append(_Slot(bind.key, name, bind, processors.get(name), expanding, default))
+    return tuple(slots)
