@@ -2,9 +2,10 @@
 
 A fast path is code that reaches into a dependency's internals to skip work its public API
 does: aiosqlite's thread crossings (:mod:`moorline.db.sqlite_driver`), SQLAlchemy's execution
-of a one-statement write on SQLite (:mod:`moorline.db.backends.sqlite_direct`), aiomysql's needless
-``ROLLBACK`` and ping (:mod:`moorline.db.mysql_driver`), the ``limits`` memory storage's sweep
-thread (:mod:`moorline.admission.ratelimit`), Starlette's response construction and FastAPI's
+of SQLite's writes and of PostgreSQL's one-statement writes (:mod:`moorline.db.backends.direct`
+and the modules it names), aiomysql's needless ``ROLLBACK`` and ping
+(:mod:`moorline.db.mysql_driver`), the ``limits`` memory storage's sweep thread
+(:mod:`moorline.admission.ratelimit`), Starlette's response construction and FastAPI's
 dependency solving on the trigger route (:mod:`moorline.api.routes.runs`,
 :mod:`moorline.api.guards`). Each has a fallback to the library's public path, chosen by the
 ``fast_paths`` setting (``MOORLINE_FAST_PATHS``), the way uvicorn picks httptools or h11.
@@ -79,14 +80,17 @@ def _sqlite(owner: str, name: str, shape: Shape, *details: str) -> PrivateName:
     )
 
 
-def _sqlalchemy_direct(owner: str, name: str, shape: Shape, *details: str) -> PrivateName:
+_DIRECT = "moorline/db/backends/direct.py"
+_SQLITE_DIRECT = "moorline/db/backends/sqlite_direct.py"
+_PG_DIRECT = "moorline/db/backends/postgresql_direct.py"
+_ASYNCPG_ADAPTER = "sqlalchemy.dialects.postgresql.asyncpg.AsyncAdapt_asyncpg_connection"
+
+
+def _sqlalchemy_direct(
+    owner: str, name: str, shape: Shape, *details: str, user: str = _SQLITE_DIRECT
+) -> PrivateName:
     return PrivateName(
-        library="sqlalchemy",
-        owner=owner,
-        name=name,
-        shape=shape,
-        details=details,
-        user="moorline/db/backends/sqlite_direct.py",
+        library="sqlalchemy", owner=owner, name=name, shape=shape, details=details, user=user
     )
 
 
@@ -158,13 +162,16 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         details=("fn",),
         user="moorline/db/backends/ (sqlite.py, server.py)",
     ),
-    # sqlite_direct sends the write connection's statements past SQLAlchemy unless the
-    # connection has cursor or error event listeners, which it reads from the event dispatch,
-    # and builds their rows as SQLAlchemy's results do: from the compiler's record of the
-    # columns, on the metadata of an in-memory result.
+    # The direct paths send statements past SQLAlchemy unless the connection or engine has
+    # cursor or error event listeners, which they read from the event dispatch, and build
+    # their rows as SQLAlchemy's results do: from the compiler's record of the columns, on the
+    # metadata of an in-memory result.
     _sqlalchemy_direct("sqlalchemy.engine.Connection", "dispatch", Shape.ATTRIBUTE),
     _sqlalchemy_direct("sqlalchemy.engine.Dialect", "dispatch", Shape.ATTRIBUTE),
-    _sqlalchemy_direct("sqlalchemy.sql.compiler.SQLCompiler", "_result_columns", Shape.ATTRIBUTE),
+    _sqlalchemy_direct("sqlalchemy.engine.Engine", "dispatch", Shape.ATTRIBUTE, user=_PG_DIRECT),
+    _sqlalchemy_direct(
+        "sqlalchemy.sql.compiler.SQLCompiler", "_result_columns", Shape.ATTRIBUTE, user=_DIRECT
+    ),
     _sqlalchemy_direct(
         "sqlalchemy.engine.result.SimpleResultMetaData",
         "__init__",
@@ -172,6 +179,30 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "keys",
         "extra",
         "_processors",
+        user=_DIRECT,
+    ),
+    # postgresql_direct runs a statement on the pooled connection as SQLAlchemy's asyncpg
+    # cursor does (the adapter's lock, prepared-statement cache and error translation), and
+    # invalidates the pool on a lost connection as SQLAlchemy's execution does.
+    _sqlalchemy_direct(
+        _ASYNCPG_ADAPTER,
+        "_prepare",
+        Shape.METHOD,
+        "operation",
+        "invalidate_timestamp",
+        user=_PG_DIRECT,
+    ),
+    _sqlalchemy_direct(_ASYNCPG_ADAPTER, "_execute_mutex", Shape.ATTRIBUTE, user=_PG_DIRECT),
+    _sqlalchemy_direct(
+        _ASYNCPG_ADAPTER, "_handle_exception", Shape.METHOD, "error", user=_PG_DIRECT
+    ),
+    _sqlalchemy_direct(
+        "sqlalchemy.pool.Pool",
+        "_invalidate",
+        Shape.METHOD,
+        "connection",
+        "exception",
+        user=_PG_DIRECT,
     ),
     # guards.solved_by's route replaces the ASGI app FastAPI builds for an APIRoute.
     PrivateName(

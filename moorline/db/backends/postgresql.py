@@ -11,8 +11,10 @@ from typing import Any, ClassVar
 
 from sqlalchemy import (
     BigInteger,
+    Executable,
     Insert,
     Interval,
+    Row,
     Select,
     Table,
     bindparam,
@@ -32,8 +34,10 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.selectable import CTE, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
+from moorline import fastpaths
 from moorline.db.backends.base import Capabilities, DialectName, Pools, SelectT, upsert_below
-from moorline.db.backends.server import ServerBackend
+from moorline.db.backends.postgresql_direct import AutocommitWrites
+from moorline.db.backends.server import ServerBackend, discard_read_only
 from moorline.db.dsn import ConnectTarget
 from moorline.db.schema import runs
 from moorline.db.types import UTCDateTime
@@ -60,6 +64,8 @@ class PostgreSQLBackend(ServerBackend):
         migrations=True,
     )
     url_scheme = "postgresql+asyncpg://"
+    _direct: AutocommitWrites | None = None
+    """One-statement writes past SQLAlchemy's execution (with ``fast_paths``)."""
 
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
@@ -122,7 +128,29 @@ class PostgreSQLBackend(ServerBackend):
         return upsert_below(postgresql.insert(table), table, column, limit, keys)
 
     def create_pools(self, settings: Settings, url: str, targets: Sequence[ConnectTarget]) -> Pools:
-        return Pools(main=self.create_engine(settings, targets, autocommit=False))
+        engine = self.create_engine(settings, targets, autocommit=False)
+        if settings.fast_paths:
+            fastpaths.require("sqlalchemy")
+            self._direct = AutocommitWrites(engine.sync_engine, own_hooks=(discard_read_only,))
+        return Pools(main=engine)
+
+    async def write_statement(
+        self, pools: Pools, statement: Executable, params: dict[str, Any]
+    ) -> int:
+        direct = self._direct
+        form = None if direct is None else direct.form(statement, params, rows=False)
+        if direct is None or form is None:
+            return await super().write_statement(pools, statement, params)
+        return (await direct.write(form, params)).rowcount
+
+    async def write_statement_rows(
+        self, pools: Pools, statement: Executable, params: dict[str, Any]
+    ) -> list[Row[Any]]:
+        direct = self._direct
+        form = None if direct is None else direct.form(statement, params, rows=True)
+        if direct is None or form is None:
+            return await super().write_statement_rows(pools, statement, params)
+        return list(await direct.write(form, params))
 
     # --- run inserts ---
 

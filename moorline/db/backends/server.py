@@ -62,7 +62,7 @@ class ServerBackend(Backend):
             event.listen(engine.sync_engine, "checkout", _drop_closed)
         if autocommit and isolation is not None:
             event.listen(engine.sync_engine, "connect", _session_isolation(isolation))
-        event.listen(engine.sync_engine, "handle_error", _discard_read_only)
+        event.listen(engine.sync_engine, "handle_error", discard_read_only)
         return engine
 
     def autocommit_target(self, pools: Pools) -> tuple[Engine, bool]:
@@ -95,7 +95,7 @@ def _drop_closed(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
     # another (a new one from the failover creator). A connection lost between this check and
     # its statement fails that statement as a disconnect, which invalidates the pool, and
     # with_retry retries it (a pinged connection can die just after its ping too); a node
-    # demoted under a live connection is caught by _discard_read_only, which the ping never
+    # demoted under a live connection is caught by discard_read_only, which the ping never
     # caught (``;`` succeeds on a standby).
     if dbapi_connection.driver_connection.is_closed():
         raise DisconnectionError("the server closed this pooled connection")
@@ -113,7 +113,8 @@ def _session_isolation(isolation: str) -> Any:
     return _set_isolation
 
 
-def _discard_read_only(context: ExceptionContext) -> None:
+def discard_read_only(context: ExceptionContext) -> None:
+    """The pools' ``handle_error`` hook: a node that refuses writes is a lost connection."""
     # A pooled connection whose node was demoted under it refuses writes: treat that as a lost
     # connection, so the pool drops it (and every connection of its generation) and the next
     # checkout goes through the failover creator, which skips read-only nodes. with_retry then
