@@ -166,7 +166,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # cursor or error event listeners, which they read from the event dispatch, and build
     # their rows as SQLAlchemy's results do: from the compiler's record of the columns, on the
     # metadata of an in-memory result.
-    _sqlalchemy_direct("sqlalchemy.engine.Connection", "dispatch", Shape.ATTRIBUTE),
+    _sqlalchemy_direct(
+        "sqlalchemy.engine.Connection",
+        "dispatch",
+        Shape.ATTRIBUTE,
+        user="moorline/db/backends/ (sqlite_direct.py, postgresql_direct.py)",
+    ),
     _sqlalchemy_direct("sqlalchemy.engine.Dialect", "dispatch", Shape.ATTRIBUTE),
     _sqlalchemy_direct("sqlalchemy.engine.Engine", "dispatch", Shape.ATTRIBUTE, user=_PG_DIRECT),
     _sqlalchemy_direct(
@@ -181,9 +186,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "_processors",
         user=_DIRECT,
     ),
-    # postgresql_direct runs a statement on the pooled connection as SQLAlchemy's asyncpg
-    # cursor does (the adapter's lock, prepared-statement cache and error translation), and
-    # invalidates the pool on a lost connection as SQLAlchemy's execution does.
+    # postgresql_direct runs a statement as SQLAlchemy's asyncpg cursor does (the adapter's
+    # lock, its transaction begun by the first statement, its prepared-statement cache and
+    # error translation), and invalidates the pool on a lost connection as SQLAlchemy's
+    # execution does.
     _sqlalchemy_direct(
         _ASYNCPG_ADAPTER,
         "_prepare",
@@ -193,6 +199,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         user=_PG_DIRECT,
     ),
     _sqlalchemy_direct(_ASYNCPG_ADAPTER, "_execute_mutex", Shape.ATTRIBUTE, user=_PG_DIRECT),
+    _sqlalchemy_direct(_ASYNCPG_ADAPTER, "_transaction", Shape.ATTRIBUTE, user=_PG_DIRECT),
+    _sqlalchemy_direct(_ASYNCPG_ADAPTER, "_start_transaction", Shape.METHOD, user=_PG_DIRECT),
     _sqlalchemy_direct(
         _ASYNCPG_ADAPTER, "_handle_exception", Shape.METHOD, "error", user=_PG_DIRECT
     ),

@@ -76,16 +76,17 @@ async def db(settings: Settings) -> AsyncIterator[DatabaseManager]:
         await manager.dispose()
 
 
-def count_direct(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """A list that gets each statement's SQL as ``AutocommitWrites.write`` sends it."""
+def count_direct(monkeypatch: pytest.MonkeyPatch, method: str = "write") -> list[str]:
+    """A list that gets each statement's SQL as ``DirectStatements.<method>`` sends it
+    (``write``: in autocommit; ``execute``: in a transaction)."""
     sent: list[str] = []
-    original = postgresql_direct.AutocommitWrites.write
+    original = getattr(postgresql_direct.DirectStatements, method)
 
-    async def counted(self: postgresql_direct.AutocommitWrites, form: Any, params: Any) -> Any:
-        sent.append(str(form.compiled))
-        return await original(self, form, params)
+    async def counted(self: postgresql_direct.DirectStatements, *args: Any) -> Any:
+        sent.append(str(args[-2].compiled))  # the form
+        return await original(self, *args)
 
-    monkeypatch.setattr(postgresql_direct.AutocommitWrites, "write", counted)
+    monkeypatch.setattr(postgresql_direct.DirectStatements, method, counted)
     return sent
 
 
@@ -277,6 +278,81 @@ async def test_a_connection_past_the_pools_size_is_closed_as_it_comes_back(
         assert two.pool_usage() == (0, 1)
     finally:
         await two.dispose()
+
+
+async def test_a_transactions_statements_go_direct_and_do_what_sqlalchemy_does(
+    db: DatabaseManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent = count_direct(monkeypatch, "execute")
+    params = {"ids": [1, 2], "new_label": "in", "new_data": {"k": "v"}, "new_at": AT}
+    async with db.transaction() as conn:
+        assert (await conn.execute(RENAME, params)).rowcount == 2
+        added = (await conn.execute(ADD, {"id": 30, "name": "thirty"})).all()
+        read = (await conn.execute(select(gadgets.c.label).where(gadgets.c.id == 1))).scalar()
+    assert len(sent) == 3
+    assert read == "in"  # the transaction's own write, seen inside it
+
+    stop = listening(db)
+    try:
+        async with db.transaction() as conn:
+            await conn.execute(RENAME, {**params, "ids": [3, 4]})
+            added_by_sqlalchemy = (await conn.execute(ADD, {"id": 31, "name": "t1"})).all()
+    finally:
+        stop()
+    assert len(sent) == 3
+    assert await stored(db, [1, 2]) == await stored(db, [3, 4])
+    assert added[0]._mapping.keys() == added_by_sqlalchemy[0]._mapping.keys()
+    assert added[0][1:] == added_by_sqlalchemy[0][1:]
+
+
+async def test_a_direct_statement_is_part_of_its_transaction(
+    db: DatabaseManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent = count_direct(monkeypatch, "execute")
+    params = {"ids": [1], "new_label": "undone", "new_data": None, "new_at": AT}
+    with pytest.raises(RuntimeError):
+        async with db.transaction() as conn:
+            await conn.execute(RENAME, params)  # begins the transaction, as a cursor would
+            await conn.execute(text("SET LOCAL statement_timeout = '5s'"))  # SQLAlchemy's
+            await conn.execute(ADD, {"id": 40, "name": "forty"})
+            raise RuntimeError("after the writes")
+    assert len(sent) == 2
+    assert (await stored(db, [1]))[0][0] != "undone"
+    with pytest.raises(IntegrityError):
+        async with db.transaction() as conn:
+            await conn.execute(ADD, {"id": 41, "name": "forty-one"})
+            await conn.execute(ADD, {"id": 42, "name": "n2"})  # taken
+    async with db.connect() as conn:
+        found = await conn.scalar(select(func.count()).where(gadgets.c.id.in_([40, 41, 42])))
+    assert found == 0
+    assert db.pool_usage()[0] == 0
+
+
+async def test_a_connection_lost_in_a_transaction_is_invalidated(
+    backend: str, db: DatabaseManager, admin: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend == "pgbouncer":
+        pytest.skip("behind PgBouncer the client's connection outlives a server session")
+    sent = count_direct(monkeypatch, "execute")
+    params = {"b_id": 2, "new_label": "lost", "pause_s": 2.0}
+
+    async def rename_slowly() -> None:
+        async with db.transaction() as conn:
+            await conn.execute(ADD, {"id": 50, "name": "fifty"})
+            await conn.execute(SLOW_RENAME, params)
+
+    write = asyncio.create_task(rename_slowly())
+    assert await admin.fetchval("SELECT pg_terminate_backend($1)", await sleeping(admin))
+    with pytest.raises(DBAPIError) as lost:
+        await write
+    assert lost.value.connection_invalidated
+    assert len(sent) == 2
+    assert db.pool_usage()[0] == 0
+    async with db.transaction() as conn:  # a new connection
+        await conn.execute(SLOW_RENAME, {**params, "pause_s": 0.0})
+    assert (await stored(db, [2]))[0][0] == "lost"
+    async with db.connect() as conn:
+        assert await conn.scalar(select(func.count()).where(gadgets.c.id == 50)) == 0
 
 
 async def test_without_fast_paths_every_write_is_sqlalchemys(

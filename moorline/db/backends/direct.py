@@ -20,11 +20,12 @@ internals listed in :data:`moorline.fastpaths.PRIVATE_NAMES`.
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 from sqlalchemy import Executable, TextClause
-from sqlalchemy.engine import Dialect, IteratorResult
+from sqlalchemy.engine import CursorResult, Dialect, IteratorResult
 from sqlalchemy.engine.result import SimpleResultMetaData
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import BindParameter, ClauseElement
 from sqlalchemy.types import TupleType
@@ -111,6 +112,76 @@ class Forms:
         # The statement is kept with its form: its id is not reused while it is held here.
         self._forms[key] = (statement, form)
         return form
+
+
+class Statements(Protocol):
+    """A backend's direct execution of statements in a transaction SQLAlchemy began."""
+
+    def prepared(
+        self,
+        conn: AsyncConnection,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        in_transaction: bool,
+        many: bool = False,
+    ) -> tuple[Any, Form] | None:
+        """What :meth:`execute` needs to run ``statement`` on ``conn`` now, and its form.
+
+        None: SQLAlchemy's path. ``many``: for :meth:`execute_many`, ``params`` its first set.
+        """
+        ...
+
+    async def execute(self, target: Any, form: Form, params: Mapping[str, Any]) -> DirectResult:
+        """Run ``form`` in the open transaction; errors as SQLAlchemy's execution raises them."""
+        ...
+
+    async def execute_many(
+        self, target: Any, form: Form, sets: Sequence[Mapping[str, Any]]
+    ) -> DirectResult | None:
+        """Run ``form`` once per set; None: nothing sent, SQLAlchemy's path runs it."""
+        ...
+
+
+class DirectConnection(AsyncConnection):
+    """A connection whose statements in a transaction go past SQLAlchemy where they can."""
+
+    def __init__(self, engine: AsyncEngine, direct: Statements) -> None:
+        """A connection of ``engine`` (not yet connected: ``await start()``)."""
+        super().__init__(engine)
+        self._direct = direct
+
+    async def execute(
+        self,
+        statement: Executable,
+        parameters: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        *,
+        execution_options: Mapping[str, Any] | None = None,
+    ) -> CursorResult[Any]:
+        """As :meth:`AsyncConnection.execute`; past SQLAlchemy where its backend's module says."""
+        if execution_options is None:
+            result = await self._direct_execute(statement, parameters)
+            if result is not None:
+                # A CursorResult to its callers: the rows, rowcount and the Result methods
+                # they use, without the cursor behind them.
+                return cast(CursorResult[Any], result)
+        return await super().execute(statement, parameters, execution_options=execution_options)
+
+    async def _direct_execute(
+        self,
+        statement: Executable,
+        parameters: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+    ) -> DirectResult | None:
+        if not isinstance(parameters, Sequence):
+            params = {} if parameters is None else parameters
+            prepared = self._direct.prepared(self, statement, params, in_transaction=True)
+            return None if prepared is None else await self._direct.execute(*prepared, params)
+        if not parameters:
+            return None  # SQLAlchemy runs an empty list as one execution with no parameters
+        prepared = self._direct.prepared(
+            self, statement, parameters[0], in_transaction=True, many=True
+        )
+        return None if prepared is None else await self._direct.execute_many(*prepared, parameters)
 
 
 def bound(form: Form, params: Mapping[str, Any]) -> tuple[str, list[Any]]:

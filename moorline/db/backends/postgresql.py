@@ -5,7 +5,8 @@ client-side, so a checkout switches to autocommit and back without a round trip.
 """
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -36,7 +37,8 @@ from sqlalchemy.types import TypeEngine
 
 from moorline import fastpaths
 from moorline.db.backends.base import Capabilities, DialectName, Pools, SelectT, upsert_below
-from moorline.db.backends.postgresql_direct import AutocommitWrites
+from moorline.db.backends.direct import DirectConnection
+from moorline.db.backends.postgresql_direct import DirectStatements
 from moorline.db.backends.server import ServerBackend, discard_read_only
 from moorline.db.dsn import ConnectTarget
 from moorline.db.schema import runs
@@ -64,8 +66,8 @@ class PostgreSQLBackend(ServerBackend):
         migrations=True,
     )
     url_scheme = "postgresql+asyncpg://"
-    _direct: AutocommitWrites | None = None
-    """One-statement writes past SQLAlchemy's execution (with ``fast_paths``)."""
+    _direct: DirectStatements | None = None
+    """Statements past SQLAlchemy's execution (with ``fast_paths``)."""
 
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
@@ -131,8 +133,18 @@ class PostgreSQLBackend(ServerBackend):
         engine = self.create_engine(settings, targets, autocommit=False)
         if settings.fast_paths:
             fastpaths.require("sqlalchemy")
-            self._direct = AutocommitWrites(engine.sync_engine, own_hooks=(discard_read_only,))
+            self._direct = DirectStatements(engine.sync_engine, own_hooks=(discard_read_only,))
         return Pools(main=engine)
+
+    @asynccontextmanager
+    async def transaction(self, pools: Pools) -> AsyncIterator[AsyncConnection]:
+        """As the base's, on a connection whose statements go to asyncpg past SQLAlchemy."""
+        if self._direct is None:
+            async with pools.main.connect() as conn, conn.begin():
+                yield conn
+            return
+        async with DirectConnection(pools.main, self._direct) as direct, direct.begin():
+            yield direct
 
     async def write_statement(
         self, pools: Pools, statement: Executable, params: dict[str, Any]

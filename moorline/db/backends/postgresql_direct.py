@@ -1,40 +1,49 @@
-"""PostgreSQL's one-statement writes, handed to asyncpg past SQLAlchemy's execution.
+"""PostgreSQL's statements, handed to asyncpg past SQLAlchemy's execution.
 
-A write that one statement decides (``DatabaseManager.write_statement``: a submission's runs,
-a checkpointed step) runs in autocommit, one round trip. Through SQLAlchemy that round trip
-carried a connection, an execution context, parameter processing, a cursor, a result and a
-greenlet around it: a `py-spy` profile of ``app.submit`` on PostgreSQL from one producer had
-a quarter of the process's CPU there, three times asyncpg's own share. Here the statement's
-form and binding are :mod:`moorline.db.backends.direct`'s, and it goes to the pooled asyncpg
-connection as SQLAlchemy's asyncpg adapter sends it: prepared through the adapter's cache of
-prepared statements (so PgBouncer's unnamed statements and the cache's size hold as set),
-then fetched, the rowcount read from the command's status.
+A statement's round trip through SQLAlchemy carried a connection, an execution context,
+parameter processing, a cursor, a result and a greenlet around it: a `py-spy` profile of
+``app.submit`` on PostgreSQL from one producer had a quarter of the process's CPU there, three
+times asyncpg's own share, and a worker draining one-step runs a fifth of its CPU. Here a
+statement's form and binding are :mod:`moorline.db.backends.direct`'s, and it goes to the
+asyncpg connection as SQLAlchemy's asyncpg adapter sends it: under the adapter's lock, its
+transaction begun first where one is open and not yet begun (asyncpg's transactions are
+client-side, begun by the first statement), prepared through the adapter's cache of prepared
+statements (so PgBouncer's unnamed statements and the cache's size hold as set), then fetched,
+the rowcount read from the command's status. Two ways in:
 
-The connection is checked out of and back into the engine's pool as SQLAlchemy's execution
-does (its ``checkout`` check of a closed connection included), and it is never switched to
-autocommit: asyncpg's transactions are client-side, and the adapter has none open on a
-checked-in connection, so the statement runs outside one, committed as it ends. An error comes
-back as SQLAlchemy's execution raises it (the adapter's translation, then ``DBAPIError``); a
-lost connection (the dialect's ``is_disconnect``, or a node that has turned read-only, as the
-engine's own ``handle_error`` hook says) invalidates the connection and every pooled one
-before it, as SQLAlchemy does, and a cancelled or interrupted statement invalidates its
-connection, so ``with_retry`` meets the same errors and the same pool on either path.
+- a write that one statement decides (``DatabaseManager.write_statement``: a submission's runs,
+  a checkpointed step) runs in autocommit (:meth:`DirectStatements.write`): checked out of the
+  pool, run, checked back in, all in one greenlet, as the pool may await in each (the failover
+  creator, the close of a connection past the pool's size);
+- a statement of a transaction (the worker's claims and outcomes, a batch of submissions) runs
+  on the transaction's :class:`~moorline.db.backends.direct.DirectConnection`; its ``BEGIN``,
+  ``COMMIT`` and ``ROLLBACK`` stay SQLAlchemy's.
+
+An error comes back as SQLAlchemy's execution raises it (the adapter's translation, then
+``DBAPIError``); a lost connection (the dialect's ``is_disconnect``, or a node that has turned
+read-only, as the engine's own ``handle_error`` hook says) invalidates the connection and every
+pooled one before it, as SQLAlchemy does, and a cancelled or interrupted statement invalidates
+its connection, so ``with_retry`` and the transaction's rollback meet the same errors and the
+same pool on either path.
 
 SQLAlchemy's path is still taken where the direct one would skip something: a statement whose
-form is None, a ``text()`` statement whose rows are wanted, and every statement of an engine
-with cursor event listeners or ``handle_error`` hooks other than the engine's own (tracers, the
-tests that count statements). The adapter's ``_prepare``, ``_execute_mutex`` and
-``_handle_exception``, the pool's ``_invalidate`` and the event ``dispatch`` are SQLAlchemy
-internals listed in :data:`moorline.fastpaths.PRIVATE_NAMES`.
+form is None, a ``text()`` statement whose rows are wanted or that runs in a transaction (its
+rows' keys are not known before it runs), an executemany (SQLAlchemy batches an ``INSERT``'s
+rows into one statement), execution options given with the call, and every statement of an
+engine with cursor event listeners or ``handle_error`` hooks other than its own (tracers, the
+tests that count statements). The adapter's ``_prepare``, ``_execute_mutex``, ``_transaction``,
+``_start_transaction`` and ``_handle_exception``, the pool's ``_invalidate`` and the event
+``dispatch`` are SQLAlchemy internals listed in :data:`moorline.fastpaths.PRIVATE_NAMES`.
 """
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Executable
+from sqlalchemy import Connection, Executable
 from sqlalchemy.engine import Engine, ExceptionContext
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from moorline.db.backends.direct import NO_ROWS, DirectResult, Form, Forms, bound
@@ -45,12 +54,14 @@ _COUNT = re.compile(r"(?:SELECT|UPDATE|DELETE|INSERT \d+) (\d+)")
 
 Hook = Callable[[ExceptionContext], None]
 
+_Fetched = tuple[list[Any], str | None]
 
-class AutocommitWrites:
-    """One-statement writes on an asyncpg engine's pooled connections, past SQLAlchemy."""
+
+class DirectStatements:
+    """Statements on an asyncpg engine's connections, past SQLAlchemy's execution."""
 
     def __init__(self, engine: Engine, *, own_hooks: tuple[Hook, ...] = ()) -> None:
-        """Write through ``engine``'s pool (the sync engine behind the async one).
+        """Run statements of ``engine`` (the sync engine behind the async one).
 
         ``own_hooks``: the engine's ``handle_error`` listeners whose rule this class applies
         itself (a read-only node is a lost connection); any other listener sends every
@@ -61,15 +72,20 @@ class AutocommitWrites:
         self._forms = Forms(engine.dialect)
         self._own_hooks = own_hooks
 
-    def form(self, statement: Executable, params: Mapping[str, Any], *, rows: bool) -> Form | None:
-        """``statement``'s form if it may go direct now (``rows``: its rows are wanted)."""
-        events = self._engine.dispatch
-        if (
+    def _listened(self, events: Any) -> bool:
+        """Whether listeners must see the statements (``events``: an engine's or connection's)."""
+        return bool(
             events.before_cursor_execute
             or events.after_cursor_execute
             # An engine's handle_error listeners are its dialect's.
             or any(hook not in self._own_hooks for hook in self._dialect.dispatch.handle_error)
-        ):
+        )
+
+    # --- one-statement writes, in autocommit ---
+
+    def form(self, statement: Executable, params: Mapping[str, Any], *, rows: bool) -> Form | None:
+        """``statement``'s form if it may go direct now (``rows``: its rows are wanted)."""
+        if self._listened(self._engine.dispatch):
             return None
         form = self._forms.form(statement, params, False)
         if form is None or (rows and (form.textual or form.rows is None)):
@@ -83,12 +99,10 @@ class AutocommitWrites:
             sqlalchemy.exc.DBAPIError: as SQLAlchemy's execution would have raised it.
         """
         sql, arguments = bound(form, params)
-        records, status = await greenlet_spawn(self._pooled, sql, arguments)
-        counted = _COUNT.match(status or "")
-        rowcount = int(counted.group(1)) if counted else -1
-        return DirectResult(NO_ROWS if form.rows is None else form.rows, records, rowcount)
+        fetched = await greenlet_spawn(self._pooled, sql, arguments)
+        return _result(form, fetched)
 
-    def _pooled(self, sql: str, arguments: list[Any]) -> tuple[list[Any], str | None]:
+    def _pooled(self, sql: str, arguments: list[Any]) -> _Fetched:
         """Check out, run, check in, in one greenlet: the pool may await in each.
 
         The checkout may open a connection (the failover creator), and the checkin closes one
@@ -97,12 +111,12 @@ class AutocommitWrites:
         """
         fairy = self._engine.raw_connection()
         try:
-            # SQLAlchemy's asyncpg adapter: its lock, its prepared statements, its errors.
-            adapter: Any = fairy.dbapi_connection
+            # The adapter has no transaction open on a checked-in connection: the statement
+            # runs outside one, committed as it ends.
             try:
-                return await_only(_fetch(adapter, sql, arguments))
+                return await_only(_fetch(fairy.dbapi_connection, sql, arguments, begin=False))
             except Exception as exc:
-                raise self._error(fairy, sql, arguments, exc) from exc
+                raise self._error(fairy, None, sql, arguments, exc) from exc
             except BaseException as exc:
                 # Cancelled mid-statement: what the connection has in flight is unknown.
                 fairy.invalidate(exc)
@@ -110,7 +124,67 @@ class AutocommitWrites:
         finally:
             fairy.close()
 
-    def _error(self, fairy: Any, sql: str, arguments: list[Any], exc: Exception) -> Exception:
+    # --- statements of a transaction (DirectConnection) ---
+
+    def prepared(
+        self,
+        conn: AsyncConnection,
+        statement: Executable,
+        params: Mapping[str, Any],
+        *,
+        in_transaction: bool,
+        many: bool = False,
+    ) -> tuple[Connection, Form] | None:
+        """``conn``'s connection and ``statement``'s form, if it may go direct now."""
+        sync = conn.sync_connection
+        if (
+            many
+            or not in_transaction
+            or sync is None
+            or sync.invalidated
+            or not sync.in_transaction()
+            or self._listened(sync.dispatch)
+        ):
+            return None
+        form = self._forms.form(statement, params, False)
+        if form is None or form.textual:
+            return None
+        return sync, form
+
+    async def execute(
+        self, sync: Connection, form: Form, params: Mapping[str, Any]
+    ) -> DirectResult:
+        """Run ``form`` in ``sync``'s open transaction: its rows and rowcount.
+
+        Raises:
+            sqlalchemy.exc.DBAPIError: as SQLAlchemy's execution would have raised it; a lost
+                connection is invalidated (the transaction then rolls back as already gone).
+        """
+        sql, arguments = bound(form, params)
+        fairy = sync.connection
+        try:
+            fetched = await _fetch(fairy.dbapi_connection, sql, arguments, begin=True)
+        except Exception as exc:
+            raise self._error(fairy, sync, sql, arguments, exc) from exc
+        except BaseException as exc:
+            sync.invalidate(exc)
+            raise
+        return _result(form, fetched)
+
+    async def execute_many(
+        self, target: Connection, form: Form, sets: Sequence[Mapping[str, Any]]
+    ) -> DirectResult | None:
+        """Never called: :meth:`prepared` leaves every executemany to SQLAlchemy."""
+        return None
+
+    def _error(
+        self,
+        fairy: Any,
+        sync: Connection | None,
+        sql: str,
+        arguments: list[Any],
+        exc: Exception,
+    ) -> Exception:
         """``exc`` as SQLAlchemy's execution raises it, the connection invalidated if lost."""
         dialect = self._dialect
         try:
@@ -119,13 +193,14 @@ class AutocommitWrites:
             error = translated
         if not isinstance(error, dialect.loaded_dbapi.Error):
             return error  # not the database's: SQLAlchemy re-raises it as it is too
-        lost = dialect.is_disconnect(error, fairy.dbapi_connection, None) or is_read_only_error(
-            error
-        )
+        lost = dialect.is_disconnect(error, fairy.dbapi_connection, None)
+        lost = lost or is_read_only_error(error)
         if lost:
             # The connection and every pooled one opened before it: the server (or the
             # primary) they lead to is gone, as SQLAlchemy's execution decides.
             self._engine.pool._invalidate(fairy, error)
+            if sync is not None:
+                sync.invalidate(error)
         return DBAPIError.instance(
             sql,
             arguments,
@@ -137,9 +212,22 @@ class AutocommitWrites:
         )
 
 
-async def _fetch(adapter: Any, sql: str, arguments: list[Any]) -> tuple[list[Any], str | None]:
-    """The statement's rows and command status, as the adapter's cursor runs it."""
+async def _fetch(adapter: Any, sql: str, arguments: list[Any], *, begin: bool) -> _Fetched:
+    """The statement's rows and command status, as the adapter's cursor runs it.
+
+    ``adapter``: SQLAlchemy's asyncpg connection (its lock, transaction, prepared statements).
+    ``begin``: begin the adapter's transaction first if it has none yet, as its cursor does.
+    """
     async with adapter._execute_mutex:
+        if begin and adapter._transaction is None:
+            await adapter._start_transaction()
         prepared, _ = await adapter._prepare(sql, 0)
         records = await prepared.fetch(*arguments)
         return records, prepared.get_statusmsg()
+
+
+def _result(form: Form, fetched: _Fetched) -> DirectResult:
+    records, status = fetched
+    counted = _COUNT.match(status or "")
+    rowcount = int(counted.group(1)) if counted else -1
+    return DirectResult(NO_ROWS if form.rows is None else form.rows, records, rowcount)

@@ -35,6 +35,7 @@ from moorline import fastpaths
 from moorline.db import sqlite_driver
 from moorline.db.backends import sqlite_checkpoint, sqlite_direct
 from moorline.db.backends.base import Backend, Capabilities, DialectName, Pools, upsert_below
+from moorline.db.backends.direct import DirectConnection
 from moorline.db.dsn import ConnectTarget
 from moorline.db.types import UTCDateTime
 from moorline.settings import Settings
@@ -245,7 +246,7 @@ class SQLiteBackend(Backend):
                 if self._direct is None:
                     conn = await engine.connect()
                 else:
-                    conn = sqlite_direct.DirectConnection(engine, self._direct)
+                    conn = DirectConnection(engine, self._direct)
                     await conn.start()
                 self._writing = conn
             try:

@@ -8,14 +8,15 @@ transactions on its event loop.
 
 With :mod:`moorline.db.sqlite_driver`'s connections (the setting ``fast_paths``), the write
 connection (:meth:`SQLiteBackend._writing_connection
-<moorline.db.backends.sqlite.SQLiteBackend>`) is a :class:`DirectConnection`. A statement's
-compiled form and its binding are :mod:`moorline.db.backends.direct`'s; here its SQL goes to
-the driver, whose ``BEGIN`` held back and ``COMMIT`` asked for go with it as they would from
-SQLAlchemy, and errors come back as the same :mod:`sqlalchemy.exc` classes. A one-statement
-write (:meth:`DirectWrites.write_alone`) sends its ``BEGIN IMMEDIATE`` and ``COMMIT`` in the
-same driver call. An executemany (a bulk submission's runs and events) binds each parameter
-set the same way and goes to the driver's ``executemany``: SQLAlchemy's own parameter
-processing cost more per row than SQLite's insert of it.
+<moorline.db.backends.sqlite.SQLiteBackend>`) is a
+:class:`~moorline.db.backends.direct.DirectConnection` over :class:`DirectWrites`. A
+statement's compiled form and its binding are :mod:`moorline.db.backends.direct`'s; here its
+SQL goes to the driver, whose ``BEGIN`` held back and ``COMMIT`` asked for go with it as they
+would from SQLAlchemy, and errors come back as the same :mod:`sqlalchemy.exc` classes. A
+one-statement write (:meth:`DirectWrites.write_alone`) sends its ``BEGIN IMMEDIATE`` and
+``COMMIT`` in the same driver call. An executemany (a bulk submission's runs and events) binds
+each parameter set the same way and goes to the driver's ``executemany``: SQLAlchemy's own
+parameter processing cost more per row than SQLite's insert of it.
 
 SQLAlchemy's path is still taken for what the direct one would skip or could get wrong:
 
@@ -31,12 +32,12 @@ SQLAlchemy's path is still taken for what the direct one would skip or could get
 
 import sqlite3
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import Executable
-from sqlalchemy.engine import CursorResult, Dialect
+from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db import sqlite_driver
 from moorline.db.backends.direct import (
@@ -168,44 +169,3 @@ class DirectWrites:
 
     def _error(self, sql: str, arguments: Sequence[Any], exc: sqlite3.Error) -> Exception:
         return DBAPIError.instance(sql, arguments, exc, sqlite3.Error, dialect=self._dialect)
-
-
-class DirectConnection(AsyncConnection):
-    """SQLite's write connection: its statements go to the driver where they can."""
-
-    def __init__(self, engine: AsyncEngine, direct: DirectWrites) -> None:
-        """A connection of ``engine`` (not yet connected: ``await start()``)."""
-        super().__init__(engine)
-        self._direct = direct
-
-    async def execute(
-        self,
-        statement: Executable,
-        parameters: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        *,
-        execution_options: Mapping[str, Any] | None = None,
-    ) -> CursorResult[Any]:
-        """As :meth:`AsyncConnection.execute`; past SQLAlchemy where the module docstring says."""
-        if execution_options is None:
-            result = await self._direct_execute(statement, parameters)
-            if result is not None:
-                # A CursorResult to its callers: the rows, rowcount and the Result methods
-                # they use, without the cursor behind them.
-                return cast(CursorResult[Any], result)
-        return await super().execute(statement, parameters, execution_options=execution_options)
-
-    async def _direct_execute(
-        self,
-        statement: Executable,
-        parameters: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
-    ) -> DirectResult | None:
-        if not isinstance(parameters, Sequence):
-            params = {} if parameters is None else parameters
-            prepared = self._direct.prepared(self, statement, params, in_transaction=True)
-            return None if prepared is None else await self._direct.execute(*prepared, params)
-        if not parameters:
-            return None  # SQLAlchemy runs an empty list as one execution with no parameters
-        prepared = self._direct.prepared(
-            self, statement, parameters[0], in_transaction=True, many=True
-        )
-        return None if prepared is None else await self._direct.execute_many(*prepared, parameters)
