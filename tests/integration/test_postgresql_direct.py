@@ -1,17 +1,20 @@
-"""PostgreSQL's one-statement writes, sent to asyncpg past SQLAlchemy's execution."""
+"""PostgreSQL's statements, sent to asyncpg past SQLAlchemy's execution."""
 
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import asyncpg
 import pytest
 from sqlalchemy import (
     Column,
+    Float,
     Integer,
     MetaData,
+    Numeric,
     String,
     Table,
     bindparam,
@@ -41,6 +44,8 @@ gadgets = Table(
     Column("data", JSONDocument()),
     Column("at", UTCDateTime()),
     Column("weight", Integer, nullable=False, default=7),
+    Column("score", Float, nullable=False, default=0.5),
+    Column("price", Numeric(10, 2), nullable=False, default=Decimal("1.25")),
 )
 ADD = insert(gadgets).returning(gadgets.c.id, gadgets.c.data, gadgets.c.at, gadgets.c.weight)
 RENAME = (
@@ -52,6 +57,10 @@ SLOW_RENAME = (
     update(gadgets)
     .where(gadgets.c.id == bindparam("b_id"), text("pg_sleep(:pause_s) IS NOT NULL"))
     .values(label=bindparam("new_label"))
+)
+# An IN list before another parameter: numbered $2, $3 … after the $1 of ``at_least``.
+HEAVY = select(gadgets.c.id, gadgets.c.score, gadgets.c.price).where(
+    gadgets.c.id.in_(bindparam("ids", expanding=True)), gadgets.c.weight >= bindparam("at_least")
 )
 AT = datetime(2026, 11, 30, 3, 15, 1, 250000, tzinfo=UTC)
 
@@ -289,17 +298,25 @@ async def test_a_transactions_statements_go_direct_and_do_what_sqlalchemy_does(
         assert (await conn.execute(RENAME, params)).rowcount == 2
         added = (await conn.execute(ADD, {"id": 30, "name": "thirty"})).all()
         read = (await conn.execute(select(gadgets.c.label).where(gadgets.c.id == 1))).scalar()
-    assert len(sent) == 3
+    async with db.transaction() as conn:
+        heavy = (await conn.execute(HEAVY, {"ids": [1, 2, 30, 99], "at_least": 7})).all()
+    assert len(sent) == 4
     assert read == "in"  # the transaction's own write, seen inside it
+    assert [tuple(row) for row in heavy] == [(i, 0.5, Decimal("1.25")) for i in (1, 2, 30)]
 
     stop = listening(db)
     try:
         async with db.transaction() as conn:
             await conn.execute(RENAME, {**params, "ids": [3, 4]})
             added_by_sqlalchemy = (await conn.execute(ADD, {"id": 31, "name": "t1"})).all()
+            heavy_by_sqlalchemy = (
+                await conn.execute(HEAVY, {"ids": [1, 2, 30, 99], "at_least": 7})
+            ).all()
     finally:
         stop()
-    assert len(sent) == 3
+    assert len(sent) == 4
+    assert [tuple(row) for row in heavy_by_sqlalchemy] == [tuple(row) for row in heavy]
+    assert [type(value) for value in heavy[0]] == [type(value) for value in heavy_by_sqlalchemy[0]]
     assert await stored(db, [1, 2]) == await stored(db, [3, 4])
     assert added[0]._mapping.keys() == added_by_sqlalchemy[0]._mapping.keys()
     assert added[0][1:] == added_by_sqlalchemy[0][1:]

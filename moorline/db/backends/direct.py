@@ -65,7 +65,8 @@ class Form:
     compiled: SQLCompiler
     processors: Mapping[str, Callable[[Any], Any]]
     rows: SimpleResultMetaData | None
-    """The keys and result processors of the rows it returns; None: it returns none."""
+    """The keys and result processors of the rows it returns; None: it returns none. With
+    ``Forms(typed_rows=True)`` the keys only: see :func:`typed_rows`."""
     textual: bool = False
     """A ``text()`` statement: whether it returns rows is not known before it runs."""
     slots: tuple[_Slot, ...] | None = None
@@ -74,6 +75,10 @@ class Form:
     names, values rendered into the SQL, tuple lists)."""
     texts: dict[tuple[int, ...], str] = field(default_factory=dict)
     """The SQL with each ``IN`` list expanded, per the lists' lengths (the slots' order)."""
+    returned: tuple[Any, ...] = ()
+    """The compiler's record of the columns it returns (their types read the rows)."""
+    numbered: bool = False
+    """Its parameters are numbered (``$1``, asyncpg), not placed in order (``?``)."""
 
 
 class DirectResult(IteratorResult[Any]):
@@ -91,9 +96,15 @@ NO_ROWS = SimpleResultMetaData([])
 class Forms:
     """The compiled forms of statements for one dialect, kept per statement and names."""
 
-    def __init__(self, dialect: Dialect) -> None:
-        """Compile for ``dialect`` (the engine's, which fixes the parameter style)."""
+    def __init__(self, dialect: Dialect, *, typed_rows: bool = False) -> None:
+        """Compile for ``dialect`` (the engine's, which fixes the parameter style).
+
+        ``typed_rows``: the dialect's result processors depend on the type the driver reports
+        for each column (asyncpg's numbers); the forms' rows then have keys only, and each
+        execution reads them with :func:`typed_rows`.
+        """
         self.dialect = dialect
+        self._typed_rows = typed_rows
         self._forms: dict[_Key, tuple[Executable, Form | None]] = {}
 
     def form(self, statement: Executable, params: Mapping[str, Any], many: bool) -> Form | None:
@@ -108,7 +119,7 @@ class Forms:
             return found[1]
         if len(self._forms) >= _MAX_FORMS:
             self._forms.clear()
-        form = _compile(statement, self.dialect, names, many)
+        form = _compile(statement, self.dialect, names, many, self._typed_rows)
         # The statement is kept with its form: its id is not reused while it is held here.
         self._forms[key] = (statement, form)
         return form
@@ -200,9 +211,12 @@ def _bound_by_slots(
 
     Rendering the ``IN`` lists into the SQL was the largest part of binding a worker's claim
     and finish statements; the text depends only on the lists' lengths, so it is kept per
-    lengths, and the arguments are laid out here in the slots' order.
+    lengths, and the arguments are laid out here in the slots' order: an ``IN`` list's
+    members in its place (``?``), or, where parameters are numbered (``$1``), after every
+    other parameter, list after list, as SQLAlchemy numbers them.
     """
     arguments: list[Any] = []
+    members_last: list[Any] = arguments if not form.numbered else []
     lengths: list[int] = []
     for slot in slots:
         value = params[slot.key] if slot.key in params else _value(slot, params)
@@ -212,9 +226,11 @@ def _bound_by_slots(
         if slot.expanding:
             members = list(value)
             lengths.append(len(members))
-            arguments += members if process is None else [process(item) for item in members]
+            members_last += members if process is None else [process(item) for item in members]
         else:
             arguments.append(value if process is None else process(value))
+    if members_last is not arguments:
+        arguments += members_last
     return text_of(form, tuple(lengths), params), arguments
 
 
@@ -287,7 +303,7 @@ def _bound_by_sqlalchemy(form: Form, params: Mapping[str, Any]) -> tuple[str, li
 
 
 def _compile(
-    statement: Executable, dialect: Dialect, names: tuple[str, ...], many: bool
+    statement: Executable, dialect: Dialect, names: tuple[str, ...], many: bool, typed: bool
 ) -> Form | None:
     if not isinstance(statement, ClauseElement) or statement.get_execution_options():
         return None  # not SQL, or options only SQLAlchemy's execution reads
@@ -306,26 +322,49 @@ def _compile(
         if process is not None:
             processors[name] = process
     slots = _slots(compiled, processors, defaults)
+    numbered = dialect.paramstyle in ("numeric", "numeric_dollar")
     if slots is None and defaults:
         return None  # only the slots bind the defaults
     if isinstance(statement, TextClause):
-        return Form(compiled, processors, None, textual=True, slots=slots)
+        return Form(compiled, processors, None, textual=True, slots=slots, numbered=numbered)
     # The columns of the rows it returns (a SELECT's, a RETURNING's), as SQLAlchemy's own
     # results read them: the compiler's record, not the statement's ``exported_columns``, which
     # memoizes on the statement and would outlive a later ``.returning()`` copied from it.
     returned = compiled._result_columns
     if not returned:
-        return Form(compiled, processors, None, slots=slots)
+        return Form(compiled, processors, None, slots=slots, numbered=numbered)
     keys = [column.keyname for column in returned]
     if len(set(keys)) != len(keys):
         return None  # two columns of one name: SQLAlchemy's rules for which one a key means
-    readers = [
-        column.type.dialect_impl(dialect).result_processor(dialect, None) for column in returned
-    ]
-    shape = SimpleResultMetaData(
+    shape = _shape(returned, dialect, None if typed else [None] * len(returned))
+    return Form(
+        compiled, processors, shape, slots=slots, returned=tuple(returned), numbered=numbered
+    )
+
+
+def typed_rows(form: Form, dialect: Dialect, types: Sequence[Any]) -> SimpleResultMetaData:
+    """``form``'s rows, as SQLAlchemy's result reads them.
+
+    Each column is read by its type's result processor for the type the driver reported for
+    it (``types``, in order: asyncpg's type OIDs).
+    """
+    return _shape(form.returned, dialect, types)
+
+
+def _shape(returned: Any, dialect: Dialect, types: Sequence[Any] | None) -> SimpleResultMetaData:
+    """The keys of ``returned`` columns, and their readers (none when ``types`` is None)."""
+    keys = [column.keyname for column in returned]
+    readers = (
+        None
+        if types is None
+        else [
+            column.type.dialect_impl(dialect).result_processor(dialect, type_)
+            for column, type_ in zip(returned, types, strict=True)
+        ]
+    )
+    return SimpleResultMetaData(
         keys, extra=[column.objects for column in returned], _processors=readers
     )
-    return Form(compiled, processors, shape, slots=slots)
 
 
 def _scalar_defaults(compiled: SQLCompiler) -> dict[str, Any] | None:

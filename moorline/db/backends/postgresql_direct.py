@@ -42,11 +42,12 @@ from typing import Any
 
 from sqlalchemy import Connection, Executable
 from sqlalchemy.engine import Engine, ExceptionContext
+from sqlalchemy.engine.result import SimpleResultMetaData
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.util import await_only, greenlet_spawn
 
-from moorline.db.backends.direct import NO_ROWS, DirectResult, Form, Forms, bound
+from moorline.db.backends.direct import NO_ROWS, DirectResult, Form, Forms, bound, typed_rows
 from moorline.db.failures import is_read_only_error
 
 _COUNT = re.compile(r"(?:SELECT|UPDATE|DELETE|INSERT \d+) (\d+)")
@@ -54,7 +55,11 @@ _COUNT = re.compile(r"(?:SELECT|UPDATE|DELETE|INSERT \d+) (\d+)")
 
 Hook = Callable[[ExceptionContext], None]
 
-_Fetched = tuple[list[Any], str | None]
+_Fetched = tuple[list[Any], str | None, Sequence[Any]]
+"""A statement's records, its command status and its columns (asyncpg's attributes)."""
+
+_MAX_SHAPES = 512
+"""Rows' readers kept; all are forgotten at once past it (statements are built once)."""
 
 
 class DirectStatements:
@@ -69,8 +74,10 @@ class DirectStatements:
         """
         self._engine = engine
         self._dialect = engine.dialect
-        self._forms = Forms(engine.dialect)
+        self._forms = Forms(engine.dialect, typed_rows=True)
         self._own_hooks = own_hooks
+        self._shapes: dict[str, SimpleResultMetaData] = {}
+        """Rows' readers per SQL text, for the column types the server reported."""
 
     def _listened(self, events: Any) -> bool:
         """Whether listeners must see the statements (``events``: an engine's or connection's)."""
@@ -100,7 +107,7 @@ class DirectStatements:
         """
         sql, arguments = bound(form, params)
         fetched = await greenlet_spawn(self._pooled, sql, arguments)
-        return _result(form, fetched)
+        return self._result(form, sql, fetched)
 
     def _pooled(self, sql: str, arguments: list[Any]) -> _Fetched:
         """Check out, run, check in, in one greenlet: the pool may await in each.
@@ -169,13 +176,27 @@ class DirectStatements:
         except BaseException as exc:
             sync.invalidate(exc)
             raise
-        return _result(form, fetched)
+        return self._result(form, sql, fetched)
 
     async def execute_many(
         self, target: Connection, form: Form, sets: Sequence[Mapping[str, Any]]
     ) -> DirectResult | None:
         """Never called: :meth:`prepared` leaves every executemany to SQLAlchemy."""
         return None
+
+    def _result(self, form: Form, sql: str, fetched: _Fetched) -> DirectResult:
+        records, status, columns = fetched
+        counted = _COUNT.match(status or "")
+        rowcount = int(counted.group(1)) if counted else -1
+        if form.rows is None:
+            return DirectResult(NO_ROWS, records, rowcount)
+        shape = self._shapes.get(sql)
+        if shape is None:
+            if len(self._shapes) >= _MAX_SHAPES:
+                self._shapes.clear()
+            types = [column.type.oid for column in columns]
+            shape = self._shapes[sql] = typed_rows(form, self._dialect, types)
+        return DirectResult(shape, records, rowcount)
 
     def _error(
         self,
@@ -213,7 +234,7 @@ class DirectStatements:
 
 
 async def _fetch(adapter: Any, sql: str, arguments: list[Any], *, begin: bool) -> _Fetched:
-    """The statement's rows and command status, as the adapter's cursor runs it.
+    """The statement's rows, command status and columns, as the adapter's cursor runs it.
 
     ``adapter``: SQLAlchemy's asyncpg connection (its lock, transaction, prepared statements).
     ``begin``: begin the adapter's transaction first if it has none yet, as its cursor does.
@@ -221,13 +242,6 @@ async def _fetch(adapter: Any, sql: str, arguments: list[Any], *, begin: bool) -
     async with adapter._execute_mutex:
         if begin and adapter._transaction is None:
             await adapter._start_transaction()
-        prepared, _ = await adapter._prepare(sql, 0)
+        prepared, columns = await adapter._prepare(sql, 0)
         records = await prepared.fetch(*arguments)
-        return records, prepared.get_statusmsg()
-
-
-def _result(form: Form, fetched: _Fetched) -> DirectResult:
-    records, status = fetched
-    counted = _COUNT.match(status or "")
-    rowcount = int(counted.group(1)) if counted else -1
-    return DirectResult(NO_ROWS if form.rows is None else form.rows, records, rowcount)
+        return records, prepared.get_statusmsg(), columns
