@@ -1,7 +1,10 @@
 """PostgreSQL (asyncpg): row locks, SKIP LOCKED, RETURNING everywhere, LISTEN/NOTIFY.
 
 One pool serves transactions and one-statement writes alike: asyncpg's transaction mode is
-client-side, so a checkout switches to autocommit and back without a round trip.
+client-side, so a checkout switches to autocommit and back without a round trip. With
+``fast_paths`` both send their statements to asyncpg past SQLAlchemy's execution
+(:mod:`moorline.db.backends.postgresql_direct`), and a one-statement write does not switch at
+all: a checked-in connection has no transaction open.
 """
 
 import functools
@@ -140,7 +143,7 @@ class PostgreSQLBackend(ServerBackend):
     async def transaction(self, pools: Pools) -> AsyncIterator[AsyncConnection]:
         """As the base's, on a connection whose statements go to asyncpg past SQLAlchemy."""
         if self._direct is None:
-            async with pools.main.connect() as conn, conn.begin():
+            async with super().transaction(pools) as conn:
                 yield conn
             return
         async with DirectConnection(pools.main, self._direct) as direct, direct.begin():

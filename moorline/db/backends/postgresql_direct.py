@@ -1,7 +1,7 @@
 """PostgreSQL's statements, handed to asyncpg past SQLAlchemy's execution.
 
 A statement's round trip through SQLAlchemy carried a connection, an execution context,
-parameter processing, a cursor, a result and a greenlet around it: a `py-spy` profile of
+parameter processing, a cursor, a result and a greenlet around it: a ``py-spy`` profile of
 ``app.submit`` on PostgreSQL from one producer had a quarter of the process's CPU there, three
 times asyncpg's own share, and a worker draining one-step runs a fifth of its CPU. Here a
 statement's form and binding are :mod:`moorline.db.backends.direct`'s, and it goes to the
@@ -123,7 +123,10 @@ class DirectStatements:
             try:
                 return await_only(_fetch(fairy.dbapi_connection, sql, arguments, begin=False))
             except Exception as exc:
-                raise self._error(fairy, None, sql, arguments, exc) from exc
+                error = self._error(fairy, None, sql, arguments, exc)
+                if error is exc:
+                    raise
+                raise error from exc
             except BaseException as exc:
                 # Cancelled mid-statement: what the connection has in flight is unknown.
                 fairy.invalidate(exc)
@@ -172,7 +175,10 @@ class DirectStatements:
         try:
             fetched = await _fetch(fairy.dbapi_connection, sql, arguments, begin=True)
         except Exception as exc:
-            raise self._error(fairy, sync, sql, arguments, exc) from exc
+            error = self._error(fairy, sync, sql, arguments, exc)
+            if error is exc:
+                raise
+            raise error from exc
         except BaseException as exc:
             sync.invalidate(exc)
             raise
