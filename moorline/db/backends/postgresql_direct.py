@@ -38,7 +38,7 @@ tests that count statements). The adapter's ``_prepare``, ``_execute_mutex``, ``
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from sqlalchemy import Connection, Executable
 from sqlalchemy.engine import Engine, ExceptionContext
@@ -122,15 +122,8 @@ class DirectStatements:
             # runs outside one, committed as it ends.
             try:
                 return await_only(_fetch(fairy.dbapi_connection, sql, arguments, begin=False))
-            except Exception as exc:
-                error = self._error(fairy, None, sql, arguments, exc)
-                if error is exc:
-                    raise
-                raise error from exc
             except BaseException as exc:
-                # Cancelled mid-statement: what the connection has in flight is unknown.
-                fairy.invalidate(exc)
-                raise
+                self._reraise(exc, fairy, None, sql, arguments)
         finally:
             fairy.close()
 
@@ -174,14 +167,8 @@ class DirectStatements:
         fairy = sync.connection
         try:
             fetched = await _fetch(fairy.dbapi_connection, sql, arguments, begin=True)
-        except Exception as exc:
-            error = self._error(fairy, sync, sql, arguments, exc)
-            if error is exc:
-                raise
-            raise error from exc
         except BaseException as exc:
-            sync.invalidate(exc)
-            raise
+            self._reraise(exc, fairy, sync, sql, arguments)
         return self._result(form, sql, fetched)
 
     async def execute_many(
@@ -203,6 +190,31 @@ class DirectStatements:
             types = [column.type.oid for column in columns]
             shape = self._shapes[sql] = typed_rows(form, self._dialect, types)
         return DirectResult(shape, records, rowcount)
+
+    def _reraise(
+        self,
+        exc: BaseException,
+        fairy: Any,
+        sync: Connection | None,
+        sql: str,
+        arguments: list[Any],
+    ) -> NoReturn:
+        """Raise ``exc`` as SQLAlchemy's execution would, the connection invalidated if lost.
+
+        ``fairy``: the pooled connection the statement ran on; ``sync``: the SQLAlchemy
+        connection whose transaction it was part of, None in autocommit.
+        """
+        if not isinstance(exc, Exception):
+            # Cancelled mid-statement: what the connection has in flight is unknown.
+            if sync is not None:
+                sync.invalidate(exc)
+            else:
+                fairy.invalidate(exc)
+            raise exc
+        error = self._error(fairy, sync, sql, arguments, exc)
+        if error is exc:
+            raise exc
+        raise error from exc
 
     def _error(
         self,
