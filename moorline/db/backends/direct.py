@@ -1,15 +1,17 @@
 """Statements compiled once and bound past SQLAlchemy's execution, for the direct paths.
 
 A direct path (SQLite's write connection, :mod:`moorline.db.backends.sqlite_direct`;
-PostgreSQL's one-statement writes, :mod:`moorline.db.backends.postgresql_direct`) sends a
-statement to the driver itself: SQLAlchemy's execution of a short statement (an execution
-context, parameter processing, a cursor wrapper, a result around it, a greenlet) costs more CPU
-than the database spends on it. What they share is here: a statement is compiled once per
-statement object and parameter names (:class:`Forms`), and each execution binds its parameters
-as SQLAlchemy's execution would, through the compiled form's slots, or its public
+PostgreSQL's write transactions and one-statement writes,
+:mod:`moorline.db.backends.postgresql_direct`) sends a statement to the driver itself:
+SQLAlchemy's execution of a short statement (an execution context, parameter processing, a
+cursor wrapper, a result around it, a greenlet) costs more CPU than the database spends on it.
+What they share is here: a statement is compiled once per statement object and parameter names
+(:class:`Forms`), and each execution binds its parameters as SQLAlchemy's execution would,
+through the compiled form's slots, or its public
 :meth:`~sqlalchemy.sql.compiler.SQLCompiler.construct_expanded_state` where the slots cannot
 (:func:`bound`), with the types' bind processors; rows come back as SQLAlchemy rows through the
-columns' result processors (:class:`DirectResult`).
+columns' result processors (:class:`DirectResult`). A transaction's connection is a
+:class:`DirectConnection`, whose ``execute`` asks the backend's :class:`Statements` first.
 
 A form is None, and the statement goes SQLAlchemy's way, where binding it here could differ: not
 a compiled SQL statement, execution options set on it, a Python-side column default that is a
