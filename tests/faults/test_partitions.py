@@ -400,12 +400,21 @@ async def test_partitions(
         )
         assert await answers(client, key, "healed") == [200, 200, 202]
         # Worker 1 works again: it takes runs of its own after the heal (more runs than the
-        # other two have slots).
-        more = await submit(RunsRepo(db), tenant_ids, "work", [{"seconds": 1.0}] * RUNS)
-        await wait_for(
-            lambda: held_by(db, owner_pattern(w1)), timeout_s=30, message="worker 1 working again"
-        )
-        await all_ended(db, more, 30)
+        # other two have slots, each long enough that they cannot take the rest before worker
+        # 1's next claim: up to its 5 s backoff after the failed ones of the partition).
+        more = await submit(RunsRepo(db), tenant_ids, "work", [{"seconds": RUN_S}] * RUNS)
+        try:
+            await wait_for(
+                lambda: held_by(db, owner_pattern(w1)),
+                timeout_s=30,
+                message="worker 1 working again",
+            )
+        except AssertionError:
+            for index, proc in enumerate(workers.procs):
+                tail = workers.log(proc).splitlines()[-40:]
+                print(f"--- worker {index + 1} (pid {proc.pid}):", *tail, sep="\n")
+            raise
+        await all_ended(db, more, RUN_S * 2 + RECOVERY_BOUND_S)
     if fault == "drop":
         # Its lost attempts got nothing written after their reclaim, heal or not.
         assert await written_after_reclaim(db, held) == []
