@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,11 @@ async def running_under(db: DatabaseManager, pattern: str) -> list[RunId]:
             )
         )
         return [RunId(run_id) for run_id in rows.scalars()]
+
+
+async def held_besides(db: DatabaseManager, pattern: str, known: set[RunId]) -> list[RunId]:
+    """The runs ``running`` under a lease owner matching ``pattern``, but for ``known``."""
+    return [run_id for run_id in await running_under(db, pattern) if run_id not in known]
 
 
 async def waiting_for_a_decision(
@@ -254,8 +260,16 @@ async def test_cancels_at_random_points_end_every_run_cancelled_with_no_later_st
         await asyncio.sleep(max(0.0, window_start + instant - time.monotonic()))
         if index == crash_at:
             # kill -9 a worker, cancel what it held while it is dead, then replace it: the
-            # reaper must end those runs cancelled, never requeue them.
+            # reaper must end those runs cancelled, never requeue them. First it must hold a
+            # run not cancelled yet (on a loaded machine all it held at this instant could
+            # be cancelled already, or parked on a permission request).
             victim = procs[0]
+            pattern = owner_pattern(victim)
+            await wait_for(
+                partial(held_besides, db, pattern, cancelled),
+                timeout_s=30,
+                message="a run of the worker to kill",
+            )
             victim.kill()
             victim.wait()
             for held in await running_under(db, owner_pattern(victim)):
