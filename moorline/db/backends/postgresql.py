@@ -153,19 +153,17 @@ class PostgreSQLBackend(ServerBackend):
         self, pools: Pools, statement: Executable, params: dict[str, Any]
     ) -> int:
         direct = self._direct
-        form = None if direct is None else direct.form(statement, params, rows=False)
-        if direct is None or form is None:
-            return await super().write_statement(pools, statement, params)
-        return (await direct.write(form, params)).rowcount
+        if direct is not None and (form := direct.form(statement, params, rows=False)) is not None:
+            return (await direct.write(form, params)).rowcount
+        return await super().write_statement(pools, statement, params)
 
     async def write_statement_rows(
         self, pools: Pools, statement: Executable, params: dict[str, Any]
     ) -> list[Row[Any]]:
         direct = self._direct
-        form = None if direct is None else direct.form(statement, params, rows=True)
-        if direct is None or form is None:
-            return await super().write_statement_rows(pools, statement, params)
-        return list(await direct.write(form, params))
+        if direct is not None and (form := direct.form(statement, params, rows=True)) is not None:
+            return list(await direct.write(form, params))
+        return await super().write_statement_rows(pools, statement, params)
 
     # --- run inserts ---
 
