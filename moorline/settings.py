@@ -260,9 +260,11 @@ class Settings(BaseSettings):
     """Seconds a request's body may take to arrive after its head, not counting the time the
     server itself stopped reading; then 408 ``request_timeout`` and the connection closes."""
 
-    keep_alive_timeout: float = Field(default=5.0, gt=0)
+    keep_alive_timeout: float = Field(default=20.0, gt=0)
     """Seconds an idle kept-alive connection stays open (uvicorn's ``timeout_keep_alive``,
-    rounded up to whole seconds)."""
+    rounded up to whole seconds). Above the idle expiry of common clients (httpx's 5 s,
+    aiohttp's 15 s): the client drops an idle connection first, so no request is written to
+    a socket the server is closing at that moment (a POST lost that way raises, unanswered)."""
 
     max_connections: int = Field(default=1000, ge=1)
     """Connections ``moorline serve`` holds open at once (event streams included); one

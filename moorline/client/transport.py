@@ -28,9 +28,9 @@ MAX_CONNECTIONS = 256
 """Connections open at once; a request beyond them waits for one (the pool timeout)."""
 
 IDLE_EXPIRY_S = 4.0
-"""An idle connection older than this is closed instead of reused: below the 5 s keep-alive
-timeout of uvicorn (``moorline serve``), so a request is not written to a socket the server is
-closing at that moment."""
+"""An idle connection older than this is closed instead of reused: below uvicorn's default
+keep-alive timeout (5 s) and ``moorline serve``'s (20 s), so a request is not written to a
+socket the server is closing at that moment."""
 
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 """Requests sent again when a kept-alive connection turns out closed before any answer."""

@@ -13,8 +13,10 @@ import httpx
 import pytest
 
 from moorline import Client, SyncClient
+from moorline.api.protocol import uvicorn_limits
 from moorline.client.calls import RequestBuilder, get_run
-from moorline.client.transport import KeepAliveTransport
+from moorline.client.transport import IDLE_EXPIRY_S, KeepAliveTransport
+from moorline.settings import Settings
 
 
 @dataclass
@@ -173,3 +175,14 @@ async def test_a_proxy_in_the_environment_leaves_the_requests_to_httpx(
         assert proxied._transport is None
     with SyncClient("http://127.0.0.1:1", "key") as sync:
         assert sync._transport is None
+
+
+def test_the_server_keeps_idle_connections_longer_than_clients_do() -> None:
+    # Whoever drops an idle connection first must be the client: a server closing it as a
+    # request goes out loses that request unanswered (a POST raises). httpx's own pool and
+    # moorline.Client both expire idle connections before `moorline serve` closes them.
+    server_s = uvicorn_limits(Settings())["timeout_keep_alive"]
+    httpx_expiry = httpx.Limits().keepalive_expiry
+    assert httpx_expiry is not None
+    assert IDLE_EXPIRY_S < server_s
+    assert httpx_expiry < server_s
