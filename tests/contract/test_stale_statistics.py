@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import event, update
+from sqlalchemy import event, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.manager import DatabaseManager
@@ -33,6 +33,9 @@ OWNER = "stale-stats-worker"
 EXPLAIN = {"sqlite": "EXPLAIN QUERY PLAN ", "postgresql": "EXPLAIN ", "mysql": "EXPLAIN "}
 SORTS = ("TEMP B-TREE", "Sort", "filesort")
 """How each database says a read sorts its rows instead of walking an index in order."""
+
+PRIMARY_KEY = {"sqlite": "sqlite_autoindex_runs_1", "postgresql": "pk_runs", "mysql": "PRIMARY"}
+"""The runs table's primary key in each database's plans."""
 
 STATUS_INDEXES = (
     "ix_runs_lease",
@@ -65,6 +68,21 @@ async def analysed_while_idle(db: DatabaseManager, tenant: TenantId, lane: str) 
         if db.backend.name == "postgresql":
             await conn.exec_driver_sql("ALTER TABLE runs SET (autovacuum_enabled = false)")
         await conn.commit()
+
+
+async def forget_statistics(db: DatabaseManager) -> None:
+    """SQLite: no planner statistics, as in a database never analysed (the others keep theirs:
+    their claim UPDATE names its rows by id alone, whatever the planner knows).
+
+    On the connection the claims use: each SQLite connection loads the statistics once.
+    """
+    if db.backend.name != "sqlite":
+        return
+    async with db.transaction() as conn:
+        named = text("SELECT count(*) FROM sqlite_master WHERE name = 'sqlite_stat1'")
+        if await conn.scalar(named):
+            await conn.exec_driver_sql("DELETE FROM sqlite_stat1")
+        await conn.exec_driver_sql("ANALYZE sqlite_schema")  # reloads what is left: nothing
 
 
 @contextmanager
@@ -109,13 +127,37 @@ async def test_a_claim_reads_a_backlog_in_index_order_whatever_the_statistics_sa
         with statements_on_runs(db) as captured:
             batch = await repo.claim_txn(conn, request)
         # In the claim's own transaction: what it set for its reads holds for the plans.
-        found = await plans(db, conn, [(sql, p) for sql, p in captured if "queued" in str(p)])
+        reads = [(sql, p) for sql, p in captured if "queued" in str(p)]
+        found = await plans(db, conn, reads)
     # The first eight queued, in order: the claim did read the backlog.
     assert [claim.run.run_id for claim in batch.claims] == queued[:8]
     assert found
     for plan in found:
         assert "ix_runs_lane_tenant" in plan, plan
         assert not any(sort in plan for sort in SORTS), plan
+
+
+async def test_a_claim_behind_a_backlog_finds_its_runs_by_id_with_no_statistics(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # A young database has no statistics at all: SQLite's claim UPDATE then walked the lane's
+    # whole backlog through ix_runs_lane_tenant, testing each entry against the ids its
+    # subquery chose (a claim's cost grew with the backlog), instead of finding them by id.
+    tenant, lane = await tenants.new(), unique("lane")
+    await add_runs(db, tenant, lane, BACKLOG)
+    await forget_statistics(db)
+    request = ClaimRequest(
+        lane=lane, owner=OWNER, limit=8, lease_ttl_s=30.0, tenant_caps=NO_CAP, workflows=["noop"]
+    )
+    async with db.write_transaction() as conn:
+        with statements_on_runs(db) as captured:
+            batch = await QueueRepo(db).claim_txn(conn, request)
+        updates = [(sql, p) for sql, p in captured if "UPDATE runs" in sql]
+        found = await plans(db, conn, updates)
+    assert len(batch.claims) == 8
+    assert found
+    for plan in found:
+        assert PRIMARY_KEY[db.backend.name] in plan, plan
 
 
 async def test_a_batch_of_outcomes_finds_its_runs_by_id_whatever_the_statistics_say(
