@@ -43,7 +43,7 @@ Three things still cross:
   timeout, from the step that was refused (SQLite refuses a statement as a whole, so nothing
   of it has happened);
 - a big statement (more than ``_INLINE_MAX_PARAMETERS`` parameters, or an executemany of more
-  than ``_INLINE_MAX_ROWS`` rows: batch claims and batch submissions), or one whose SQL took
+  than ``_INLINE_MAX_ROWS`` rows: bulk submissions and wide batches), or one whose SQL took
   more than ``_INLINE_SLOW_S`` of CPU inline before (a listing over many rows), takes milliseconds,
   the crossing little beside it, and the loop does other work meanwhile; its transaction's
   commit crosses with it;
@@ -74,10 +74,17 @@ from moorline import fastpaths
 
 T = TypeVar("T")
 
-_INLINE_MAX_PARAMETERS = 64
-"""A statement with more parameters than this (a batch claim, say) crosses to the thread."""
-_INLINE_MAX_ROWS = 8
-"""An executemany of more parameter sets than this crosses to the thread."""
+_INLINE_MAX_PARAMETERS = 512
+"""A statement with more parameters than this (a batch submission's, say) crosses to the thread.
+
+A worker's ordinary batches stay inline: the outcomes of a lane's slots written with its next
+claim bind eight or nine parameters a run, and with the lane's claims waiting on them the
+loop has nothing else to do meanwhile, so a crossing only added two thread wake-ups to every
+claim (at 64, a default worker of nine slots sent each batch of outcomes, and its commit, to
+the thread; docs/performance.md has the drain with each)."""
+_INLINE_MAX_ROWS = 64
+"""An executemany of more parameter sets than this crosses to the thread (the ``queued`` or
+``started`` events of a lane's batch stay inline; a bulk submission's crosses)."""
 _INLINE_SLOW_S = 0.002
 """A statement that kept the loop's thread busy longer than this inline (its CPU time, with
 the fetch of its rows) crosses to the thread from then on.
@@ -329,7 +336,7 @@ class Connection(aiosqlite.Connection):
         # row n could not be resumed without repeating rows 1..n-1: it always crosses.
         autocommitting = many and begin is None and not self._is_in_transaction()
         if self._busy_timeout_ms is None or big or autocommitting or self._is_thread_busy():
-            # A big statement (a batch claim, a batch of runs) costs milliseconds, the
+            # A big statement (a bulk submission's runs) costs milliseconds, the
             # crossing little beside it, and the loop goes on with other work meanwhile; its
             # transaction's commit writes as many pages, and crosses too.
             self._big_transaction = self._big_transaction or big

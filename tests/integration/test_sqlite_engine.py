@@ -826,3 +826,28 @@ async def test_processes_contending_for_the_write_lock_see_no_busy_error(
     async with sqlite_db.connect() as conn:
         rows = await conn.execute(text("SELECT id, n FROM counter ORDER BY id"))
         assert rows.all() == [(1, processes * rounds), (2, processes * rounds)]
+
+
+async def test_a_lanes_batch_runs_inline_and_a_bulk_one_on_the_thread(
+    sqlite_db: DatabaseManager, crossings: list[str]
+) -> None:
+    # A worker's batch of outcomes or events is a lane's slots' worth: a crossing would only
+    # delay the claim waiting on it. A bulk submission's rows cost milliseconds: the loop
+    # goes on meanwhile.
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(text("CREATE TABLE IF NOT EXISTS item (id INTEGER PRIMARY KEY)"))
+    insert = text("INSERT INTO item (id) VALUES (:id)")
+    lane = [{"id": n} for n in range(64)]
+    wide = ", ".join(f":p{n}" for n in range(512))
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(insert, lane)
+        params = {f"p{n}": n for n in range(512)}
+        assert (
+            await conn.execute(text(f"SELECT count(*) FROM item WHERE id IN ({wide})"), params)
+        ).scalar_one() == 64
+    assert crossings == []
+    bulk = [{"id": n} for n in range(1000, 1065)]
+    async with sqlite_db.transaction() as conn:
+        await conn.execute(insert, bulk)
+    # The statement and its transaction's commit.
+    assert crossings == ["_run", "commit"]
