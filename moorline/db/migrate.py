@@ -148,8 +148,8 @@ def _create_all_sqlite(conn: Connection) -> None:
 
     ``create_all`` creates a table's indexes only with the table, so a database file made by an
     older version would never get a newer index: SQLite has no migrations to add it. An index
-    whose columns changed since (``ix_runs_lane_tenant`` gained ``workflow`` in 0006) is
-    rebuilt, as the server migrations drop and create it.
+    whose columns changed since (``ix_runs_lane_tenant`` gained ``workflow`` in 0006), or that
+    became partial (0016), is rebuilt, as the server migrations drop and create it.
     """
     metadata.create_all(conn)
     # Columns first: an index added since may be on one of them.
@@ -160,11 +160,23 @@ def _create_all_sqlite(conn: Connection) -> None:
     for table in metadata.sorted_tables:
         for index in table.indexes:
             stored = [row[2] for row in conn.exec_driver_sql(f"PRAGMA index_info({index.name})")]
-            if stored and stored != [column.name for column in index.columns]:
+            partial = index.dialect_options["sqlite"]["where"] is not None
+            if stored and (
+                stored != [column.name for column in index.columns]
+                or _is_partial(conn, str(index.name)) != partial
+            ):
                 conn.exec_driver_sql(f"DROP INDEX {index.name}")
             index.create(conn, checkfirst=True)
     for retired in RETIRED_SQLITE_INDEXES:
         conn.exec_driver_sql(f"DROP INDEX IF EXISTS {retired}")
+
+
+def _is_partial(conn: Connection, index_name: str) -> bool:
+    """Whether SQLite's index ``index_name`` leaves rows out (0016 made four of them so)."""
+    sql = conn.exec_driver_sql(
+        "SELECT sql FROM sqlite_master WHERE type = 'index' AND name = ?", (index_name,)
+    ).scalar()
+    return sql is not None and " WHERE " in sql.upper()
 
 
 async def ensure_schema(db: Database) -> None:

@@ -4,6 +4,8 @@ SQLite creates it with ``create_all``; PostgreSQL and MySQL/MariaDB reach it thr
 migrations in ``moorline/db/migrations`` (a test proves upgrade-from-empty equals ``create_all``).
 """
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -16,6 +18,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 
 from moorline.db.types import JSONDocument, UTCDateTime
@@ -36,6 +39,20 @@ metadata = MetaData(naming_convention=NAMING_CONVENTION)
 # collation makes them compare as on SQLite and PostgreSQL (except that it still ignores
 # trailing spaces: the NO PAD binary collations differ between MySQL and MariaDB).
 MYSQL_TABLE_OPTIONS = {"mysql_charset": "utf8mb4", "mysql_collate": "utf8mb4_bin"}
+
+
+def only_where_set(column: str) -> dict[str, Any]:
+    """An index's options that leave out the rows whose ``column`` is NULL (a partial index).
+
+    For an index that only rows with ``column`` set are ever looked up by (``column = ?`` or a
+    range on it implies ``IS NOT NULL``, and SQLite's and PostgreSQL's planners both prove
+    it): most runs have no parent, conversation or lease, and are finished only once, so
+    their inserts and status changes skip the index instead of moving an entry in it. MariaDB
+    has no partial indexes: there the index holds every row, as before.
+    """
+    where = text(f"{column} IS NOT NULL")
+    return {"sqlite_where": where, "postgresql_where": where}
+
 
 ID = 36  # uuid4 text
 NAME = 200
@@ -134,14 +151,20 @@ runs = Table(
     # A unique index, not a constraint: SQLite files made before it can get an index.
     Index("ix_runs_parent_key", "parent_run_id", "child_key", unique=True),
     # A parent's children by status: its joins, the cancel cascade, GET /v1/runs?parent_run_id.
-    Index("ix_runs_parent", "parent_run_id", "status"),
-    # Reaper: running runs whose lease expired.
-    Index("ix_runs_lease", "status", "lease_expires_at"),
+    Index("ix_runs_parent", "parent_run_id", "status", **only_where_set("parent_run_id")),
+    # Reaper: running runs whose lease expired (only a claimed run has a lease).
+    Index("ix_runs_lease", "status", "lease_expires_at", **only_where_set("lease_expires_at")),
     # Tenant concurrency cap, and a tenant's listing filtered on a status (newest first).
     Index("ix_runs_tenant_status", "tenant_id", "status", "created_at", "id"),
     # A tenant's listing.
     Index("ix_runs_tenant_created", "tenant_id", "created_at"),
-    Index("ix_runs_conversation", "tenant_id", "conversation_id", "status"),
+    Index(
+        "ix_runs_conversation",
+        "tenant_id",
+        "conversation_id",
+        "status",
+        **only_where_set("conversation_id"),
+    ),
     # The admin's listing across tenants, newest first: all runs, those of one status, those
     # of one workflow (a filter on a lane walks ix_runs_created: lanes are few and large).
     Index("ix_runs_created", "created_at", "id"),
@@ -151,7 +174,7 @@ runs = Table(
     Index("ix_runs_wake", "status", "wake_at"),
     # The retention cleaner walks finished runs oldest first; /metrics reads the oldest one.
     # Only ended runs have a finished_at.
-    Index("ix_runs_finished", "finished_at", "id"),
+    Index("ix_runs_finished", "finished_at", "id", **only_where_set("finished_at")),
 )
 # Claim: the tenants with queued runs in a lane (an index skip-scan), then each one's next runs
 # in claim order (priority first, oldest eligible first), without reading a backlog past them.

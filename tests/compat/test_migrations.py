@@ -100,7 +100,12 @@ def snapshot(conn: Connection) -> Snapshot:
                 for fk in insp.get_foreign_keys(name)
             ),
             "indexes": sorted(
-                (ix["name"] or "", tuple(str(c) for c in ix["column_names"]), ix["unique"])
+                (
+                    ix["name"] or "",
+                    tuple(str(c) for c in ix["column_names"]),
+                    ix["unique"],
+                    str(ix.get("dialect_options", {}).get("postgresql_where")),
+                )
                 for ix in insp.get_indexes(name)
             ),
             "unique_constraints": sorted(
@@ -152,6 +157,32 @@ async def test_upgrade_from_empty_equals_create_all(
     assert migrated_schema == created_schema
 
 
+PARTIAL_RUN_INDEXES = {
+    "ix_runs_parent": "parent_run_id",
+    "ix_runs_conversation": "conversation_id",
+    "ix_runs_lease": "lease_expires_at",
+    "ix_runs_finished": "finished_at",
+}
+
+
+@pytest.mark.requires("server")
+async def test_run_indexes_leave_out_null_rows_where_the_database_can(
+    new_database: Callable[[], str], open_db: Callable[[str], DatabaseManager], backend: str
+) -> None:
+    # PostgreSQL: partial, as the schema says (0016); MariaDB has no partial indexes.
+    db = open_db(new_database())
+    await upgrade(db)
+    async with db.connect() as conn:
+        indexes = await conn.run_sync(lambda sync: inspect(sync).get_indexes("runs"))
+    where = {ix["name"]: ix.get("dialect_options", {}).get("postgresql_where") for ix in indexes}
+    for name, column in PARTIAL_RUN_INDEXES.items():
+        if backend == "postgresql":
+            assert where[name] == f"({column} IS NOT NULL)", (name, where[name])
+        else:
+            assert where[name] is None, (name, where[name])
+    assert where["ix_runs_lane_tenant"] is None
+
+
 @pytest.mark.requires("server")
 async def test_constraint_names_follow_the_naming_convention(
     new_database: Callable[[], str], open_db: Callable[[str], DatabaseManager]
@@ -162,7 +193,7 @@ async def test_constraint_names_follow_the_naming_convention(
         schema = await conn.run_sync(snapshot)
     for table in metadata.sorted_tables:
         reflected = schema[table.name]
-        index_names = {name for name, _, _ in reflected["indexes"]}
+        index_names = {name for name, _, _, _ in reflected["indexes"]}
         assert {str(ix.name) for ix in table.indexes} <= index_names
         unique_names = {name for name, _ in reflected["unique_constraints"]} | index_names
         expected_uniques = {

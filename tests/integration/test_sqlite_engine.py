@@ -235,6 +235,37 @@ async def test_an_index_whose_columns_changed_is_rebuilt(db_path: Path) -> None:
     assert columns == ["status", "lane", "tenant_id", "priority", "not_before", "id", "workflow"]
 
 
+async def test_indexes_made_whole_before_0016_become_partial(db_path: Path) -> None:
+    """A file from before 0016 holds every run in ix_runs_parent; at start it holds only
+    children (and the three other partial indexes are made again the same way)."""
+    url = f"sqlite+aiosqlite:///{db_path}"
+    old = DatabaseManager(Settings(database_url=url))
+    try:
+        await old.initialize()
+        async with old.transaction() as conn:
+            await conn.execute(text("DROP INDEX ix_runs_parent"))
+            await conn.execute(text("CREATE INDEX ix_runs_parent ON runs (parent_run_id, status)"))
+    finally:
+        await old.dispose()
+    current = DatabaseManager(Settings(database_url=url))
+    try:
+        await current.initialize()
+        async with current.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'runs'"
+                )
+            )
+            made = {name: sql for name, sql in rows}
+    finally:
+        await current.dispose()
+    assert made["ix_runs_parent"].endswith("WHERE parent_run_id IS NOT NULL"), made
+    assert made["ix_runs_conversation"].endswith("WHERE conversation_id IS NOT NULL")
+    assert made["ix_runs_lease"].endswith("WHERE lease_expires_at IS NOT NULL")
+    assert made["ix_runs_finished"].endswith("WHERE finished_at IS NOT NULL")
+    assert "WHERE" not in made["ix_runs_lane_tenant"]
+
+
 async def test_a_file_from_an_older_version_gets_the_columns_added_since(db_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{db_path}"
     old = DatabaseManager(Settings(database_url=url))
