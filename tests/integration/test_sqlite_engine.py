@@ -181,84 +181,72 @@ async def test_concurrent_writers_of_one_process_queue_in_order(
         assert (await conn.execute(text("SELECT n FROM counter"))).scalar_one() == 50
 
 
-async def test_a_file_from_an_older_version_gets_the_current_indexes(db_path: Path) -> None:
+async def started_after(db_path: Path, older: list[str], *reads: str) -> list[list[Any]]:
+    """Make a database file, change it as an older version left it (``older``), then start
+    on it again (which brings its schema up to date): each of ``reads``' rows."""
     url = f"sqlite+aiosqlite:///{db_path}"
     old = DatabaseManager(Settings(database_url=url))
     try:
         await old.initialize()
-        # As version 0001 left it: the retired claim index, not its replacement.
         async with old.transaction() as conn:
-            await conn.execute(text("DROP INDEX ix_runs_lane_tenant"))
-            await conn.execute(
-                text("CREATE INDEX ix_runs_claim ON runs (status, lane, priority, not_before)")
-            )
+            for statement in older:
+                await conn.execute(text(statement))
     finally:
         await old.dispose()
     current = DatabaseManager(Settings(database_url=url))
     try:
         await current.initialize()
         async with current.connect() as conn:
-            rows = await conn.execute(
-                text("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'runs'")
-            )
-            names = set(rows.scalars())
+            return [[tuple(row) for row in await conn.execute(text(read))] for read in reads]
     finally:
         await current.dispose()
+
+
+RUN_INDEXES = "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'runs'"
+
+
+async def test_a_file_from_an_older_version_gets_the_current_indexes(db_path: Path) -> None:
+    # As version 0001 left it: the retired claim index, not its replacement.
+    (indexes,) = await started_after(
+        db_path,
+        [
+            "DROP INDEX ix_runs_lane_tenant",
+            "CREATE INDEX ix_runs_claim ON runs (status, lane, priority, not_before)",
+        ],
+        RUN_INDEXES,
+    )
+    names = {name for name, _ in indexes}
     assert "ix_runs_lane_tenant" in names
     assert "ix_runs_claim" not in names
 
 
 async def test_an_index_whose_columns_changed_is_rebuilt(db_path: Path) -> None:
     """Revision 0006 added ``workflow`` to the claim index; an older file gets it too."""
-    url = f"sqlite+aiosqlite:///{db_path}"
-    old = DatabaseManager(Settings(database_url=url))
-    try:
-        await old.initialize()
-        async with old.transaction() as conn:
-            await conn.execute(text("DROP INDEX ix_runs_lane_tenant"))
-            await conn.execute(
-                text(
-                    "CREATE INDEX ix_runs_lane_tenant ON runs "
-                    "(status, lane, tenant_id, priority DESC, not_before, id)"
-                )
-            )
-    finally:
-        await old.dispose()
-    current = DatabaseManager(Settings(database_url=url))
-    try:
-        await current.initialize()
-        async with current.connect() as conn:
-            rows = await conn.execute(text("PRAGMA index_info(ix_runs_lane_tenant)"))
-            columns = [row[2] for row in rows]
-    finally:
-        await current.dispose()
+    (rows,) = await started_after(
+        db_path,
+        [
+            "DROP INDEX ix_runs_lane_tenant",
+            "CREATE INDEX ix_runs_lane_tenant ON runs "
+            "(status, lane, tenant_id, priority DESC, not_before, id)",
+        ],
+        "PRAGMA index_info(ix_runs_lane_tenant)",
+    )
+    columns = [row[2] for row in rows]
     assert columns == ["status", "lane", "tenant_id", "priority", "not_before", "id", "workflow"]
 
 
 async def test_indexes_made_whole_before_0016_become_partial(db_path: Path) -> None:
     """A file from before 0016 holds every run in ix_runs_parent; at start it holds only
     children (and the three other partial indexes are made again the same way)."""
-    url = f"sqlite+aiosqlite:///{db_path}"
-    old = DatabaseManager(Settings(database_url=url))
-    try:
-        await old.initialize()
-        async with old.transaction() as conn:
-            await conn.execute(text("DROP INDEX ix_runs_parent"))
-            await conn.execute(text("CREATE INDEX ix_runs_parent ON runs (parent_run_id, status)"))
-    finally:
-        await old.dispose()
-    current = DatabaseManager(Settings(database_url=url))
-    try:
-        await current.initialize()
-        async with current.connect() as conn:
-            rows = await conn.execute(
-                text(
-                    "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'runs'"
-                )
-            )
-            made = {name: sql for name, sql in rows}
-    finally:
-        await current.dispose()
+    (indexes,) = await started_after(
+        db_path,
+        [
+            "DROP INDEX ix_runs_parent",
+            "CREATE INDEX ix_runs_parent ON runs (parent_run_id, status)",
+        ],
+        RUN_INDEXES,
+    )
+    made = dict(indexes)
     assert made["ix_runs_parent"].endswith("WHERE parent_run_id IS NOT NULL"), made
     assert made["ix_runs_conversation"].endswith("WHERE conversation_id IS NOT NULL")
     assert made["ix_runs_lease"].endswith("WHERE lease_expires_at IS NOT NULL")
@@ -267,28 +255,20 @@ async def test_indexes_made_whole_before_0016_become_partial(db_path: Path) -> N
 
 
 async def test_a_file_from_an_older_version_gets_the_columns_added_since(db_path: Path) -> None:
-    url = f"sqlite+aiosqlite:///{db_path}"
-    old = DatabaseManager(Settings(database_url=url))
-    try:
-        await old.initialize()
-        async with old.transaction() as conn:  # as the versions before steps.seq left it
-            await conn.execute(text("DROP INDEX ix_steps_run_seq"))
-            await conn.execute(text("ALTER TABLE steps DROP COLUMN seq"))
-            await conn.execute(text("ALTER TABLE workers DROP COLUMN version"))  # before 0011
-    finally:
-        await old.dispose()
-    current = DatabaseManager(Settings(database_url=url))
-    try:
-        await current.initialize()
-        async with current.connect() as conn:
-            columns = {row[1] for row in await conn.execute(text("PRAGMA table_info(steps)"))}
-            indexes = {row[1] for row in await conn.execute(text("PRAGMA index_list(steps)"))}
-            workers = {row[1] for row in await conn.execute(text("PRAGMA table_info(workers)"))}
-    finally:
-        await current.dispose()
-    assert "seq" in columns
-    assert "version" in workers
-    assert "ix_steps_run_seq" in indexes
+    steps, indexes, workers = await started_after(
+        db_path,
+        [  # as the versions before steps.seq left it
+            "DROP INDEX ix_steps_run_seq",
+            "ALTER TABLE steps DROP COLUMN seq",
+            "ALTER TABLE workers DROP COLUMN version",  # before 0011
+        ],
+        "PRAGMA table_info(steps)",
+        "PRAGMA index_list(steps)",
+        "PRAGMA table_info(workers)",
+    )
+    assert "seq" in {row[1] for row in steps}
+    assert "version" in {row[1] for row in workers}
+    assert "ix_steps_run_seq" in {row[1] for row in indexes}
 
 
 @pytest.fixture
