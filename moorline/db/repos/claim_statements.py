@@ -228,7 +228,7 @@ def claim_next_statement(
     # The rows are found by their ids; the rest is a check on each, in expressions no index
     # covers. A plain ``status = 'queued' AND lane = ?`` let SQLite's planner (no statistics)
     # walk ix_runs_lane_tenant through the lane's whole backlog, testing each entry against
-    # the ids: a claim's cost grew with the backlog (2.5 ms for 8 runs behind 30,000).
+    # the ids: a claim's cost grew with the backlog (docs/performance.md, 2026-11-30).
     eligible = [
         runs.c.id.in_(select(chosen.c.id)),
         _unindexed(runs.c.status) == _QUEUED,
