@@ -127,8 +127,7 @@ async def test_a_claim_reads_a_backlog_in_index_order_whatever_the_statistics_sa
         with statements_on_runs(db) as captured:
             batch = await repo.claim_txn(conn, request)
         # In the claim's own transaction: what it set for its reads holds for the plans.
-        reads = [(sql, p) for sql, p in captured if "queued" in str(p)]
-        found = await plans(db, conn, reads)
+        found = await plans(db, conn, [(sql, p) for sql, p in captured if "queued" in str(p)])
     # The first eight queued, in order: the claim did read the backlog.
     assert [claim.run.run_id for claim in batch.claims] == queued[:8]
     assert found
