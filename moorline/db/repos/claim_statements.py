@@ -27,6 +27,7 @@ from sqlalchemy.sql.dml import Update
 from sqlalchemy.sql.elements import BindParameter
 
 from moorline.db.backends import Backend
+from moorline.db.repos.records import unindexed
 from moorline.db.schema import runs, tenants
 from moorline.types import RunStatus
 
@@ -79,11 +80,6 @@ def _served_by(column: ColumnElement[Any]) -> ColumnElement[bool]:
     workflow is stepped over inside the tenant's range.
     """
     return column.in_(bindparam("workflows", expanding=True))
-
-
-def _unindexed(column: ColumnElement[str]) -> ColumnElement[str]:
-    """``column`` (NOT NULL) in an expression no index covers: a check, never a way in."""
-    return func.coalesce(column, "")
 
 
 def union_chunk(workflow_count: int) -> int:
@@ -231,13 +227,13 @@ def claim_next_statement(
     # the ids: a claim's cost grew with the backlog (docs/performance.md, 2026-11-30).
     eligible = [
         runs.c.id.in_(select(chosen.c.id)),
-        _unindexed(runs.c.status) == _QUEUED,
-        _unindexed(runs.c.lane) == bindparam("in_lane", type_=String()),
+        unindexed(runs.c.status) == _QUEUED,
+        unindexed(runs.c.lane) == bindparam("in_lane", type_=String()),
         runs.c.not_before <= now,
         runs.c.cancel_requested_at.is_(None),
     ]
     if served:
-        eligible.append(_served_by(_unindexed(runs.c.workflow)))
+        eligible.append(_served_by(unindexed(runs.c.workflow)))
     return (
         update(runs)
         .where(*eligible)

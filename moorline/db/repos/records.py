@@ -14,6 +14,14 @@ from moorline.types import Attempt, JSONObject, JSONValue, RunId, RunStatus, Ste
 from moorline.usage import StepUsage
 
 
+def unindexed(column: ColumnElement[str]) -> ColumnElement[str]:
+    """``column`` (NOT NULL) in an expression no index covers (see :func:`is_running`).
+
+    For a check on rows found another way (by id), never a way for the planner to find them.
+    """
+    return func.coalesce(column, "")
+
+
 def is_running() -> ColumnElement[bool]:
     """The run is ``running``: a check on rows found by their id, never a way to find them.
 
@@ -23,7 +31,7 @@ def is_running() -> ColumnElement[bool]:
     them past every running run, and every dead entry a finished run left, for a batch of 8
     ids that the primary key finds directly.
     """
-    return func.coalesce(runs.c.status, "") == RunStatus.RUNNING.value
+    return unindexed(runs.c.status) == RunStatus.RUNNING.value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
