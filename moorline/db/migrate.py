@@ -157,26 +157,25 @@ def _create_all_sqlite(conn: Connection) -> None:
         present = {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table_name})")}
         if column not in present:
             conn.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {column} {sql_type}")
+    # Each stored index's definition, to tell a partial one (0016 made four so) from a whole.
+    definitions: dict[str, str] = {
+        name: sql
+        for name, sql in conn.exec_driver_sql(
+            "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+        )
+    }
     for table in metadata.sorted_tables:
         for index in table.indexes:
             stored = [row[2] for row in conn.exec_driver_sql(f"PRAGMA index_info({index.name})")]
             partial = index.dialect_options["sqlite"]["where"] is not None
             if stored and (
                 stored != [column.name for column in index.columns]
-                or _is_partial(conn, str(index.name)) != partial
+                or (" WHERE " in definitions.get(str(index.name), "").upper()) != partial
             ):
                 conn.exec_driver_sql(f"DROP INDEX {index.name}")
             index.create(conn, checkfirst=True)
     for retired in RETIRED_SQLITE_INDEXES:
         conn.exec_driver_sql(f"DROP INDEX IF EXISTS {retired}")
-
-
-def _is_partial(conn: Connection, index_name: str) -> bool:
-    """Whether SQLite's index ``index_name`` leaves rows out (0016 made four of them so)."""
-    sql = conn.exec_driver_sql(
-        "SELECT sql FROM sqlite_master WHERE type = 'index' AND name = ?", (index_name,)
-    ).scalar()
-    return sql is not None and " WHERE " in sql.upper()
 
 
 async def ensure_schema(db: Database) -> None:
