@@ -168,6 +168,19 @@ async def test_an_executemany_binds_each_set_as_sqlalchemy_does(
     )
     assert direct == through_sqlalchemy
     assert direct[1] == ("l1", '{"same": "object"}', "2026-11-29 20:15:01.250000", 7)
+    # Every column given in every set (a run's INSERT): the rows are read by their keys.
+    whole = [{**values, "weight": 3, "origin": "y"} for values in sets(400)]
+    async with db.transaction() as conn:
+        assert (await conn.execute(insert(things), whole)).rowcount == 13
+    assert sent == ["statement", "statement"]
+    with data_statements(db, None):
+        async with db.transaction() as conn:
+            await conn.execute(insert(things), [{**row, "id": row["id"] + 100} for row in whole])
+    assert stored(db, tuple(range(400, 413))) == stored(db, tuple(range(500, 513)))
+    assert stored(db, (401, 412)) == [
+        ("l1", '{"same": "object"}', "2026-11-29 20:15:01.250000", 3),
+        ("last", '{"same": "object"}', None, 3),
+    ]
     # Sets that name other keys, or a function default, go SQLAlchemy's way, which decides:
     # it compiles for the first set's keys, ignores others' extra keys, refuses a missing one.
     uneven = [{"id": 300, "label": "a"}, {"id": 301, "label": "b", "at": AT}]
@@ -177,10 +190,12 @@ async def test_an_executemany_binds_each_set_as_sqlalchemy_does(
     with pytest.raises(StatementError, match="A value is required for bind parameter 'at'"):
         async with db.transaction() as conn:
             await conn.execute(insert(things).values(origin="x"), uneven[::-1])
-    assert sent == ["statement"]
+    assert sent == ["statement", "statement"]
     assert stored(db, (301,)) == [("b", None, None, 7)]
     async with db.connect() as conn:
-        found = await conn.execute(select(things.c.id, things.c.origin).where(things.c.id >= 300))
+        found = await conn.execute(
+            select(things.c.id, things.c.origin).where(things.c.id.between(300, 399))
+        )
         assert sorted(tuple(row) for row in found) == [
             (300, "x"),
             (301, "x"),

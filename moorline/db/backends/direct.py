@@ -22,6 +22,7 @@ internals listed in :data:`moorline.fastpaths.PRIVATE_NAMES`.
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Protocol, cast
 
 from sqlalchemy import Executable, TextClause
@@ -246,6 +247,8 @@ def rows_by_slots(
     rows share their time and their events' empty data).
     """
     names = sets[0].keys()
+    if len(slots) > 1 and all(slot.key in names for slot in slots):
+        return _rows_by_keys(slots, sets)
     seen: list[Any] = [_MISSING] * len(slots)
     made: list[Any] = [None] * len(slots)
     rows: list[list[Any]] = []
@@ -265,6 +268,33 @@ def rows_by_slots(
             else:
                 seen[index], made[index] = value, process(value)
                 row.append(made[index])
+        rows.append(row)
+    return rows
+
+
+def _rows_by_keys(
+    slots: tuple[_Slot, ...], sets: Sequence[Mapping[str, Any]]
+) -> list[list[Any]] | None:
+    """:func:`rows_by_slots` where the sets give every slot's value under its key.
+
+    As an INSERT's rows do: each row is read with one ``itemgetter`` and only the slots with a
+    bind processor are visited, rather than every slot of every row (29 of a run's row).
+    """
+    names = sets[0].keys()
+    take = itemgetter(*(slot.key for slot in slots))
+    processed = [(index, slot.process) for index, slot in enumerate(slots) if slot.process]
+    seen: list[Any] = [_MISSING] * len(slots)
+    made: list[Any] = [None] * len(slots)
+    rows: list[list[Any]] = []
+    for params in sets:
+        if params.keys() != names:
+            return None
+        row = list(take(params))
+        for index, process in processed:
+            value = row[index]
+            if value is not seen[index]:
+                seen[index], made[index] = value, process(value)
+            row[index] = made[index]
         rows.append(row)
     return rows
 
