@@ -430,6 +430,10 @@ class Connection(aiosqlite.Connection):
         """Keep ``BEGIN …`` until the transaction's first statement."""
         self._held_begin = sql
 
+    def holds_transaction(self) -> bool:
+        """Whether a transaction is open, or its ``BEGIN`` held for the next statement."""
+        return self._held_begin is not None or self._is_in_transaction()
+
     def take_begin(self) -> str | None:
         """The held ``BEGIN …`` to send now, if any."""
         begin, self._held_begin = self._held_begin, None

@@ -14,9 +14,11 @@ from sqlalchemy import (
     String,
     Table,
     bindparam,
+    event,
     func,
     insert,
     select,
+    text,
     update,
 )
 from sqlalchemy.exc import IntegrityError, StatementError
@@ -291,3 +293,37 @@ async def test_in_lists_of_any_length_bind_as_sqlalchemy_binds_them(db: Database
         again = await scenario()
     assert len(seen) == len(calls) + 2, "with a listener, SQLAlchemy's path ran them"
     assert first == again == [[1, 2, 3], [2], [], [1, 4], [2], [1, 2, 3], [1, 2]]
+
+
+async def test_a_write_transaction_is_begun_and_committed_on_the_driver(
+    db: DatabaseManager,
+) -> None:
+    # SQLAlchemy's begin and commit (a greenlet each, with their events) are not run for a
+    # transaction of direct statements; one of SQLAlchemy's way joins the driver's transaction.
+    transactions: list[str] = []
+    engine = db.engine.sync_engine
+    for name in ("begin", "commit", "rollback"):
+        event.listen(engine, name, lambda _conn, name=name: transactions.append(name))
+    async with db.transaction() as conn:
+        await conn.execute(NAME, {"b_id": 1, "new_name": "direct"})
+    assert transactions == []
+    async with db.transaction() as conn:
+        await conn.execute(NAME, {"b_id": 2, "new_name": "both"})
+        await conn.execute(text("UPDATE things SET label = 'by text' WHERE id = 2"))
+        await conn.execute(NAME, {"b_id": 3, "new_name": "after"})
+    assert transactions == ["begin", "commit"]
+    with pytest.raises(RuntimeError, match="refused"):
+        async with db.transaction() as conn:
+            await conn.execute(NAME, {"b_id": 4, "new_name": "lost"})
+            await conn.execute(text("UPDATE things SET label = 'lost' WHERE id = 4"))
+            raise RuntimeError("refused")
+    async with db.transaction() as conn:
+        await conn.execute(NAME, {"b_id": 1, "new_name": "again"})
+    path = db.engine.url.database
+    assert path is not None
+    connection = sqlite3.connect(path)
+    try:
+        rows = connection.execute("SELECT id, name, label FROM things ORDER BY id").fetchall()
+    finally:
+        connection.close()
+    assert rows == [(1, "again", None), (2, "both", "by text"), (3, "after", None), (4, "n4", None)]

@@ -164,6 +164,9 @@ class DirectConnection(AsyncConnection):
         """A connection of ``engine`` (not yet connected: ``await start()``)."""
         super().__init__(engine)
         self._direct = direct
+        self.in_driver_transaction = False
+        """A transaction its backend began on the driver is open, SQLAlchemy's left unbegun
+        (SQLite's write transactions, :meth:`~.sqlite_direct.DirectWrites.transaction`)."""
 
     async def execute(
         self,

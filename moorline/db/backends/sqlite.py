@@ -158,8 +158,14 @@ class SQLiteBackend(Backend):
 
         A deferred read-then-write transaction would fail with SQLITE_BUSY instead.
         """
-        async with self._writing_connection(pools) as conn, conn.begin():
-            yield conn
+        async with self._writing_connection(pools) as conn:
+            direct = self._direct
+            if direct is not None and isinstance(conn, DirectConnection):
+                async with direct.transaction(conn):
+                    yield conn
+            else:
+                async with conn.begin():
+                    yield conn
 
     def background(self) -> AbstractContextManager[None]:
         return sqlite_driver.off_loop()
@@ -299,8 +305,10 @@ def _begin(conn: Connection) -> None:
     driver = conn.connection.driver_connection
     if isinstance(driver, sqlite_driver.Connection):
         # What the statement below comes to on this driver, without a statement's way
-        # through SQLAlchemy (a noticeable share of a one-statement write's CPU).
-        driver.hold_begin(f"BEGIN {mode}")
+        # through SQLAlchemy (a noticeable share of a one-statement write's CPU). Inside a
+        # transaction begun on the driver (DirectWrites.transaction) it is begun already.
+        if not driver.holds_transaction():
+            driver.hold_begin(f"BEGIN {mode}")
     else:
         conn.exec_driver_sql(f"BEGIN {mode}")
 

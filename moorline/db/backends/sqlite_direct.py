@@ -31,7 +31,8 @@ SQLAlchemy's path is still taken for what the direct one would skip or could get
 """
 
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 from sqlalchemy import Executable
@@ -42,6 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from moorline.db import sqlite_driver
 from moorline.db.backends.direct import (
     NO_ROWS,
+    DirectConnection,
     DirectResult,
     Form,
     Forms,
@@ -95,7 +97,10 @@ class DirectWrites:
         self, conn: AsyncConnection, *, in_transaction: bool
     ) -> sqlite_driver.Connection | None:
         sync = conn.sync_connection
-        if sync is None or sync.invalidated or sync.in_transaction() != in_transaction:
+        if sync is None or sync.invalidated:
+            return None
+        began = sync.in_transaction() or getattr(conn, "in_driver_transaction", False)
+        if began != in_transaction:
             return None
         cursor_events = sync.dispatch
         if (
@@ -106,6 +111,40 @@ class DirectWrites:
             return None
         driver = sync.connection.driver_connection
         return driver if isinstance(driver, sqlite_driver.Connection) else None
+
+    @asynccontextmanager
+    async def transaction(self, conn: DirectConnection) -> AsyncIterator[None]:
+        """``BEGIN IMMEDIATE`` … ``COMMIT`` on ``conn``'s driver, past SQLAlchemy's own.
+
+        SQLAlchemy's begin and commit each run in a greenlet of their own, with its events
+        around them, and cost more than an empty transaction costs SQLite (2026-11-30 note).
+        Here the ``BEGIN`` is held on the driver (it goes with the first statement) and the
+        driver commits; SQLAlchemy's transaction stays unbegun unless a statement takes its
+        path (see the module docstring): it then begins one as usual, its ``begin`` hook
+        finding the driver's ``BEGIN`` already held (:func:`~.sqlite._begin`), and its commit
+        after the driver's finds nothing left to commit. A connection with event listeners, or
+        one SQLAlchemy must reconnect, takes SQLAlchemy's way whole.
+
+        On an error the caller closes the connection (``_writing_connection``): the pool's
+        reset rolls back whatever is open, a statement still on the thread included.
+        """
+        driver = self._driver_of(conn, in_transaction=False)
+        if driver is None or driver.holds_transaction():
+            async with conn.begin():
+                yield
+            return
+        driver.hold_begin(_BEGIN)
+        conn.in_driver_transaction = True
+        try:
+            yield
+        finally:
+            conn.in_driver_transaction = False
+        try:
+            await driver.commit()
+        except sqlite3.Error as exc:
+            raise self._error("COMMIT", (), exc) from exc  # as SQLAlchemy's commit raises it
+        if conn.in_transaction():
+            await conn.commit()  # SQLAlchemy's, begun by a statement of its way
 
     async def execute(
         self, driver: sqlite_driver.Connection, form: Form, params: Mapping[str, Any]
