@@ -93,22 +93,28 @@ CPU time, not wall time: a statement of a hundred microseconds takes millisecond
 whenever the process is descheduled (a loaded machine) or another thread holds the GIL as it
 returns, and it would then cross forever. Measured by wall time, the two statements of a
 checkpointed step were found slow 10-15 times in 4,000 on the loaded shared machine, and
-every step crossed twice from then on. A listing over many rows is slow in CPU every time."""
+every step crossed twice from then on. A listing over many rows is slow in CPU every time.
+
+Reading the thread's CPU clock is a system call (about 5 µs on the CI machine, two a
+statement), the wall clock is not: a statement is timed by the wall clock, and only one that
+took longer than this by it is timed by CPU on its next runs (a suspect)."""
 _SLOW_RUNS = 2
-"""Slow inline runs in a row that send a statement to the thread.
+"""Slow runs by CPU in a row, after a suspect's slow run by the wall clock, that send a
+statement to the thread.
 
 Not one: in a virtual machine, time the host takes the CPU away can be counted as the
 running thread's CPU time, so a cheap statement is now and then slow once. A run's single
 INSERT found slow so in a benchmark's warm-up crossed twice on every submission after it
 (its commit too): 490 submissions a second instead of 820 (2026-11-30 note). A listing over
-many rows is slow on every run, and only its second runs inline too."""
+many rows is slow on every run, and runs inline three times."""
 _SLOW_STATEMENTS: set[str] = set()
 """The SQL of the statements found slow (a listing over many rows, say), shared by all
 connections; forgotten all at once when it reaches ``_SLOW_STATEMENTS_MAX``, so statements
 with ever-new SQL cannot make it grow without bound."""
 _SLOW_STATEMENTS_MAX = 256
-_SLOW_SO_FAR: dict[str, int] = {}
-"""Statements slow on their last inline runs: how many in a row (bounded as the set is)."""
+_SUSPECTS: dict[str, int] = {}
+"""Statements whose last inline run was slow by the wall clock: their slow runs by CPU in a
+row since (bounded as the set is)."""
 
 _OFF_LOOP: ContextVar[bool] = ContextVar("moorline_sqlite_off_loop", default=False)
 """Set by :func:`off_loop`: this task's statements cross to the thread whatever their size."""
@@ -133,28 +139,30 @@ def _execute_and_fetch(
     raw: sqlite3.Cursor, sql: str, parameters: Any, *, many: bool, inline: bool
 ) -> list[Any]:
     """Run ``sql`` on ``raw`` and fetch all its rows; inline, note whether it was slow."""
-    started_cpu_s = time.thread_time()
+    suspect = inline and sql in _SUSPECTS
+    clock = time.thread_time if suspect else time.perf_counter
+    started_s = clock()
     if many:
         raw.executemany(sql, parameters)
     else:
         raw.execute(sql, parameters)
     rows = raw.fetchall() if raw.description is not None else []
     if inline:
-        if time.thread_time() - started_cpu_s > _INLINE_SLOW_S:
-            _remember_slow(sql)
-        elif _SLOW_SO_FAR:
-            _SLOW_SO_FAR.pop(sql, None)
+        if clock() - started_s > _INLINE_SLOW_S:
+            _remember_slow(sql, by_cpu=suspect)
+        elif suspect:
+            del _SUSPECTS[sql]
     return rows
 
 
-def _remember_slow(sql: str) -> None:
-    runs = _SLOW_SO_FAR.get(sql, 0) + 1
+def _remember_slow(sql: str, *, by_cpu: bool) -> None:
+    runs = _SUSPECTS.get(sql, 0) + by_cpu
     if runs < _SLOW_RUNS:
-        if len(_SLOW_SO_FAR) >= _SLOW_STATEMENTS_MAX:
-            _SLOW_SO_FAR.clear()
-        _SLOW_SO_FAR[sql] = runs
+        if sql not in _SUSPECTS and len(_SUSPECTS) >= _SLOW_STATEMENTS_MAX:
+            _SUSPECTS.clear()
+        _SUSPECTS[sql] = runs
         return
-    _SLOW_SO_FAR.pop(sql, None)
+    del _SUSPECTS[sql]
     if len(_SLOW_STATEMENTS) >= _SLOW_STATEMENTS_MAX:
         _SLOW_STATEMENTS.clear()
     _SLOW_STATEMENTS.add(sql)

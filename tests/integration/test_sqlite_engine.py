@@ -279,7 +279,7 @@ def crossings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     the thread), except where a test says otherwise.
     """
     monkeypatch.setattr(sqlite_driver, "_SLOW_STATEMENTS", set())
-    monkeypatch.setattr(sqlite_driver, "_SLOW_SO_FAR", {})
+    monkeypatch.setattr(sqlite_driver, "_SUSPECTS", {})
     monkeypatch.setattr(sqlite_driver, "_INLINE_SLOW_S", 3600.0)
     sent: list[str] = []
     crossing = sqlite_driver.Connection._execute_on_thread
@@ -329,11 +329,31 @@ async def test_a_statement_found_slow_goes_to_the_thread_from_then_on(
         "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 300000) "
         "SELECT count(*) FROM c"
     )
-    for _ in range(3):
+    for _ in range(4):
         async with sqlite_db.connect() as conn:
             assert (await conn.execute(slow)).scalar_one() == 300000
-    # Inline twice (found slow each time), then on the thread, with its rollback.
+    # Inline three times (slow by the wall clock, then twice by CPU), then on the thread.
     assert crossings == ["_run", "rollback"]
+
+
+async def test_a_fast_statement_is_timed_by_the_wall_clock_alone(
+    sqlite_db: DatabaseManager, crossings: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The thread's CPU clock is a system call: read only for a statement slow by the wall.
+    reads = 0
+    cpu_clock = time.thread_time
+
+    def counted() -> float:
+        nonlocal reads
+        reads += 1
+        return cpu_clock()
+
+    monkeypatch.setattr(sqlite_driver.time, "thread_time", counted)
+    for _ in range(5):
+        async with sqlite_db.transaction() as conn:
+            await conn.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+    assert reads == 0
+    assert crossings == []
 
 
 async def test_a_statement_slow_once_stays_on_the_event_loop(
