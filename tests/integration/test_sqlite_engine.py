@@ -348,7 +348,7 @@ async def test_a_fast_statement_is_timed_by_the_wall_clock_alone(
         reads += 1
         return cpu_clock()
 
-    monkeypatch.setattr(sqlite_driver.time, "thread_time", counted)
+    monkeypatch.setattr(time, "thread_time", counted)  # the module sqlite_driver reads it from
     for _ in range(5):
         async with sqlite_db.transaction() as conn:
             await conn.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
