@@ -246,45 +246,15 @@ def rows_by_slots(
     """Each parameter set's arguments, in the slots' order; None: not all bind alike.
 
     SQLAlchemy's executemany compiles for the first set's keys and requires the same of the
-    rest. A value that is the same object as the previous set's is processed once (a batch's
-    rows share their time and their events' empty data).
+    rest. Where the sets give every slot's value under its key (an INSERT's rows), a row is
+    read with one ``itemgetter``; then only the slots with a bind processor are visited, and a
+    value that is the same object as the previous set's is processed once (a batch's rows
+    share their time and their events' empty data).
     """
     names = sets[0].keys()
+    take = None
     if len(slots) > 1 and all(slot.key in names for slot in slots):
-        return _rows_by_keys(slots, sets)
-    seen: list[Any] = [_MISSING] * len(slots)
-    made: list[Any] = [None] * len(slots)
-    rows: list[list[Any]] = []
-    for params in sets:
-        if params.keys() != names:
-            return None
-        row: list[Any] = []
-        for index, slot in enumerate(slots):
-            value = params[slot.key] if slot.key in params else _value(slot, params)
-            process = slot.process
-            if value is _MISSING:
-                return None
-            if process is None:
-                row.append(value)
-            elif value is seen[index]:
-                row.append(made[index])
-            else:
-                seen[index], made[index] = value, process(value)
-                row.append(made[index])
-        rows.append(row)
-    return rows
-
-
-def _rows_by_keys(
-    slots: tuple[_Slot, ...], sets: Sequence[Mapping[str, Any]]
-) -> list[list[Any]] | None:
-    """:func:`rows_by_slots` where the sets give every slot's value under its key.
-
-    As an INSERT's rows do: each row is read with one ``itemgetter`` and only the slots with a
-    bind processor are visited, rather than every slot of every row (29 of a run's row).
-    """
-    names = sets[0].keys()
-    take = itemgetter(*(slot.key for slot in slots))
+        take = itemgetter(*(slot.key for slot in slots))
     processed = [(index, slot.process) for index, slot in enumerate(slots) if slot.process]
     seen: list[Any] = [_MISSING] * len(slots)
     made: list[Any] = [None] * len(slots)
@@ -292,7 +262,14 @@ def _rows_by_keys(
     for params in sets:
         if params.keys() != names:
             return None
-        row = list(take(params))
+        if take is not None:
+            row = list(take(params))
+        else:
+            row = [
+                params[slot.key] if slot.key in params else _value(slot, params) for slot in slots
+            ]
+            if any(value is _MISSING for value in row):
+                return None
         for index, process in processed:
             value = row[index]
             if value is not seen[index]:
