@@ -125,7 +125,21 @@ class DatagramWakeups(ListeningWakeups):
 
     # --- the producer side ----------------------------------------------------------------------
 
+    def publish_now(self, lanes: set[str]) -> bool:
+        """Send now: a datagram never waits (a peer whose queue is full does not get it)."""
+        if lanes:
+            try:
+                self._send(sorted(lanes))
+            except Exception as exc:
+                if not self._is_transport_error(exc):
+                    raise
+                self._not_sent(lanes, exc)
+        return True
+
     async def _publish(self, lanes: list[str]) -> None:
+        self._send(lanes)
+
+    def _send(self, lanes: list[str]) -> None:
         # One datagram for all the lanes, a payload per line: queues hold few datagrams.
         datagram = "\n".join(self._payload(lane) for lane in lanes).encode()
         sender = self._sender

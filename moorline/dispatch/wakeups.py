@@ -257,13 +257,23 @@ class ListeningWakeups(Notifier, Waiter, ABC):
         except Exception as exc:
             if not self._is_transport_error(exc):
                 raise
-            logger.warning(
-                "could not send a %s wake-up for lanes %s; workers elsewhere find the runs "
-                "on their next poll: %s",
-                self.transport,
-                ", ".join(sorted(lanes)),
-                _describe(exc),
-            )
+            self._not_sent(lanes, exc)
+
+    def publish_now(self, lanes: set[str]) -> bool:
+        """:meth:`publish` without waiting, where the transport never waits; else False.
+
+        False: nothing was sent, and :meth:`publish` must be awaited (a server's round trip).
+        """
+        return False
+
+    def _not_sent(self, lanes: set[str], exc: Exception) -> None:
+        logger.warning(
+            "could not send a %s wake-up for lanes %s; workers elsewhere find the runs "
+            "on their next poll: %s",
+            self.transport,
+            ", ".join(sorted(lanes)),
+            _describe(exc),
+        )
 
     async def start(self) -> None:
         if self._task is None:
@@ -594,9 +604,10 @@ class BackgroundNotifier:
         notifier = self._notifier
         if isinstance(notifier, LocalWakeups | ListeningWakeups):
             # This process's waiters are woken here, synchronously: through the sender task
-            # they would first wait a turn of the event loop behind every ready callback.
+            # they would first wait a turn of the event loop behind every ready callback. So
+            # are the other processes' where sending never waits (datagrams).
             notifier.wake(lanes)
-            if isinstance(notifier, LocalWakeups):
+            if isinstance(notifier, LocalWakeups) or notifier.publish_now(lanes):
                 return
         self._pending |= lanes
         if self._sender is None or self._sender.done():

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from moorline.db.manager import DatabaseManager
-from moorline.dispatch.datagrams import DatagramWakeups, directory_for
-from moorline.dispatch.wakeups import LocalWakeups, make_wakeups
+from moorline.dispatch.datagrams import SOCKET_SUFFIX, DatagramWakeups, directory_for
+from moorline.dispatch.wakeups import BackgroundNotifier, LocalWakeups, make_wakeups
 from moorline.settings import Settings
 from tests.helpers import wait_for
 from tests.integration.test_wakeups import LONG_S, REMOTE_WAKE_S, lane, waiting, woken_within
@@ -53,6 +53,29 @@ def _leave_dead_socket(directory: Path) -> Path:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(str(dead))
     return dead
+
+
+def _listening_peer(directory: Path) -> socket.socket:
+    """A socket bound where another process's listener binds, read by the test itself."""
+    directory.mkdir(parents=True)
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    peer.bind(str(directory / f"peer{SOCKET_SUFFIX}"))
+    peer.setblocking(False)
+    return peer
+
+
+async def test_the_submitters_hook_sends_its_datagram_before_it_returns(directory: Path) -> None:
+    # A datagram never waits, so the Submitter's hook sends it itself: no task, no turn of the
+    # event loop between a batch's commit and the other processes' wake-up.
+    producer = DatagramWakeups(directory, ping_interval_s=PING_S)
+    peer = _listening_peer(directory)
+    try:
+        name = lane()
+        BackgroundNotifier(producer)({name})
+        assert peer.recv(4096).decode("utf-8").endswith(f":{name}")
+    finally:
+        peer.close()
+        await producer.close()
 
 
 async def test_a_datagram_wakes_the_other_process(directory: Path) -> None:
