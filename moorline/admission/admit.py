@@ -40,9 +40,11 @@ safe under concurrency:
   of that key: the second sees the first's run.
 - Across processes, the unique ``(tenant_id, idempotency_key)`` of the runs table decides: a
   loser gives its unit back and answers with the winner's run.
-- Once a unit is taken, the decision runs to its end even if the client goes away (the rest
-  is shielded from cancellation), so a dropped connection can neither lose a unit nor leave a
-  taken one without its run.
+- A dropped connection can neither lose a unit nor leave a taken one without its run: a unit
+  taken with its run (the Submitter's transaction, or its gate) goes with the run the
+  Submitter stores once it has taken it, whether or not the client still waits; a unit
+  consumed on its own, before the run is queued, has the rest of its decision shielded from
+  cancellation.
 
 :meth:`Admission.admit_many` decides a bulk submission's triggers: those with a conversation or
 a key another of them shares each as above, the rest together with the same steps, each made
@@ -369,7 +371,16 @@ class Admission:
         return terms.refused(run)
 
     async def _shielded(self, decision: Coroutine[Any, Any, T]) -> T:
-        """Run ``decision`` to its end even if the caller is cancelled meanwhile."""
+        """Run ``decision`` to its end even if the caller is cancelled meanwhile.
+
+        Only where a unit is consumed before its run is queued: a caller gone in between would
+        leave the unit without its run. Where the unit is taken with the run (the Submitter's
+        transaction or its gate) there is nothing to shield, and no task to pay for: the
+        Submitter takes no run whose caller has gone, and stores one it has taken, with its
+        unit, whether or not the caller still waits.
+        """
+        if self._units_with_runs:
+            return await decision
         task = asyncio.ensure_future(decision)
         self._decisions.add(task)
         task.add_done_callback(_forget(self._decisions))
