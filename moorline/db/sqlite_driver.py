@@ -151,7 +151,8 @@ def _execute_and_fetch(
         if clock() - started_s > _INLINE_SLOW_S:
             _remember_slow(sql, by_cpu=suspect)
         elif suspect:
-            del _SUSPECTS[sql]
+            # pop, not del: a sync portal's loop runs statements inline on a thread of its own.
+            _SUSPECTS.pop(sql, None)
     return rows
 
 
@@ -162,7 +163,7 @@ def _remember_slow(sql: str, *, by_cpu: bool) -> None:
             _SUSPECTS.clear()
         _SUSPECTS[sql] = runs
         return
-    del _SUSPECTS[sql]
+    _SUSPECTS.pop(sql, None)
     if len(_SLOW_STATEMENTS) >= _SLOW_STATEMENTS_MAX:
         _SLOW_STATEMENTS.clear()
     _SLOW_STATEMENTS.add(sql)
