@@ -259,8 +259,10 @@ async def test_a_pause_set_by_another_process_holds_this_ones_calls(redis_prefix
     finally:
         await limiter.close()
     assert other.returncode == 0
-    # The other process paused the model for 2 s just before it said so.
-    assert 1.0 < waited <= 2.2
+    # The other process paused the model for 2 s just before it said so; the call starts
+    # after it, not a retry interval later (a loaded CI machine's timers and the retry's
+    # round trip added 0.2006 s once).
+    assert 1.0 < waited <= 2.5
 
 
 CONTEND_SCRIPT = """
