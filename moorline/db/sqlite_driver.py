@@ -95,18 +95,19 @@ returns, and it would then cross forever. Measured by wall time, the two stateme
 checkpointed step were found slow 10-15 times in 4,000 on the loaded shared machine, and
 every step crossed twice from then on. A listing over many rows is slow in CPU every time.
 
-Reading the thread's CPU clock is a system call (about 5 µs on the CI machine, two a
-statement), the wall clock is not: a statement is timed by the wall clock, and only one that
-took longer than this by it is timed by CPU on its next runs (a suspect)."""
+Reading the thread's CPU clock is a system call, twice a statement; the wall clock is not. A
+statement is timed by the wall clock, and only one that took longer than this by it is timed
+by CPU on its next runs (a suspect); docs/performance.md has the costs ("2026-11-30,
+08:43-09:50 UTC")."""
 _SLOW_RUNS = 2
 """Slow runs by CPU in a row, after a suspect's slow run by the wall clock, that send a
 statement to the thread.
 
 Not one: in a virtual machine, time the host takes the CPU away can be counted as the
-running thread's CPU time, so a cheap statement is now and then slow once. A run's single
-INSERT found slow so in a benchmark's warm-up crossed twice on every submission after it
-(its commit too): 490 submissions a second instead of 820 (2026-11-30 note). A listing over
-many rows is slow on every run, and runs inline three times."""
+running thread's CPU time, so a cheap statement is now and then slow once, and a run's single
+INSERT so found crossed twice (its commit too) on every submission after it, for good
+(docs/performance.md, same section). A listing over many rows is slow on every run, and runs
+inline three times."""
 _SLOW_STATEMENTS: set[str] = set()
 """The SQL of the statements found slow (a listing over many rows, say), shared by all
 connections; forgotten all at once when it reaches ``_SLOW_STATEMENTS_MAX``, so statements

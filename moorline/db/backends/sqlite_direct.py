@@ -117,13 +117,14 @@ class DirectWrites:
         """``BEGIN IMMEDIATE`` … ``COMMIT`` on ``conn``'s driver, past SQLAlchemy's own.
 
         SQLAlchemy's begin and commit each run in a greenlet of their own, with its events
-        around them, and cost more than an empty transaction costs SQLite (2026-11-30 note).
-        Here the ``BEGIN`` is held on the driver (it goes with the first statement) and the
-        driver commits; SQLAlchemy's transaction stays unbegun unless a statement takes its
-        path (see the module docstring): it then begins one as usual, its ``begin`` hook
-        finding the driver's ``BEGIN`` already held (:func:`~.sqlite._begin`), and its commit
-        after the driver's finds nothing left to commit. A connection with event listeners, or
-        one SQLAlchemy must reconnect, takes SQLAlchemy's way whole.
+        around them, and cost more than an empty transaction costs SQLite (docs/performance.md,
+        "2026-11-30, 08:43-09:50 UTC"). Here the ``BEGIN`` is held on the driver (it goes with
+        the first statement) and the driver commits; SQLAlchemy's transaction stays unbegun
+        unless a statement takes its path (see the module docstring): it then begins one as
+        usual, its ``begin`` hook finding the driver's ``BEGIN`` already held
+        (:func:`~.sqlite._begin`), and its commit after the driver's finds nothing left to
+        commit. A connection with event listeners, or one SQLAlchemy must reconnect, takes
+        SQLAlchemy's way whole.
 
         On an error the caller closes the connection (``_writing_connection``): the pool's
         reset rolls back whatever is open, a statement still on the thread included.
