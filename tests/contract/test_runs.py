@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import func, select
 
 from moorline.db.manager import DatabaseManager
-from moorline.db.repos.events import EventsRepo
+from moorline.db.repos.events import EventsRepo, append_events_txn
 from moorline.db.repos.handoffs import HandoffsRepo
 from moorline.db.repos.queue import Claim, ClaimRequest, QueueRepo
 from moorline.db.repos.records import Event
@@ -418,6 +418,37 @@ async def test_a_success_writes_its_last_events_before_its_own_in_its_transactio
         "succeeded",
     ]
     assert "step_started" not in [e.type for e in await EventsRepo(db).list(reaped.run.run_id)]
+
+
+async def test_events_of_several_runs_take_each_runs_next_seqs_in_one_statement_where_rows_bind(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    await repo.submit_many([new_run(await tenants.new(), lane) for _ in range(2)])
+    first, second = await claim(queue, lane)  # each has "queued" and "started" (seq 1, 2)
+    one, two = first.run.run_id, second.run.run_id
+    items: list[tuple[RunId, Attempt, str, JSONObject]] = [
+        (one, Attempt(1), "step_started", {"key": "a"}),
+        (two, Attempt(1), "step_started", {"key": "b", "nested": [1, {"x": None}]}),
+        (one, Attempt(1), "step_finished", {"key": "a"}),
+        (one, Attempt(1), "message_received", {}),
+    ]
+    with data_statements(db, "events") as sent:
+        async with db.write_transaction() as conn:
+            seqs = await append_events_txn(conn, db.backend.name, items)
+    assert seqs == [3, 3, 4, 5]
+    # A backend that binds rows as one parameter reads the last seqs in the INSERT itself.
+    bound_as_rows = db.backend.rows_parameter("rows", {}) is not None
+    assert len(sent) == (1 if bound_as_rows else 2), sent
+    stored = await EventsRepo(db).list(one)
+    assert [(e.seq, e.type, e.data) for e in stored[2:]] == [
+        (3, "step_started", {"key": "a"}),
+        (4, "step_finished", {"key": "a"}),
+        (5, "message_received", {}),
+    ]
+    [only] = await EventsRepo(db).list(two, after_seq=2)
+    assert (only.seq, only.data, only.attempt) == (3, {"key": "b", "nested": [1, {"x": None}]}, 1)
 
 
 async def test_a_claim_and_a_finish_write_their_events_with_their_transition_where_they_can(
