@@ -57,6 +57,9 @@ class _Slot:
     process: Callable[[Any], Any] | None
     expanding: bool
     """An ``IN`` list: as many parameters as the list has members."""
+    elements: tuple[Callable[[Any], Any] | None, ...] | None
+    """An ``IN`` list of tuples (``(a, b) IN ((…), (…))``): each element's bind processor,
+    its members flattened element by element; None: a list of single values."""
     default: Any
     """A column's scalar default, bound when no value is given; _MISSING: none."""
 
@@ -229,7 +232,15 @@ def _bound_by_slots(
         if value is _MISSING:
             return None  # SQLAlchemy's error for a missing value
         process = slot.process
-        if slot.expanding:
+        if slot.elements is not None:
+            members = list(value)
+            lengths.append(len(members))
+            members_last += [
+                item if element is None else element(item)
+                for member in members
+                for item, element in zip(member, slot.elements, strict=True)
+            ]
+        elif slot.expanding:
             members = list(value)
             lengths.append(len(members))
             members_last += members if process is None else [process(item) for item in members]
@@ -410,12 +421,21 @@ def _slots(
         return None
     if compiled.literal_execute_params:
         return None  # values rendered into the SQL: its text depends on them
+    dialect = compiled.dialect
     slots = []
     for name in compiled.positiontup:
         bind = compiled.binds[name]
         expanding = bind in compiled.post_compile_params
-        if expanding and (not bind.expanding or isinstance(bind.type, TupleType)):
-            return None  # rendered otherwise, or a list of tuples: flattened by SQLAlchemy
+        if expanding and not bind.expanding:
+            return None  # rendered otherwise
+        elements = None
+        if expanding and isinstance(bind.type, TupleType):
+            # A list of tuples (a batch's fences): flattened member by member, each element
+            # bound by its own type, as SQLAlchemy's expansion binds them.
+            elements = tuple(
+                element.dialect_impl(dialect).bind_processor(dialect) for element in bind.type.types
+            )
         default = defaults.get(bind.key, _MISSING)
-        slots.append(_Slot(bind.key, name, bind, processors.get(name), expanding, default))
+        process = processors.get(name)
+        slots.append(_Slot(bind.key, name, bind, process, expanding, elements, default))
     return tuple(slots)
