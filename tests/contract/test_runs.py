@@ -10,14 +10,14 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import func, select
 
 from moorline.db.manager import DatabaseManager
-from moorline.db.repos.events import EventsRepo, append_events_txn
+from moorline.db.repos.events import EventsRepo, _appended_from_rows, append_events_txn
 from moorline.db.repos.handoffs import HandoffsRepo
 from moorline.db.repos.queue import Claim, ClaimRequest, QueueRepo
 from moorline.db.repos.records import Event
@@ -449,6 +449,47 @@ async def test_events_of_several_runs_take_each_runs_next_seqs_in_one_statement_
     ]
     [only] = await EventsRepo(db).list(two, after_seq=2)
     assert (only.seq, only.data, only.attempt) == (3, {"key": "b", "nested": [1, {"x": None}]}, 1)
+
+
+async def test_a_runs_batch_of_events_reads_its_last_seq_once_not_per_event(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # Read per event, the last seq's index scan steps over every entry the statement has
+    # inserted for the run so far: a batch of streamed deltas would cost its size squared.
+    if db.backend.rows_parameter("rows", {}) is None:
+        pytest.skip(f"{db.backend.name} appends events with a read and an executemany")
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    await repo.submit_many([new_run(await tenants.new(), lane) for _ in range(2)])
+    first, second = await claim(queue, lane)
+    rows = [
+        {"run_id": run.run.run_id, "nth": nth, "type": "delta", "attempt": 1, "data": {}}
+        for run in (first, second)
+        for nth in range(1, 301)
+    ]
+    statement = _appended_from_rows(db.backend.name, at_db_now=False, new_runs=False)
+    assert statement is not None
+    compiled = statement.compile(dialect=db.engine.dialect)
+    values = {**compiled.params, "events": json.dumps(rows), "created_at": datetime.now(UTC)}
+    assert compiled.positiontup is not None
+    arguments = [values[name] for name in compiled.positiontup]
+    async with db.write_transaction() as conn:
+        raw = await conn.get_raw_connection()
+        plan = await raw.driver_connection.fetchval(  # type: ignore[union-attr]
+            f"EXPLAIN (ANALYZE, FORMAT JSON) {compiled}", *arguments
+        )
+        await conn.rollback()
+    document = plan if isinstance(plan, list) else json.loads(plan)  # the driver's JSON codec
+    loops = [
+        node["Actual Loops"]
+        for node in _plan_nodes(document[0]["Plan"])
+        if node.get("Alias") == "prior"
+    ]
+    assert loops == [2], loops  # one read per run, before the 600 rows went in
+
+
+def _plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return [node, *(child for sub in node.get("Plans", []) for child in _plan_nodes(sub))]
 
 
 async def test_a_claim_and_a_finish_write_their_events_with_their_transition_where_they_can(

@@ -15,7 +15,6 @@ from typing import Any
 
 from sqlalchemy import (
     CTE,
-    ColumnElement,
     FromClause,
     Insert,
     RowMapping,
@@ -146,9 +145,11 @@ def _appended_from_rows(dialect: DialectName, *, at_db_now: bool, new_runs: bool
     Where the backend binds many rows as one parameter (PostgreSQL), the ``max(seq)`` read and
     the INSERT are one statement: a round trip and a per-row execution fewer. Each row carries
     ``nth``, its place among its run's events (from 1); its ``seq`` is the run's last one plus
-    ``nth``. The subquery reads the statement's snapshot, which holds none of the rows it
-    inserts, so every event of a run counts from the same last ``seq``. ``at_db_now``: the
-    events' time is the database's, read per row; otherwise the ``created_at`` parameter.
+    ``nth``. Each run's last ``seq`` is read once, into a materialised CTE, before any row is
+    inserted: read per row, the index scan for a run's last ``seq`` would step over every
+    entry the statement had inserted for it so far (invisible to its snapshot), and a batch of
+    one run's streamed deltas would cost the square of its size. ``at_db_now``: the events'
+    time is the database's, read per row; otherwise the ``created_at`` parameter.
     ``new_runs``: the runs have no event yet, and nothing is read.
     """
     backend = backend_for(dialect)
@@ -162,21 +163,37 @@ def _appended_from_rows(dialect: DialectName, *, at_db_now: bool, new_runs: bool
     source = backend.rows_parameter("events", columns)
     if source is None:
         return None
-    seq: ColumnElement[int] = source.c.nth
-    if not new_runs:
-        prior = events.alias("prior")
-        last_seq = (
-            select(func.coalesce(func.max(prior.c.seq), 0))
-            .where(prior.c.run_id == source.c.run_id)
-            .scalar_subquery()
-        )
-        seq = last_seq + source.c.nth
     created_at = (
         backend.now() if at_db_now else bindparam("created_at", type_=events.c.created_at.type)
     )
-    chosen = select(
-        source.c.run_id, seq, source.c.type, source.c.attempt, source.c.data, created_at
+    if new_runs:
+        chosen = select(
+            source.c.run_id, source.c.nth, source.c.type, source.c.attempt, source.c.data
+        )
+        return _insert_events(chosen.add_columns(created_at)).returning(
+            events.c.run_id, events.c.seq
+        )
+    given = select(source).cte("given")
+    runs_given = select(given.c.run_id).distinct().subquery("runs_given")
+    prior = events.alias("prior")
+    last_seq = (
+        select(func.coalesce(func.max(prior.c.seq), 0))
+        .where(prior.c.run_id == runs_given.c.run_id)
+        .scalar_subquery()
     )
+    last = (
+        select(runs_given.c.run_id, last_seq.label("seq"))
+        .cte("last_seq")
+        .prefix_with("MATERIALIZED")
+    )
+    chosen = select(
+        given.c.run_id,
+        last.c.seq + given.c.nth,
+        given.c.type,
+        given.c.attempt,
+        given.c.data,
+        created_at,
+    ).join_from(given, last, given.c.run_id == last.c.run_id)
     return _insert_events(chosen).returning(events.c.run_id, events.c.seq)
 
 
