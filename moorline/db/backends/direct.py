@@ -78,7 +78,7 @@ class Form:
     slots: tuple[_Slot, ...] | None = None
     """Its positional parameters in order, for binding without SQLAlchemy's parameter
     processing; None: a statement only ``construct_expanded_state`` binds right (escaped
-    names, values rendered into the SQL, tuple lists)."""
+    names, values rendered into the SQL)."""
     texts: dict[tuple[int, ...], str] = field(default_factory=dict)
     """The SQL with each ``IN`` list expanded, per the lists' lengths (the slots' order)."""
     returned: tuple[Any, ...] = ()
