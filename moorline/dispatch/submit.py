@@ -39,7 +39,7 @@ from moorline.concurrency import settle
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
-from moorline.errors import MoorlineError
+from moorline.errors import BackendUnavailable, MoorlineError
 from moorline.types import JSONObject, RunStatus, TenantId
 
 logger = logging.getLogger(__name__)
@@ -421,6 +421,11 @@ class Submitter:
     async def _write_queued(self, batch: list[_Request]) -> dict[_Request, Run | BaseException]:
         try:
             stored = await self._store(batch)
+        except BackendUnavailable as exc:
+            # Not about a row (the database stayed unreachable through the retries): the
+            # whole batch fails, without a run-by-run retry adding to the outage.
+            logger.warning("enqueuing %d runs failed: %s", len(batch), type(exc).__name__)
+            return dict.fromkeys(batch, exc)
         except MoorlineError as exc:
             if len(batch) == 1:
                 return {batch[0]: exc}
@@ -428,8 +433,7 @@ class Submitter:
             # gets the error and everyone else their run.
             return await self._write_one_by_one(batch)
         except Exception as exc:
-            # Not about a row (the database stayed unreachable through the retries): the
-            # whole batch fails, without a run-by-run retry adding to the outage.
+            # Not about a row either (a driver's error the retries did not translate).
             logger.warning("enqueuing %d runs failed: %s", len(batch), type(exc).__name__)
             return dict.fromkeys(batch, exc)
         self._count(len(stored))

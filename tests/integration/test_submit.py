@@ -9,11 +9,12 @@ import socket
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, make_url, select, text
+from sqlalchemy import func, insert, make_url, select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from moorline.db.manager import DatabaseManager
@@ -241,11 +242,11 @@ async def test_a_submission_larger_than_a_batch_takes_the_units_in_its_order(
 async def test_an_outage_mid_bulk_leaves_every_unit_with_its_run(
     db: DatabaseManager, database_url: str, plans_file: Path, backend: str
 ) -> None:
-    # The fault: once the first runs of one submit_many of 3,000 (half with an idempotency
-    # key) are committed, the database stops accepting connections and every connection to it
-    # is terminated, for 0.3 s, longer than the retries last. Each item must end as a
-    # committed run that took its unit, or BackendUnavailable with neither; a client's retry
-    # of the failed items then stores each of them once.
+    # The fault: while one submit_many of 3,000 (half with an idempotency key) is written, a
+    # batch at a time, the database stops accepting connections and every connection to it is
+    # terminated, for 0.3 s, longer than the retries last. Each item must end as a committed
+    # run that took its unit, or BackendUnavailable with neither; a client's retry of the
+    # failed items then stores each of them once.
     if backend != "postgresql":
         pytest.skip("one server whose backends can be terminated is enough")
     tenant = await new_tenant(db, "roomy")
@@ -257,20 +258,32 @@ async def test_an_outage_mid_bulk_leaves_every_unit_with_its_run(
         for n in range(3000)
     ]
     stored_runs = select(func.count()).where(runs.c.tenant_id == tenant)
-    async with build_app(settings) as app:
-        await app.submit("add", {"a": -1, "b": 0}, tenant=tenant)  # its connections are open
-        submitting = asyncio.create_task(app.submit_many(items, tenant=tenant))
-        async with db.connect() as watcher:
+    # The outage comes at a known point however loaded the machine: a transaction left open
+    # holds the last item's key, so the batch that holds that item waits on its row lock
+    # after the batches before it committed. The termination ends both, rolling this one back.
+    holder = create_async_engine(database_url)
+    admin = create_async_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = make_url(database_url).database
+    try:
+        async with holder.connect() as holding, admin.connect() as control:
+            await holding.begin()
+            await holding.execute(insert(runs).values(key_holding_row(tenant, "k2999")))
+            async with build_app(settings) as app:
+                await app.submit("add", {"a": -1, "b": 0}, tenant=tenant)  # connections open
+                submitting = asyncio.create_task(app.submit_many(items, tenant=tenant))
 
-            async def runs_stored() -> bool:
-                return bool((await watcher.execute(stored_runs)).scalar_one() >= 2)
+                async def a_batch_waits_on_the_key() -> bool:
+                    waiting = await control.execute(
+                        text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE datname = :name "
+                            "AND wait_event_type = 'Lock'"
+                        ),
+                        {"name": name},
+                    )
+                    return bool(waiting.scalar_one())
 
-            await wait_for(runs_stored, interval_s=0.001, message="the first runs stored")
-        # From another database: PostgreSQL cannot close the one it is connected to.
-        admin = create_async_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-        try:
-            async with admin.connect() as control:
-                name = make_url(database_url).database
+                await wait_for(a_batch_waits_on_the_key, message="a batch waiting on the key")
+                # From another database: PostgreSQL cannot close the one it is connected to.
                 await control.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
                 try:
                     killed = (
@@ -282,30 +295,56 @@ async def test_an_outage_mid_bulk_leaves_every_unit_with_its_run(
                             {"name": name},
                         )
                     ).scalar_one()
+                    await holding.invalidate()  # terminated: nothing left to roll back
                     await asyncio.sleep(0.3)  # the outage itself, longer than the retries
                 finally:
                     await control.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
-        finally:
-            await admin.dispose()
-        results = await submitting
-        assert killed > 0
-        failed = [n for n, result in enumerate(results) if not isinstance(result, Submitted)]
-        assert failed, "the outage came after the whole submission was stored"
-        assert all(isinstance(results[n], BackendUnavailable) for n in failed), [
-            results[n] for n in failed[:1]
-        ]
-        stored = [result for result in results if isinstance(result, Submitted)]
-        assert all(result.created for result in stored)
-        # Nothing doubled, nothing half-written: the runs are those answered, each with a unit.
-        found = await RunsRepo(db).get_many([RunId(result.run_id) for result in stored])
-        assert len(found) == len(stored)
-        assert await count_runs(db, tenant, RunStatus.QUEUED) == len(stored) + 1
-        assert await units_taken(db, tenant) == len(stored) + 1
-        # The client retries what failed: every item is then stored once.
-        retried = await app.submit_many([items[n] for n in failed], tenant=tenant)
+                results = await submitting
+                assert killed > 0
+                failed = [n for n, got in enumerate(results) if not isinstance(got, Submitted)]
+                # The batch that waited failed whole, not run by run through the outage; the
+                # batches before it were stored.
+                assert failed == list(range(failed[0], len(items))), failed
+                assert 1 < len(failed) < len(items)
+                assert all(isinstance(results[n], BackendUnavailable) for n in failed), [
+                    results[n] for n in failed[:1]
+                ]
+                stored = [result for result in results if isinstance(result, Submitted)]
+                assert all(result.created for result in stored)
+                # Nothing doubled, nothing half-written: the runs are those answered, each
+                # with a unit.
+                found = await RunsRepo(db).get_many([RunId(result.run_id) for result in stored])
+                assert len(found) == len(stored)
+                async with db.connect() as conn:
+                    assert (await conn.execute(stored_runs)).scalar_one() == len(stored) + 1
+                assert await count_runs(db, tenant, RunStatus.QUEUED) == len(stored) + 1
+                assert await units_taken(db, tenant) == len(stored) + 1
+                # The client retries what failed: every item is then stored once.
+                retried = await app.submit_many([items[n] for n in failed], tenant=tenant)
+    finally:
+        await holder.dispose()
+        await admin.dispose()
     assert all(isinstance(result, Submitted) and result.created for result in retried)
     assert await count_runs(db, tenant, RunStatus.QUEUED) == 3001
     assert await units_taken(db, tenant) == 3001
+
+
+def key_holding_row(tenant: str, key: str) -> dict[str, Any]:
+    """A ``runs`` row that takes ``key`` of ``tenant``, to insert in a transaction left open."""
+    now = datetime.now(UTC)
+    return {
+        "id": str(uuid.uuid4()),
+        "tenant_id": tenant,
+        "workflow": "add",
+        "status": RunStatus.QUEUED.value,
+        "lane": "workflow_roomy",
+        "not_before": now,
+        "idempotency_key": key,
+        "input_hash": "0" * 64,
+        "input": {},
+        "created_at": now,
+        "updated_at": now,
+    }
 
 
 async def units_taken(db: DatabaseManager, tenant: str) -> int:
