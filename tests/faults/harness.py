@@ -189,11 +189,13 @@ async def submit(
     return [run.run_id for run in await runs.submit_many(new)]
 
 
-def client_ports(pid: int) -> list[int]:
-    """The local TCP ports of process ``pid``'s sockets (its database connections among them).
+def client_ports(pid: int, server_port: int) -> list[int]:
+    """The local ports of process ``pid``'s TCP connections to ``server_port``.
 
     Read from ``/proc``: the socket inodes its descriptors point at, then the rows of its
-    network namespace's TCP tables that own them.
+    network namespace's TCP tables that own them. Only connections to the server's port: a
+    local port is unique per destination, so the process's connection to Redis may have the
+    same local port as another process's session with the database.
     """
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -206,7 +208,8 @@ def client_ports(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
                 fields = line.split()
-                if fields[9] in inodes:
+                remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+                if fields[9] in inodes and remote_port == server_port:
                     ports.append(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
 
@@ -231,7 +234,8 @@ async def holds_write_locks(db: DatabaseManager, pid: int) -> bool:
             return True
         finally:
             probe.close()
-    ports = client_ports(pid)
+    url = make_url(db.urls[0])
+    ports = client_ports(pid, url.port or (5432 if db.backend.name == "postgresql" else 3306))
     assert ports, f"process {pid} has no TCP connection to the database"
     listed = ", ".join(str(port) for port in ports)
     query = (

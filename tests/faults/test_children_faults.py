@@ -115,20 +115,6 @@ async def until_all(db: DatabaseManager, run_ids: Sequence[str], status: str, wh
     await wait_for(reached, timeout_s=SETTLE_S, interval_s=0.05, message=what)
 
 
-async def kill_while_running(
-    db: DatabaseManager, run_ids: Sequence[str], proc: subprocess.Popen[bytes]
-) -> list[str]:
-    """SIGKILL ``proc`` as soon as it runs one of ``run_ids``; the runs it held then."""
-
-    async def holding() -> list[str]:
-        return await running_under(db, list(run_ids), owner_pattern(proc))
-
-    held = await wait_for(holding, timeout_s=SETTLE_S, interval_s=0.005, message="a run in flight")
-    proc.kill()
-    proc.wait()
-    return held
-
-
 async def kill_between_start_and_checkpoint(
     db: DatabaseManager, parents: Sequence[str], workers: Workers, proc: subprocess.Popen[bytes]
 ) -> list[str]:

@@ -103,14 +103,24 @@ async def until_all(db: DatabaseManager, run_ids: list[RunId], status: str, what
 
 
 async def kill_while_running(
-    db: DatabaseManager, run_ids: list[RunId], proc: subprocess.Popen[bytes]
+    db: DatabaseManager, run_ids: list[RunId], proc: subprocess.Popen[bytes], settled: str
 ) -> list[str]:
-    """SIGKILL ``proc`` as soon as it runs one of ``run_ids``; the runs it held then."""
+    """SIGKILL ``proc`` as soon as it runs one of ``run_ids``; the runs it held then.
 
-    async def holding() -> list[str]:
-        return await running_under(db, run_ids, owner_pattern(proc))
+    Once every run is ``settled`` there is nothing left to catch in flight (a fast worker
+    may have parked or finished the last ones between two looks): ``proc`` is killed all
+    the same and no run is returned. The callers assert that some kill caught runs.
+    """
 
-    held = await wait_for(holding, timeout_s=SETTLE_S, interval_s=0.005, message="a run in flight")
+    async def holding() -> tuple[list[str]] | None:
+        held = await running_under(db, run_ids, owner_pattern(proc))
+        if held or (await count_by_status(db, run_ids))[settled] == len(run_ids):
+            return (held,)  # truthy, even when empty
+        return None
+
+    [held] = await wait_for(
+        holding, timeout_s=SETTLE_S, interval_s=0.005, message="a run in flight"
+    )
     proc.kill()
     proc.wait()
     return held
@@ -126,7 +136,7 @@ async def test_kill_9_while_runs_park_loses_and_doubles_nothing(
     for _ in range(KILLS):
         # Every ``running`` moment of these runs is on the way to the park: the prepare
         # step, the interrupt opened, the park's fenced UPDATE.
-        interrupted += await kill_while_running(db, run_ids, proc)
+        interrupted += await kill_while_running(db, run_ids, proc, WAITING)
         # No process lives: nothing is lost (each run queued, running on a dead lease or
         # waiting) and nothing ended.
         states = await count_by_status(db, run_ids)
@@ -162,7 +172,7 @@ async def test_kill_9_while_runs_resume_loses_and_doubles_nothing(
     posted = await decide_all(db, run_ids)
     interrupted: list[str] = []
     for _ in range(KILLS):
-        interrupted += await kill_while_running(db, run_ids, proc)
+        interrupted += await kill_while_running(db, run_ids, proc, SUCCEEDED)
         proc = workers.start()
     assert interrupted, "no kill caught a run resuming: the test did not test"
     await until_all(db, run_ids, SUCCEEDED, "every run finished")
