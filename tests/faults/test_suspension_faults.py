@@ -112,11 +112,11 @@ async def kill_while_running(
     the same and no run is returned. The callers assert that some kill caught runs.
     """
 
-    async def holding() -> tuple[list[str]] | None:
+    async def holding() -> tuple[list[str], ...]:
         held = await running_under(db, run_ids, owner_pattern(proc))
         if held or (await count_by_status(db, run_ids))[settled] == len(run_ids):
             return (held,)  # truthy, even when empty
-        return None
+        return ()
 
     [held] = await wait_for(
         holding, timeout_s=SETTLE_S, interval_s=0.005, message="a run in flight"
