@@ -177,6 +177,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     _sqlalchemy_direct(
         "sqlalchemy.sql.compiler.SQLCompiler", "_result_columns", Shape.ATTRIBUTE, user=_DIRECT
     ),
+    # Forms counts the statements of one structure it compiled by their cache key, the key of
+    # SQLAlchemy's own cache of compiled statements.
+    _sqlalchemy_direct(
+        "sqlalchemy.sql.elements.ClauseElement", "_generate_cache_key", Shape.METHOD, user=_DIRECT
+    ),
     _sqlalchemy_direct(
         "sqlalchemy.engine.result.SimpleResultMetaData",
         "__init__",

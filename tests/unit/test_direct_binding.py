@@ -24,7 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 
-from moorline.db.backends.direct import Forms, _bound_by_sqlalchemy, bound
+from moorline.db.backends.direct import _COMPILES_PER_SHAPE, Forms, _bound_by_sqlalchemy, bound
 from moorline.db.types import UTCDateTime
 
 metadata = MetaData()
@@ -92,3 +92,24 @@ def test_tuple_in_lists_bind_as_sqlalchemys_expansion(
     assert form is not None and form.slots is not None, "a tuple list binds by its slots"
     for _ in range(2):  # the second time from the text kept for these lengths
         assert bound(form, params) == _bound_by_sqlalchemy(form, params)
+
+
+@pytest.mark.parametrize("dialect", dialects(), ids=lambda d: d.name)
+def test_statements_built_per_call_are_left_to_sqlalchemys_cache(dialect: Dialect) -> None:
+    # A form binds the values written into its statement: each new object of one structure
+    # would be compiled again. A few are; after them SQLAlchemy's cache (by structure) serves.
+    forms = Forms(dialect)
+    made = [
+        forms.form(update(marks).where(marks.c.id == f"run-{n}").values(attempt=n), {}, False)
+        for n in range(_COMPILES_PER_SHAPE + 2)
+    ]
+    assert all(form is not None for form in made[:_COMPILES_PER_SHAPE])
+    assert made[_COMPILES_PER_SHAPE:] == [None, None]
+    # Each compiled form binds its own object's values.
+    first, second = made[0], made[1]
+    assert first is not None and second is not None
+    assert bound(first, {})[1] != bound(second, {})[1]
+    # A statement built once keeps its form however often it runs, beside them.
+    assert forms.form(FENCED, {"below": 1}, False) is forms.form(FENCED, {"below": 1}, False)
+    # Another structure has its own count.
+    assert forms.form(update(marks).where(marks.c.owner == "w").values(attempt=1), {}, False)

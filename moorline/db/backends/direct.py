@@ -6,7 +6,8 @@ PostgreSQL's write transactions and one-statement writes,
 SQLAlchemy's execution of a short statement (an execution context, parameter processing, a
 cursor wrapper, a result around it, a greenlet) costs more CPU than the database spends on it.
 What they share is here: a statement is compiled once per statement object and parameter names
-(:class:`Forms`), and each execution binds its parameters as SQLAlchemy's execution would,
+(:class:`Forms`; statements built anew for each call go SQLAlchemy's way, whose cache serves
+them better), and each execution binds its parameters as SQLAlchemy's execution would,
 through the compiled form's slots, or its public
 :meth:`~sqlalchemy.sql.compiler.SQLCompiler.construct_expanded_state` where the slots cannot
 (:func:`bound`), with the types' bind processors; rows come back as SQLAlchemy rows through the
@@ -16,8 +17,9 @@ columns' result processors (:class:`DirectResult`). A transaction's connection i
 A form is None, and the statement goes SQLAlchemy's way, where binding it here could differ: not
 a compiled SQL statement, execution options set on it, a Python-side column default that is a
 function (constants are bound as SQLAlchemy binds them), rows of two columns of one name. The
-rows are built from the compiler's ``_result_columns`` on ``SimpleResultMetaData``: SQLAlchemy
-internals listed in :data:`moorline.fastpaths.PRIVATE_NAMES`.
+rows are built from the compiler's ``_result_columns`` on ``SimpleResultMetaData``, and a
+statement's structure is known by its ``_generate_cache_key``: SQLAlchemy internals listed in
+:data:`moorline.fastpaths.PRIVATE_NAMES`.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +37,9 @@ from sqlalchemy.types import TupleType
 
 _MAX_FORMS = 512
 """Compiled statements kept; all are forgotten at once past it (statements are built once)."""
+
+_COMPILES_PER_SHAPE = 4
+"""Statement objects of one structure compiled here; those built later go SQLAlchemy's way."""
 
 _MAX_TEXTS = 64
 """Expanded SQL texts kept per statement (one per combination of ``IN`` list lengths)."""
@@ -112,17 +117,33 @@ class Forms:
         self.dialect = dialect
         self._typed_rows = typed_rows
         self._forms: dict[_Key, tuple[Executable, Form | None]] = {}
+        self._compiles: dict[tuple[Any, tuple[str, ...], bool], int] = {}
 
     def form(self, statement: Executable, params: Mapping[str, Any], many: bool) -> Form | None:
         """``statement``'s form for these parameter names; None: it goes SQLAlchemy's way.
 
         ``many``: for an executemany, ``params`` being its first parameter set.
+
+        A form binds the values written into its statement object, so it is kept per object.
+        A statement built anew for each call (its values in its clauses) would be compiled at
+        every call, which costs far more than SQLAlchemy's execution, whose cache of compiled
+        statements is keyed by structure: once a few objects of one structure were compiled
+        here, later ones are left to SQLAlchemy.
         """
         names = tuple(sorted(params))
         key = (id(statement), names, many)
         found = self._forms.get(key)
         if found is not None and found[0] is statement:
             return found[1]
+        if isinstance(statement, ClauseElement):
+            shape = statement._generate_cache_key()
+            if shape is not None:
+                compiled = (shape.key, names, many)
+                if self._compiles.get(compiled, 0) >= _COMPILES_PER_SHAPE:
+                    return None
+                if len(self._compiles) >= _MAX_FORMS:
+                    self._compiles.clear()
+                self._compiles[compiled] = self._compiles.get(compiled, 0) + 1
         if len(self._forms) >= _MAX_FORMS:
             self._forms.clear()
         form = _compile(statement, self.dialect, names, many, self._typed_rows)
