@@ -313,7 +313,7 @@ class ChildrenRepo:
     async def _wake_txn(
         self, conn: AsyncConnection, parent_id: str, ended: builtins.list[Run] | None = None
     ) -> str | None:
-        row = await lock_wait_state_txn(conn, self._backend, runs.c.id == parent_id)
+        row = await lock_wait_state_txn(conn, self._backend, parent_id)
         if row is None or row["status"] in _TERMINAL:
             return None
         if ended:

@@ -6,9 +6,10 @@ thing (steps, events, interrupts, messages); :func:`fence_by_parameters` is the 
 statements built once that carry the fence themselves (a step's start and finish).
 """
 
+import functools
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, bindparam, select, update
+from sqlalchemy import ColumnElement, Update, and_, bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import DialectName, backend_for
@@ -47,18 +48,22 @@ async def hold_fence_txn(
         CancelRequested: The fence holds but the run's cancel is recorded (only with
             ``refuse_cancelled``); the caller must write nothing.
     """
-    held = fence.clause()
-    if refuse_cancelled:
-        held = and_(held, runs.c.cancel_requested_at.is_(None))
-    now = backend_for(dialect).now()
-    result = await conn.execute(update(runs).where(held).values(updated_at=now))
+    parameters = fence_parameters(fence)
+    result = await conn.execute(_hold_statement(dialect, refuse_cancelled), parameters)
     if result.rowcount == 1:
         return
-    if refuse_cancelled:
-        still_ours = select(runs.c.cancel_requested_at).where(fence.clause())
-        if (await conn.execute(still_ours)).first() is not None:
-            raise CancelRequested(fence, action)
+    if refuse_cancelled and (await conn.execute(_STILL_OURS, parameters)).first() is not None:
+        raise CancelRequested(fence, action)
     raise LeaseLost(fence, action)
+
+
+@functools.cache
+def _hold_statement(dialect: DialectName, refuse_cancelled: bool) -> Update:
+    """``UPDATE runs SET updated_at = now WHERE <fence>`` (and no cancel), built once."""
+    held = fence_by_parameters()
+    if refuse_cancelled:
+        held = and_(held, runs.c.cancel_requested_at.is_(None))
+    return update(runs).where(held).values(updated_at=backend_for(dialect).now())
 
 
 def fence_by_parameters() -> ColumnElement[bool]:
@@ -82,3 +87,6 @@ def fence_parameters(fence: Fence) -> dict[str, Any]:
         "fence_attempt": fence.attempt,
         "fence_owner": fence.owner,
     }
+
+
+_STILL_OURS = select(runs.c.cancel_requested_at).where(fence_by_parameters())

@@ -23,7 +23,7 @@ import uuid
 from functools import partial
 from typing import Any
 
-from sqlalchemy import RowMapping, Update, bindparam, insert, null, select, update
+from sqlalchemy import RowMapping, Select, Update, bindparam, insert, null, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import Backend
@@ -107,9 +107,7 @@ class InterruptsRepo:
                 await hold_fence_txn(
                     conn, self._backend.name, fence, f"interrupt {key!r}", refuse_cancelled=True
                 )
-                found = await _select_txn(
-                    conn, interrupts.c.run_id == fence.run_id, interrupts.c.key == key
-                )
+                found = await _select_txn(conn, _BY_KEY, run_id=fence.run_id, key=key)
                 if found is not None:
                     return _check_replay(found, fence.run_id, key, action)
                 now = self._backend.now()
@@ -192,7 +190,7 @@ class InterruptsRepo:
             async with self._db.write_transaction() as conn:
                 # The run's row first, as a park takes it: a run parking for this interrupt
                 # either sees the decision or is re-queued by it (moorline.db.repos.parking).
-                run = await lock_wait_state_txn(conn, self._backend, runs.c.id == run_id)
+                run = await lock_wait_state_txn(conn, self._backend, run_id)
                 outcome = await self._resolve_txn(conn, run_id, interrupt_id, status, cause, data)
                 waited: Any = None if run is None else run["waiting_for"]
                 if (
@@ -236,9 +234,7 @@ class InterruptsRepo:
                 return _interrupt_from_row(row)
         elif (await conn.execute(decide, parameters)).rowcount == 1:
             return await _reread_txn(conn, interrupt_id)
-        found = await _select_txn(
-            conn, interrupts.c.id == interrupt_id, interrupts.c.run_id == run_id
-        )
+        found = await _select_txn(conn, _IN_RUN, interrupt_id=interrupt_id, run_id=run_id)
         if found is None:
             raise NotFound(f"no interrupt {interrupt_id} in run {run_id}")
         if found["status"] == _PENDING:
@@ -382,12 +378,23 @@ def _check_replay(row: RowMapping, run_id: RunId, key: str, action: str) -> Inte
     return _interrupt_from_row(row)
 
 
-async def _select_txn(conn: AsyncConnection, *conditions: Any) -> RowMapping | None:
-    return (await conn.execute(select(interrupts).where(*conditions))).mappings().first()
+# Built once, their values bound: building a statement costs more than running it.
+_BY_ID = select(interrupts).where(interrupts.c.id == bindparam("interrupt_id"))
+_IN_RUN = _BY_ID.where(interrupts.c.run_id == bindparam("run_id"))
+_BY_KEY = select(interrupts).where(
+    interrupts.c.run_id == bindparam("run_id"), interrupts.c.key == bindparam("key")
+)
+
+
+async def _select_txn(
+    conn: AsyncConnection, statement: Select[Any], **values: str
+) -> RowMapping | None:
+    found: RowMapping | None = (await conn.execute(statement, values)).mappings().first()
+    return found
 
 
 async def _reread_txn(conn: AsyncConnection, interrupt_id: str) -> Interrupt:
-    row = await _select_txn(conn, interrupts.c.id == interrupt_id)
+    row = await _select_txn(conn, _BY_ID, interrupt_id=interrupt_id)
     if row is None:  # pragma: no cover - written in this transaction a moment ago
         raise AssertionError(f"interrupt {interrupt_id} vanished")
     return _interrupt_from_row(row)

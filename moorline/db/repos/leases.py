@@ -4,12 +4,15 @@ Every statement is fenced by ``(run_id, attempt)`` and the owner; a lease the re
 a cancelled or finished run matches zero rows, and the caller learns it lost the lease.
 """
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import and_, select, tuple_, update
+from sqlalchemy import Select, Update, and_, bindparam, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from moorline.db.backends import DialectName, backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_CANCELLED, EVENT_RELEASED, append_events_txn
 from moorline.db.repos.records import Fence, is_running
@@ -71,27 +74,15 @@ class LeasesRepo:
             raise ValueError("renew_leases renews the leases of one owner at a time")
         [owner] = owners
         keys = sorted({(fence.run_id, fence.attempt) for fence in fences})
-        held = and_(
-            runs.c.lease_owner == owner,
-            is_running(),
-            tuple_(runs.c.id, runs.c.attempt).in_(keys),
-        )
-        backend = self._db.backend
+        renew_statement, read_back = _renew_statements(self._db.backend.name, lease_ttl_s)
+        values = {"owner": owner, "keys": keys}
 
         async def renew() -> Renewal:
             async with self._db.write_transaction() as conn:
-                await conn.execute(
-                    update(runs)
-                    .where(held)
-                    .values(
-                        lease_expires_at=backend.now(plus_s=lease_ttl_s),
-                        updated_at=backend.now(),
-                    )
-                )
+                await conn.execute(renew_statement, values)
                 # Read back in the same transaction: the rows matching now are exactly the
                 # ones the UPDATE matched (it holds their locks; no fence can newly match).
-                back = select(runs.c.id, runs.c.attempt, runs.c.cancel_requested_at).where(held)
-                rows = (await conn.execute(back)).all()
+                rows = (await conn.execute(read_back, values)).all()
                 renewed = frozenset((RunId(row.id), Attempt(row.attempt)) for row in rows)
                 missed = [key for key in keys if key not in renewed]
                 parked = await self._parked_txn(conn, missed) if missed else frozenset()
@@ -154,3 +145,23 @@ class LeasesRepo:
                 event = (EVENT_CANCELLED, {"reason": "cancelled"})
             await append_events_txn(conn, backend.name, [(fence.run_id, fence.attempt, *event)])
         return True
+
+
+@functools.cache
+def _renew_statements(dialect: DialectName, lease_ttl_s: float) -> tuple[Update, Select[Any]]:
+    """A heartbeat's ``UPDATE`` of its leases and its read-back, built once per TTL.
+
+    Parameters: ``owner`` and ``keys``, the ``(run id, attempt)`` of each lease.
+    """
+    held = and_(
+        runs.c.lease_owner == bindparam("owner"),
+        is_running(),
+        tuple_(runs.c.id, runs.c.attempt).in_(bindparam("keys", expanding=True)),
+    )
+    backend = backend_for(dialect)
+    renew = (
+        update(runs)
+        .where(held)
+        .values(lease_expires_at=backend.now(plus_s=lease_ttl_s), updated_at=backend.now())
+    )
+    return renew, select(runs.c.id, runs.c.attempt, runs.c.cancel_requested_at).where(held)

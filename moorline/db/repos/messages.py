@@ -38,7 +38,7 @@ from moorline.db.repos.fences import hold_fence_txn
 from moorline.db.repos.parking import ResumeReason, lock_wait_state_txn, resume_txn
 from moorline.db.repos.records import Event, Fence, Message
 from moorline.db.repos.steps import StepMismatch
-from moorline.db.schema import messages, runs, steps
+from moorline.db.schema import messages, steps
 from moorline.errors import LimitExceeded, RunNotFound, RunNotInteractive
 from moorline.types import Attempt, JSONObject, RunId, RunStatus, StepStatus, TenantId
 
@@ -120,9 +120,7 @@ class MessagesRepo:
         """
         backend = self._backend
         async with self._db.write_transaction() as conn:
-            run = await lock_wait_state_txn(
-                conn, backend, runs.c.id == run_id, runs.c.tenant_id == tenant_id
-            )
+            run = await lock_wait_state_txn(conn, backend, run_id, tenant_id)
             if run is None:
                 raise RunNotFound(f"no run {run_id}")
             status = run["status"]

@@ -22,16 +22,17 @@ deadline. A re-queued run keeps its ``not_before`` (in the past), so it is claim
 the runs queued after it in its lane.
 """
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import ColumnElement, RowMapping, exists, select, update
+from sqlalchemy import RowMapping, Select, bindparam, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from moorline.db.backends import Backend
+from moorline.db.backends import Backend, DialectName, backend_for
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import (
     EVENT_RESUMED,
@@ -303,17 +304,28 @@ class ParkingRepo:
 
 
 async def lock_wait_state_txn(
-    conn: AsyncConnection, backend: Backend, *conditions: ColumnElement[bool]
+    conn: AsyncConnection, backend: Backend, run_id: str, tenant_id: str | None = None
 ) -> RowMapping | None:
     """Lock the run's row (as a park locks it) and read what ending its wait needs.
 
     Every write that can end a wait (a decision, a message, a child's end) takes the row
-    first, so it and a concurrent park serialise on it (see the module docstring).
+    first, so it and a concurrent park serialise on it (see the module docstring). With
+    ``tenant_id``, only a run of that tenant.
     """
+    values = {"run_id": run_id} if tenant_id is None else {"run_id": run_id, "tenant": tenant_id}
+    wanted = _wait_state_statement(backend.name, tenant_id is not None)
+    found: RowMapping | None = (await conn.execute(wanted, values)).mappings().first()
+    return found
+
+
+@functools.cache
+def _wait_state_statement(dialect: DialectName, of_tenant: bool) -> Select[Any]:
     wanted = select(
         runs.c.id, runs.c.status, runs.c.attempt, runs.c.waiting_for, runs.c.lane
-    ).where(*conditions)
-    return (await conn.execute(backend.lock_rows(wanted))).mappings().first()
+    ).where(runs.c.id == bindparam("run_id"))
+    if of_tenant:
+        wanted = wanted.where(runs.c.tenant_id == bindparam("tenant"))
+    return backend_for(dialect).lock_rows(wanted)
 
 
 async def resume_txn(

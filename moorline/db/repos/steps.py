@@ -497,9 +497,14 @@ class StepsRepo:
         return _step_from_row(row)
 
 
+_STEP = select(steps).where(
+    steps.c.run_id == bindparam("step_run_id"), steps.c.key == bindparam("step_key")
+)
+
+
 async def _select_step_txn(conn: AsyncConnection, run_id: str, key: str) -> RowMapping | None:
-    stmt = select(steps).where(steps.c.run_id == run_id, steps.c.key == key)
-    return (await conn.execute(stmt)).mappings().first()
+    found = await conn.execute(_STEP, {"step_run_id": run_id, "step_key": key})
+    return found.mappings().first()
 
 
 def _is_recorded(row: RowMapping, fence: Fence, status: StepStatus, values: dict[str, Any]) -> bool:
