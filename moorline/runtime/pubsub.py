@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from moorline.concurrency import keep_cancel
+from moorline.concurrency import cancel_and_wait, keep_cancel
 from moorline.runtime.base import EventSubscription
 from moorline.runtime.fanout import LocalFanout
 from moorline.types import JSONObject, RunId
@@ -153,7 +153,9 @@ class PubSubHub:
     async def _read(self, link: Link) -> None:
         try:
             while True:
-                message = await link.pubsub.get_message(timeout=None)
+                # keep_cancel: a cancel redis-py swallows here left the reader reading a
+                # connection nothing would ever write to again, and its closer waiting for it.
+                message = await keep_cancel(link.pubsub.get_message(timeout=None))
                 if message is not None:
                     await self._dispatch(link, message)
         except Exception as exc:
@@ -188,8 +190,7 @@ class PubSubHub:
             self._link = None
         reader = link.reader
         if reader is not None and reader is not asyncio.current_task():
-            reader.cancel()
-            await asyncio.wait((reader,))
+            await cancel_and_wait((reader,))
         await link.pubsub.aclose()  # type: ignore[no-untyped-call]
 
 

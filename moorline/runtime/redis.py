@@ -453,11 +453,12 @@ class RedisRuntimeStore(RuntimeStore):
 
     async def shutdown(self) -> None:
         self._is_shut_down = True
-        for watch in tuple(self._watches):
+        watches = tuple(self._watches)
+        for watch in watches:
             watch.cancel()
         self._feeds.end_all()
-        if self._watches:
-            await asyncio.wait(tuple(self._watches))
+        # Cancelled again until they end: a Redis call may swallow a cancel (keep_cancel).
+        await cancel_and_wait(watches)
         await self._hub.close()
 
     async def close(self) -> None:

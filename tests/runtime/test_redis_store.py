@@ -5,6 +5,7 @@ docs/reliability.md D1 (approval lost-wakeup), D5 (script cache) and the "no key
 
 import asyncio
 import contextlib
+import functools
 import random
 import statistics
 import time
@@ -14,14 +15,17 @@ import pytest
 from redis.asyncio import Redis
 from redis.crc import key_slot
 
+from moorline.concurrency import RECANCEL_EVERY_S, cancel_and_wait
 from moorline.errors import BackendUnavailable
 from moorline.runtime.base import WindowChange
 from moorline.runtime.keys import RedisKeys
+from moorline.runtime.pubsub import PubSubHub
 from moorline.runtime.redis import SCRIPT_NAMES, RedisRuntimeStore, load_script
+from moorline.runtime.redis_client import RedisConnector
 from moorline.types import JSONObject, RunId
 from tests.helpers import wait_for
 from tests.runtime.conftest import keys_under, keys_without_ttl, make_redis_store
-from tests.servers import unique_name
+from tests.servers import REDIS_TEST_URL, unique_name
 
 LONG_S = 30.0
 
@@ -359,3 +363,41 @@ async def test_unreachable_redis_fails_clearly_and_never_hangs() -> None:
             await store.is_cancelled(RunId("r1"))
     finally:
         await store.close()
+
+
+class _Deaf:
+    def on_message(self, data: str) -> None:
+        """Nothing to hear."""
+
+    def on_broken(self) -> None:
+        """Nothing to resubscribe."""
+
+
+async def test_closing_the_hub_ends_a_reader_that_swallowed_its_cancel(redis_prefix: str) -> None:
+    # redis-py may swallow a cancel on Python 3.11 (see keep_cancel): the hub's reader then
+    # went back to reading a connection nothing would write to, and closing the hub waited
+    # for it for ever (a CI run hung there in a store's teardown). A reader that swallows its
+    # first cancel stands for it: closing must cancel it again until it ends.
+    connector = RedisConnector(REDIS_TEST_URL)
+    client = connector.client(decode_responses=True)
+    hub = PubSubHub(functools.partial(connector.pubsub, client))
+    read_again = asyncio.Event()
+
+    async def swallowing_reader() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass  # swallowed, as redis-py's read did
+        read_again.set()
+        await asyncio.Event().wait()  # reading again: only a second cancel ends it
+
+    try:
+        link = await hub.subscribe(f"{redis_prefix}:deaf", _Deaf())
+        assert link.reader is not None
+        real_reader, link.reader = link.reader, asyncio.create_task(swallowing_reader())
+        await asyncio.sleep(0)  # the stand-in waits in its first read
+        await asyncio.wait_for(hub.close(), timeout=5 * RECANCEL_EVERY_S)
+        assert read_again.is_set() and link.reader.cancelled()
+        await cancel_and_wait((real_reader,))
+    finally:
+        await client.aclose()
