@@ -421,19 +421,16 @@ class Submitter:
     async def _write_queued(self, batch: list[_Request]) -> dict[_Request, Run | BaseException]:
         try:
             stored = await self._store(batch)
-        except BackendUnavailable as exc:
-            # Not about a row (the database stayed unreachable through the retries): the
-            # whole batch fails, without a run-by-run retry adding to the outage.
-            logger.warning("enqueuing %d runs failed: %s", len(batch), type(exc).__name__)
-            return dict.fromkeys(batch, exc)
-        except MoorlineError as exc:
-            if len(batch) == 1:
-                return {batch[0]: exc}
-            # One bad row refuses the whole batch; write run by run so that only its caller
-            # gets the error and everyone else their run.
-            return await self._write_one_by_one(batch)
         except Exception as exc:
-            # Not about a row either (a driver's error the retries did not translate).
+            if isinstance(exc, MoorlineError) and not isinstance(exc, BackendUnavailable):
+                if len(batch) == 1:
+                    return {batch[0]: exc}
+                # One bad row refuses the whole batch; write run by run so that only its
+                # caller gets the error and everyone else their run.
+                return await self._write_one_by_one(batch)
+            # Not about a row (the database stayed unreachable through the retries, or a
+            # driver's error they did not translate): the whole batch fails, without a
+            # run-by-run retry adding to the outage.
             logger.warning("enqueuing %d runs failed: %s", len(batch), type(exc).__name__)
             return dict.fromkeys(batch, exc)
         self._count(len(stored))
