@@ -31,6 +31,7 @@ from moorline.engine.registry import Moorline
 from moorline.settings import Settings
 from moorline.types import TERMINAL_STATUSES, JSONObject, RunId, RunStatus, TenantId
 from tests.helpers import wait_for
+from tests.servers import SERVERS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LANE = "workflow"  # the community edition's single lane
@@ -235,7 +236,7 @@ async def holds_write_locks(db: DatabaseManager, pid: int) -> bool:
         finally:
             probe.close()
     url = make_url(db.urls[0])
-    ports = client_ports(pid, url.port or (5432 if db.backend.name == "postgresql" else 3306))
+    ports = client_ports(pid, url.port or SERVERS[db.backend.name].port)
     assert ports, f"process {pid} has no TCP connection to the database"
     listed = ", ".join(str(port) for port in ports)
     query = (
