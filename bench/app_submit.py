@@ -5,13 +5,14 @@ The public in-process path: the app of ``bench/peers/moorline_app.py`` on a fres
 shipped ``professional`` plan with its quota and rate limit raised out of the way (its quota is
 still taken, one unit per run), one coroutine awaiting ``app.submit`` after ``app.submit`` (with
 ``--bulk N``: ``app.submit_many`` of N runs after ``app.submit_many``; ``--keyed``: each run
-with an idempotency key of its own, as a retry-safe enqueue sends them). Prints runs/s and this
-process's CPU per run. ``--baseline DIR`` measures the tree in
+with an idempotency key of its own, as a retry-safe enqueue sends them). A backend ``X+redis``
+adds Redis (counters and wake-ups) under a fresh key prefix, deleted after. Prints runs/s and
+this process's CPU per run. ``--baseline DIR`` measures the tree in
 DIR (``git archive COMMIT | tar -x -C DIR``) the same way, each round running both trees in
 turn, each in a process of its own.
 
     PYTHONPATH=. .venv/bin/python bench/app_submit.py [--runs 3000] [--rounds 2]
-        [--backends postgresql] [--bulk N] [--keyed] [--baseline DIR]
+        [--backends postgresql,postgresql+redis] [--bulk N] [--keyed] [--baseline DIR]
 """
 
 import argparse
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -75,6 +77,7 @@ async def measure(url: str, runs: int, bulk: int, keyed: bool) -> dict[str, floa
 
 def child(backend: str, runs: int, bulk: int, keyed: bool) -> None:
     """In a process of its own (its tree first on ``sys.path``): one measurement, as JSON."""
+    from api import REDIS_URL, delete_keys
     from moorline_driver import PLAN, plans_yaml
 
     from moorline.benchmarks.common import on_fresh_database
@@ -88,9 +91,17 @@ def child(backend: str, runs: int, bulk: int, keyed: bool) -> None:
 
         async def on(url: str) -> dict[str, float]:
             os.environ["MOORLINE_DATABASE_URL"] = url
-            return await measure(url, runs, bulk, keyed)
+            if not backend.endswith("+redis"):
+                return await measure(url, runs, bulk, keyed)
+            prefix = f"bench-submit-{uuid.uuid4().hex[:8]}"
+            os.environ |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
+            try:
+                return await measure(url, runs, bulk, keyed)
+            finally:
+                await delete_keys(prefix)
 
-        print(json.dumps(asyncio.run(on_fresh_database(backend, on))))
+        storage = backend.removesuffix("+redis")
+        print(json.dumps(asyncio.run(on_fresh_database(storage, on))))
 
 
 def run_tree(source: Path, backend: str, runs: int, bulk: int, keyed: bool) -> dict[str, float]:
@@ -126,7 +137,7 @@ def main() -> None:
             for label, source in trees:
                 got = run_tree(source, backend, args.runs, args.bulk, args.keyed)
                 print(
-                    f"round {round_} {backend:<10} {label:<9} {got['rate']:7.0f} runs/s, "
+                    f"round {round_} {backend:<16} {label:<9} {got['rate']:7.0f} runs/s, "
                     f"CPU {got['cpu_ms']:.3f} ms per run",
                     flush=True,
                 )

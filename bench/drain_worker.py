@@ -7,10 +7,13 @@ clock runs from the worker's "serving" line to the last run ``succeeded`` (the d
 read every 20 ms). Prints runs/s, the worker's CPU per run over the drain, and on PostgreSQL
 the database sessions opened meanwhile (a pool that closes and reopens connections shows
 here). ``--baseline DIR`` drains the same way with the worker from another source tree (``git
-archive COMMIT | tar -x -C DIR``), in turn with this one, so both see the same machine.
+archive COMMIT | tar -x -C DIR``), in turn with this one, so both see the same machine. A
+backend ``X+redis`` adds Redis (counters, wake-ups, the runtime store) under a fresh key prefix,
+deleted after.
 
     PYTHONPATH=. .venv/bin/python bench/drain_worker.py [--runs 3000] [--rounds 2]
-        [--workflows noop,one_step] [--backends postgresql] [--baseline DIR]
+        [--workflows noop,one_step] [--backends postgresql,postgresql+redis]
+        [--baseline DIR]
 """
 
 import argparse
@@ -19,13 +22,14 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "peers")]
 
-from api import SOURCE_ROOT, cpu_seconds, upgrade_with  # noqa: E402
+from api import REDIS_URL, SOURCE_ROOT, cpu_seconds, delete_keys, upgrade_with  # noqa: E402
 from common import on_fresh_database, seed_tenant  # noqa: E402
 from latency import start_worker, stop  # noqa: E402
 from moorline_driver import PLAN, plans_yaml  # noqa: E402
@@ -58,6 +62,8 @@ async def succeeded(db: DatabaseManager) -> int:
 async def drain(backend: str, source: Path, workflow: str, count: int) -> str:
     """Queue ``count`` runs of ``workflow``, drain them with ``source``'s worker: one line."""
 
+    prefix = f"bench-drain-{uuid.uuid4().hex[:8]}"
+
     async def on(url: str) -> str:
         with tempfile.TemporaryDirectory() as folder:
             plan = replace(DEFAULT_PLANS[PLAN], daily_quota=10**9, rate_limit="1000000/second")
@@ -67,10 +73,14 @@ async def drain(backend: str, source: Path, workflow: str, count: int) -> str:
                 "MOORLINE_PLANS_FILE": str(Path(folder) / "plans.yaml"),
                 "MOORLINE_APP": "moorline_app:app",
             }
+            if backend.endswith("+redis"):
+                env |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
             await upgrade_with(source, url)
             db = DatabaseManager(Settings(database_url=url))
             try:
                 tenant = await seed_tenant(db, PLAN)
+                for name in [name for name in os.environ if name.startswith("MOORLINE_")]:
+                    del os.environ[name]  # a round before may have set Redis
                 os.environ.update(env)  # the app's settings, as a user's app reads them
                 app = Moorline()
 
@@ -98,10 +108,11 @@ async def drain(backend: str, source: Path, workflow: str, count: int) -> str:
                 after = await sessions(db)
             finally:
                 await db.dispose()
+                await delete_keys(prefix)
         new = "" if opened is None or after is None else f", {after - opened} sessions opened"
         return f"{count / wall:7.0f} runs/s, worker CPU {cpu * 1000 / count:.2f} ms/run{new}"
 
-    return await on_fresh_database(backend, on)
+    return await on_fresh_database(backend.removesuffix("+redis"), on)
 
 
 async def main() -> None:
@@ -120,7 +131,7 @@ async def main() -> None:
             for workflow in args.workflows:
                 for name, source in trees:
                     line = await drain(backend, source, workflow, args.runs)
-                    print(f"round {round_} {backend:10} {workflow:8} {name:9} {line}", flush=True)
+                    print(f"round {round_} {backend:16} {workflow:8} {name:9} {line}", flush=True)
 
 
 if __name__ == "__main__":

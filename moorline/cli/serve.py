@@ -205,7 +205,9 @@ def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, l
     They start after the API's services and stop (running runs get the grace period, then are
     released) before those close, and they share the API's RuntimeStore and wake-ups, so a
     trigger wakes a worker of this process at once and a cancel or a message reaches it
-    without Redis.
+    without Redis. With no worker loop (``--workers 0``) nothing waits for a lane, so the
+    wake-ups' listener is not started: it would receive every wake-up of the deployment, this
+    process's own triggers' included, and drop each one.
     """
     services: Services = api.state.services
     lanes = worker_lanes(settings)
@@ -214,7 +216,8 @@ def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, l
     @asynccontextmanager
     async def with_workers(application: FastAPI) -> AsyncIterator[None]:
         async with serving(application):
-            await services.waiter.start()
+            if loops:
+                await services.waiter.start()
             stop = asyncio.Event()
             workers = asyncio.create_task(
                 run_worker_process(

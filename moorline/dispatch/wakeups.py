@@ -537,6 +537,10 @@ class RedisWakeups(ListeningWakeups):
         )
 
     async def _publish(self, lanes: list[str]) -> None:
+        if len(lanes) == 1:
+            # The usual case: the command alone costs redis-py less than a pipeline of one.
+            await self._client.publish(self.channel, self._payload(lanes[0]))
+            return
         if self._connector.is_cluster:
             # redis-py's cluster pipeline refuses PUBLISH, which names no key to route by.
             await asyncio.gather(

@@ -5,9 +5,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from moorline.engine.windows import Coalescer, Windows
+from moorline.engine.windows import Windows
 from moorline.errors import BackendUnavailable
 from moorline.runtime.base import WindowChange
+from moorline.runtime.coalescer import Coalescer
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.types import RunId
 

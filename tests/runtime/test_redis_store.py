@@ -149,7 +149,40 @@ async def test_window_changes_keep_their_order_after_script_flush(
     await redis_client.script_flush()
     assert await redis_store.change_windows([closed, opened], LONG_S) == [False, True]
     assert await redis_store.get_interactive_run("c1") == run
+    # One change goes as the command alone, not a pipeline: its NOSCRIPT is met the same way.
+    await redis_client.script_flush()
+    assert await redis_store.change_windows([closed], LONG_S) == [True]
+    assert await redis_store.get_interactive_run("c1") is None
+    await redis_client.script_flush()
+    assert await redis_store.change_windows([opened], LONG_S) == [True]
     await redis_store.clear_interactive("c1", run)
+
+
+async def test_cancel_checks_asked_together_share_one_round_trip(
+    redis_store: RedisRuntimeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker's runs reach their step boundaries together: their checks go as one pipeline
+    # (counted here; the commands still go to Redis), each caller getting its own run's flag.
+    runs = [RunId(f"r{index}") for index in range(6)]
+    for run in runs[::2]:
+        await redis_store.request_cancel(run)
+    pipelines: list[object] = []
+    client = redis_store._client
+    make_pipeline = client.pipeline
+
+    def counted(*args: object, **kwargs: object) -> object:
+        pipeline = make_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+        pipelines.append(pipeline)
+        return pipeline
+
+    monkeypatch.setattr(client, "pipeline", counted)
+    flags = await asyncio.gather(*(redis_store.is_cancelled(run) for run in runs))
+    assert flags == [True, False, True, False, True, False]
+    assert len(pipelines) == 1
+    assert await redis_store.is_cancelled(runs[1]) is False  # one alone: no pipeline
+    assert len(pipelines) == 1
+    for run in runs:
+        await redis_store.cleanup_run(run)
 
 
 # Untraced by coverage: its trials repeat paths other tests cover, and tracing would double
