@@ -53,6 +53,7 @@ from moorline.db.repos.steps import StepsRepo
 from moorline.db.repos.usage import UsageRepo
 from moorline.engine.checkpoints import Checkpoints
 from moorline.engine.children import DEFAULT_MAX_CHILDREN, ChildEnds, Children
+from moorline.engine.conversations import bounded
 from moorline.engine.events import (
     BUFFERED_EVENT_TYPES,
     EVENT_PERMISSION_REQUEST,
@@ -474,7 +475,9 @@ class Context(Permissions, Waits, Children, Metering):
     async def _refresh_cancelled(self) -> bool:
         if not self._is_cancelled:
             try:
-                self._is_cancelled = await self._store.is_cancelled(self.run_id)
+                # Bounded like the attempt's other store calls: behind a network that drops
+                # packets the client's own timeouts would hold the step for about 20 s.
+                self._is_cancelled = await bounded(self._store.is_cancelled(self.run_id))
             except BackendUnavailable as exc:
                 # A lost cancel check costs latency only: the cancel is seen at a later one.
                 logger.warning("run %s: cancel flag unreadable: %r", self.run_id, exc)

@@ -172,13 +172,13 @@ class Conversations:
 
     async def _acquire(self, claim: Claim, key: str) -> None:
         mine = lease_holder(claim)
-        acquired, holder = await _bounded(self._store.acquire_lease(key, mine, self._ttl_s))
+        acquired, holder = await bounded(self._store.acquire_lease(key, mine, self._ttl_s))
         if acquired:
             return
         if await self._is_stale(holder):
             # Compare-and-delete: only that holder's lease goes, never a newer one.
-            await _bounded(self._store.release_lease(key, holder))
-            acquired, holder = await _bounded(self._store.acquire_lease(key, mine, self._ttl_s))
+            await bounded(self._store.release_lease(key, holder))
+            acquired, holder = await bounded(self._store.acquire_lease(key, mine, self._ttl_s))
             if acquired:
                 return
         parsed = parse_holder(holder)
@@ -197,7 +197,7 @@ class Conversations:
     async def _quietly(self, claim: Claim, call: Awaitable[T]) -> T | None:
         """Await a bookkeeping call; log (and return None) if the store fails or hangs."""
         try:
-            return await _bounded(call)
+            return await bounded(call)
         except BackendUnavailable as exc:
             logger.warning(
                 "run %s: runtime store bookkeeping failed: %r",
@@ -220,8 +220,8 @@ def _extra(claim: Claim) -> dict[str, object]:
     }
 
 
-async def _bounded(call: Awaitable[T]) -> T:
-    """Await a store call, bounded by ``STORE_CALL_TIMEOUT_S``.
+async def bounded(call: Awaitable[T]) -> T:
+    """Await an attempt's store call, bounded by ``STORE_CALL_TIMEOUT_S`` (see ``within``).
 
     Raises:
         BackendUnavailable: The call failed, or took longer.

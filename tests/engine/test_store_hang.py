@@ -1,4 +1,5 @@
-"""A runtime store that hangs when an attempt starts delays the run by a bounded time only.
+"""A runtime store that hangs when an attempt starts, or at a step, delays the run by a bounded
+time only.
 
 Behind a network that drops packets, a Redis call answers nothing until the client's connect
 timeouts and retries give up: about 20 s in the partition test (docs/reliability.md P6). The
@@ -73,4 +74,37 @@ async def test_an_attempt_starts_when_the_store_hangs_past_its_bound(
     # own timeouts (behind a partition).
     assert await asyncio.wait_for(engine.runner.run(await engine.claim()), 10) == "answered"
     assert store.hung == [first_call]  # given up as unreachable: the attempt ran on
+    await store.close()
+
+
+class HangingCancelChecks(InMemoryRuntimeStore):
+    """The in-memory store, except that a step boundary's cancel check never answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    async def is_cancelled(self, run_id: RunId) -> bool:
+        self.checks += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_step_runs_when_its_cancel_check_hangs_past_the_bound(
+    db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(conversations, "STORE_CALL_TIMEOUT_S", BOUND_S)
+    store = HangingCancelChecks()
+    engine = EngineHarness(db, store, tenants)
+
+    @engine.app.workflow("stepping")
+    async def stepping(ctx: Context) -> str:
+        await ctx.step("one", lambda: 1)
+        await ctx.step("two", lambda: 2)
+        return "stepped"
+
+    await engine.new_run("stepping")
+    # Before the bound, each step boundary waited for the store as long as it hung.
+    assert await asyncio.wait_for(engine.runner.run(await engine.claim()), 10) == "stepped"
+    assert store.checks == 2  # one per step, each given up: the steps ran
     await store.close()
