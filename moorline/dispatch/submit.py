@@ -340,6 +340,16 @@ class Submitter:
     async def _write_batch(self, batch: list[_Request], held: dict[_Request, Claims]) -> None:
         """Write ``batch``; give back the units ``held`` for runs not stored; answer the callers."""
         outcomes = await self._write(batch)
+        lanes = {
+            outcome.lane
+            for outcome in outcomes.values()
+            if isinstance(outcome, Run) and outcome.status is RunStatus.QUEUED
+        }
+        if lanes:
+            # Before the callers are answered: a wake-up sent from a task of its own then goes
+            # out in the next turn of the loop, ahead of their continuations (an HTTP answer
+            # each), not behind them.
+            self._notify(lanes)
         unwritten = [
             claims for request, claims in held.items() if not isinstance(outcomes[request], Run)
         ]
@@ -347,13 +357,8 @@ class Submitter:
             # Before the callers hear of it: whoever learns that a run was not stored finds its
             # unit back already.
             await self._give_back(self._gate, unwritten)
-        lanes: set[str] = set()
         for request, outcome in outcomes.items():
             settle(request.future, outcome)
-            if isinstance(outcome, Run) and outcome.status is RunStatus.QUEUED:
-                lanes.add(outcome.lane)
-        if lanes:
-            self._notify(lanes)
 
     async def _enter_gate(
         self, gate: Gate, batch: list[_Request]
