@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.claims import ClaimRequest
+from moorline.db.repos.handoffs import HandoffsRepo
 from moorline.db.repos.queue import QueueRepo
 from moorline.db.repos.records import Fence
 from moorline.db.repos.run_finishes import Succeeded
@@ -129,6 +130,48 @@ async def test_a_claim_reads_a_backlog_in_index_order_whatever_the_statistics_sa
         # In the claim's own transaction: what it set for its reads holds for the plans.
         found = await plans(db, conn, [(sql, p) for sql, p in captured if "queued" in str(p)])
     # The first eight queued, in order: the claim did read the backlog.
+    assert [claim.run.run_id for claim in batch.claims] == queued[:8]
+    assert found
+    for plan in found:
+        assert "ix_runs_lane_tenant" in plan, plan
+        assert not any(sort in plan for sort in SORTS), plan
+
+
+@pytest.mark.parametrize("outcomes_apply", [True, False], ids=["ending", "stale"])
+async def test_a_handoffs_claim_reads_a_backlog_in_index_order_whatever_the_statistics_say(
+    db: DatabaseManager, tenants: Tenants, outcomes_apply: bool
+) -> None:
+    # The outcomes' lock sets the index order for the claim after it (on PostgreSQL, in place
+    # of a SET LOCAL of its own): also when it finds none of their runs still running.
+    tenant, lane = await tenants.new(), unique("lane")
+    await analysed_while_idle(db, tenant, lane)
+    running = await add_runs(db, tenant, lane, 8)
+    async with db.transaction() as conn:
+        stmt = (
+            update(runs)
+            .where(runs.c.id.in_(running))
+            .values(
+                status=RunStatus.RUNNING.value,
+                attempt=1,
+                lease_owner=OWNER,
+                started_at=datetime.now(UTC),
+            )
+        )
+        await conn.execute(stmt)
+    queued = await add_runs(db, tenant, lane, BACKLOG)
+    attempt = Attempt(1 if outcomes_apply else 2)  # a later attempt's fence holds nothing
+    outcomes = [
+        Succeeded(fence=Fence(run_id=run_id, attempt=attempt, owner=OWNER), output=None)
+        for run_id in running
+    ]
+    request = ClaimRequest(
+        lane=lane, owner=OWNER, limit=8, lease_ttl_s=30.0, tenant_caps=NO_CAP, workflows=["noop"]
+    )
+    async with db.write_transaction() as conn:
+        with statements_on_runs(db) as captured:
+            applied, batch = await HandoffsRepo(db).finish_and_claim_txn(conn, outcomes, request)
+        found = await plans(db, conn, [(sql, p) for sql, p in captured if "queued" in str(p)])
+    assert applied == [outcomes_apply] * 8
     assert [claim.run.run_id for claim in batch.claims] == queued[:8]
     assert found
     for plan in found:

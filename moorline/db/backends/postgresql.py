@@ -103,6 +103,16 @@ class PostgreSQLBackend(ServerBackend):
         """
         await conn.execute(_INDEX_ORDER)
 
+    def index_order_condition(self) -> ColumnElement[bool]:
+        """``SET LOCAL enable_sort = off``, as a condition: ``(SELECT set_config(…)) = 'off'``.
+
+        An uncorrelated subquery: the planner makes the comparison the statement's one-time
+        filter, evaluated once before the first row is read, so the setting is made even when
+        no row matches. ``set_config(…, true)`` lasts until the transaction ends, as
+        ``SET LOCAL`` does.
+        """
+        return _INDEX_ORDER_CONDITION
+
     def lock_rows(self, stmt: SelectT) -> SelectT:
         """``FOR NO KEY UPDATE``: it excludes other claimers, not a foreign-key check.
 
@@ -214,6 +224,9 @@ def microseconds_after(
 
 
 _INDEX_ORDER = text("SET LOCAL enable_sort = off")
+_INDEX_ORDER_CONDITION = select(
+    func.set_config("enable_sort", "off", True)
+).scalar_subquery() == literal("off")
 
 
 @functools.lru_cache(maxsize=256)

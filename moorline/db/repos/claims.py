@@ -238,13 +238,17 @@ class ClaimsRepo:
         async with self._db.write_transaction() as conn:
             return await self.claim_txn(conn, request)
 
-    async def claim_txn(self, conn: AsyncConnection, request: ClaimRequest) -> ClaimBatch:
+    async def claim_txn(
+        self, conn: AsyncConnection, request: ClaimRequest, *, in_index_order: bool = False
+    ) -> ClaimBatch:
         """:meth:`claim_as` in the caller's write transaction, as its last statements.
 
         The caller may have written before in it (a worker's outcomes,
         :meth:`~moorline.db.repos.handoffs.HandoffsRepo.finish_and_claim`): the counts read
         here see those writes, so a run it just ended no longer counts against its tenant's
         cap. Nothing may be written after: the claim's last statement may carry the commit.
+        ``in_index_order``: the transaction already reads in index order (a statement before
+        carried ``Backend.index_order_condition``), so the claim does not set it again.
         """
         lane, owner, limit = request.lane, request.owner, request.limit
         tenant_caps, default_cap = request.tenant_caps, request.default_cap
@@ -253,7 +257,8 @@ class ClaimsRepo:
             return ClaimBatch(claims=[], is_capped=False, began_monotonic_s=began)
         served = None if request.workflows is None else sorted(set(request.workflows))
         strategy = self._claim_strategy
-        await self._db.backend.read_in_index_order(conn)
+        if not in_index_order:
+            await self._db.backend.read_in_index_order(conn)
         waiting = await self._waiting_tenants_txn(conn, lane, served)
         # Under row locks the tenants' counts may change before their rows are locked;
         # allotting more than the batch leaves spare candidates for slots a concurrent

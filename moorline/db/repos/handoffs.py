@@ -19,6 +19,8 @@ handoff through its group commit instead, which is retried (the outcomes are fen
 
 from collections.abc import Sequence
 
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.claims import ClaimBatch, ClaimRequest, ClaimsRepo
 from moorline.db.repos.run_finishes import Outcome, RunFinishes
@@ -43,6 +45,16 @@ class HandoffsRepo:
             Per outcome whether it applied (``finish_many``'s answer), and the claim.
         """
         async with self._db.write_transaction() as conn:
-            applied = await self._finishes.finish_txn(conn, outcomes, ends_transaction=False)
-            batch = await self._claims.claim_txn(conn, request)
+            return await self.finish_and_claim_txn(conn, outcomes, request)
+
+    async def finish_and_claim_txn(
+        self, conn: AsyncConnection, outcomes: Sequence[Outcome], request: ClaimRequest
+    ) -> tuple[list[bool], ClaimBatch]:
+        """:meth:`finish_and_claim` in the caller's write transaction, as its last statements."""
+        # The outcomes' lock also sets what the claim's reads need (PostgreSQL's index order):
+        # one round trip less a turn.
+        applied = await self._finishes.finish_txn(
+            conn, outcomes, ends_transaction=False, then_claims=True
+        )
+        batch = await self._claims.claim_txn(conn, request, in_index_order=bool(outcomes))
         return applied, batch

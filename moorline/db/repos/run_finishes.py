@@ -177,18 +177,26 @@ class RunFinishes(RunRepoBase):
         return await self._db.with_retry(write)
 
     async def finish_txn(
-        self, conn: AsyncConnection, outcomes: Sequence[Outcome], *, ends_transaction: bool
+        self,
+        conn: AsyncConnection,
+        outcomes: Sequence[Outcome],
+        *,
+        ends_transaction: bool,
+        then_claims: bool = False,
     ) -> list[bool]:
         """:meth:`finish_many` in the caller's write transaction (not retried here).
 
         ``ends_transaction``: nothing is written after, so the last statement may carry the
         commit; False when the caller goes on (a claim of the freed slots).
+        ``then_claims``: a claim follows in the transaction; when there are outcomes, their
+        runs' lock also makes the rest of the transaction read in index order
+        (``Backend.index_order_condition``), so the claim need not.
         """
         applied = [False] * len(outcomes)
         if not outcomes:
             return applied
         trailing: list[tuple[RunId, Attempt, str, JSONObject]] = []
-        running, now = await self._lock_running_txn(conn, outcomes)
+        running, now = await self._lock_running_txn(conn, outcomes, then_claims)
         if not running:
             return applied
         groups: dict[str, list[_Finish]] = {}
@@ -261,7 +269,7 @@ class RunFinishes(RunRepoBase):
         await append_events_txn(conn, self._backend.name, items, now=now)
 
     async def _lock_running_txn(
-        self, conn: AsyncConnection, outcomes: Sequence[Outcome]
+        self, conn: AsyncConnection, outcomes: Sequence[Outcome], then_claims: bool = False
     ) -> tuple[dict[str, _Held], datetime]:
         """Lock the outcomes' runs; the ones still running, and the time to finish them at.
 
@@ -273,16 +281,17 @@ class RunFinishes(RunRepoBase):
 
         The database time comes with the rows, saving a round trip; on a server it may be
         read before a wait for a row lock, which only makes the finish look that much
-        earlier.
+        earlier. ``then_claims``: see :meth:`finish_txn`.
         """
         run_ids = sorted({outcome.fence.run_id for outcome in outcomes})
         running: dict[str, _Held] = {}
         now: datetime | None = None
         for offset in range(0, len(run_ids), IN_CHUNK):
             chunk = run_ids[offset : offset + IN_CHUNK]
-            for row in await conn.execute(
-                _lock_running_statement(self._backend.name), {"ids": chunk}
-            ):
+            # The index order is set by the first chunk's statement (the condition's effect
+            # lasts to the transaction's end).
+            stmt = _lock_running_statement(self._backend.name, then_claims and offset == 0)
+            for row in await conn.execute(stmt, {"ids": chunk}):
                 now = row.db_now if now is None else min(now, row.db_now)
                 running[row.id] = _Held(
                     row.attempt,
@@ -429,8 +438,12 @@ def _finish_of(outcome: Outcome, now: datetime, started_at: datetime) -> _Finish
 
 
 @functools.cache
-def _lock_running_statement(name: DialectName) -> Select[Any]:
-    """The running runs among ``ids`` (locked on the servers), with the database time."""
+def _lock_running_statement(name: DialectName, index_order: bool = False) -> Select[Any]:
+    """The running runs among ``ids`` (locked on the servers), with the database time.
+
+    ``index_order``: the statement also makes the rest of its transaction read in index
+    order, where the backend has a condition for it.
+    """
     backend = backend_for(name)
     stmt = (
         select(
@@ -447,4 +460,7 @@ def _lock_running_statement(name: DialectName) -> Select[Any]:
         )
         .order_by(runs.c.id)
     )
+    condition = backend.index_order_condition() if index_order else None
+    if condition is not None:
+        stmt = stmt.where(condition)
     return stmt.with_for_update() if backend.capabilities.row_locks else stmt
