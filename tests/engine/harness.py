@@ -161,4 +161,9 @@ class EngineHarness:
         async def reached() -> bool:
             return await self.status(run_id) is status
 
-        await wait_for(reached, timeout_s=timeout_s, message=f"run {run_id} to be {status}")
+        try:
+            await wait_for(reached, timeout_s=timeout_s, message=f"run {run_id} to be {status}")
+        except AssertionError as exc:
+            # Where it stopped instead, for the failure's reader (a run that went past the
+            # status awaited, say).
+            raise AssertionError(f"{exc}; it is {await self.status(run_id)}") from None

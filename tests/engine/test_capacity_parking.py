@@ -87,11 +87,14 @@ async def test_a_long_wait_for_capacity_parks_the_run_until_the_limiter_answers(
 ) -> None:
     limiter, calls = ProviderLimiter(MemoryLimiter()), Calls()
     govern(harness, limiter, calls)
-    paused_at = datetime.now(UTC)
-    await limiter.pause(MODEL, PAUSE_S)
-    run_id = await harness.new_run("ask")
     timers = harness.timer_sweep()
     async with harness.worker(slots=1):
+        # Paused once the worker is up: the run must meet the pause with more than park_after
+        # of it left, which a worker slow to start on a loaded machine once missed (the run
+        # then slept through the pause and never waited).
+        paused_at = datetime.now(UTC)
+        await limiter.pause(MODEL, PAUSE_S)
+        run_id = await harness.new_run("ask")
         await harness.until_status(run_id, RunStatus.WAITING)
         wait = await harness.waiting_for(run_id)
         assert wait["kind"] == "capacity"
