@@ -25,7 +25,7 @@ from moorline.db.repos.records import Fence
 from moorline.db.repos.run_finishes import Succeeded
 from moorline.db.repos.runs import RunsRepo
 from moorline.db.schema import runs
-from moorline.types import Attempt, RunStatus, TenantId
+from moorline.types import Attempt, RunId, RunStatus, TenantId
 from tests.contract.queue_helpers import NO_CAP, Tenants, add_runs, unique
 
 BACKLOG = 2_000
@@ -69,6 +69,22 @@ async def analysed_while_idle(db: DatabaseManager, tenant: TenantId, lane: str) 
         if db.backend.name == "postgresql":
             await conn.exec_driver_sql("ALTER TABLE runs SET (autovacuum_enabled = false)")
         await conn.commit()
+
+
+async def started(db: DatabaseManager, run_ids: list[RunId]) -> None:
+    """Mark ``run_ids`` running under ``OWNER``'s first attempt, as a claim would."""
+    async with db.transaction() as conn:
+        stmt = (
+            update(runs)
+            .where(runs.c.id.in_(run_ids))
+            .values(
+                status=RunStatus.RUNNING.value,
+                attempt=1,
+                lease_owner=OWNER,
+                started_at=datetime.now(UTC),
+            )
+        )
+        await conn.execute(stmt)
 
 
 async def forget_statistics(db: DatabaseManager) -> None:
@@ -146,18 +162,7 @@ async def test_a_handoffs_claim_reads_a_backlog_in_index_order_whatever_the_stat
     tenant, lane = await tenants.new(), unique("lane")
     await analysed_while_idle(db, tenant, lane)
     running = await add_runs(db, tenant, lane, 8)
-    async with db.transaction() as conn:
-        stmt = (
-            update(runs)
-            .where(runs.c.id.in_(running))
-            .values(
-                status=RunStatus.RUNNING.value,
-                attempt=1,
-                lease_owner=OWNER,
-                started_at=datetime.now(UTC),
-            )
-        )
-        await conn.execute(stmt)
+    await started(db, running)
     queued = await add_runs(db, tenant, lane, BACKLOG)
     attempt = Attempt(1 if outcomes_apply else 2)  # a later attempt's fence holds nothing
     outcomes = [
@@ -208,18 +213,7 @@ async def test_a_batch_of_outcomes_finds_its_runs_by_id_whatever_the_statistics_
     tenant, lane = await tenants.new(), unique("lane")
     await analysed_while_idle(db, tenant, lane)
     running = await add_runs(db, tenant, lane, BACKLOG)
-    async with db.transaction() as conn:
-        stmt = (
-            update(runs)
-            .where(runs.c.id.in_(running))
-            .values(
-                status=RunStatus.RUNNING.value,
-                attempt=1,
-                lease_owner=OWNER,
-                started_at=datetime.now(UTC),
-            )
-        )
-        await conn.execute(stmt)
+    await started(db, running)
     outcomes = [
         Succeeded(fence=Fence(run_id=run_id, attempt=Attempt(1), owner=OWNER), output=None)
         for run_id in running[:8]
