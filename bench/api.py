@@ -397,6 +397,26 @@ async def upgrade_with(source: Path, url: str) -> None:
         raise SystemExit(f"moorline db upgrade in {source} failed: {error.decode()}")
 
 
+WITH_REDIS = "+redis"
+"""A backend named ``X+redis`` (``postgresql+redis``): the database X, with Redis beside it."""
+
+
+@asynccontextmanager
+async def redis_beside(backend: str, name: str) -> AsyncIterator[dict[str, str]]:
+    """The ``MOORLINE_*`` settings that add Redis for a backend ``X+redis``, else none.
+
+    Under a fresh key prefix (``name`` and a random suffix), whose keys are deleted at the end.
+    """
+    if not backend.endswith(WITH_REDIS):
+        yield {}
+        return
+    prefix = f"{name}-{uuid.uuid4().hex[:8]}"
+    try:
+        yield {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
+    finally:
+        await delete_keys(prefix)
+
+
 async def delete_keys(prefix: str) -> None:
     redis = Redis.from_url(REDIS_URL)
     try:

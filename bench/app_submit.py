@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,7 +76,7 @@ async def measure(url: str, runs: int, bulk: int, keyed: bool) -> dict[str, floa
 
 def child(backend: str, runs: int, bulk: int, keyed: bool) -> None:
     """In a process of its own (its tree first on ``sys.path``): one measurement, as JSON."""
-    from api import REDIS_URL, delete_keys
+    from api import WITH_REDIS, redis_beside
     from moorline_driver import PLAN, plans_yaml
 
     from moorline.benchmarks.common import on_fresh_database
@@ -91,16 +90,11 @@ def child(backend: str, runs: int, bulk: int, keyed: bool) -> None:
 
         async def on(url: str) -> dict[str, float]:
             os.environ["MOORLINE_DATABASE_URL"] = url
-            if not backend.endswith("+redis"):
+            async with redis_beside(backend, "bench-submit") as redis:
+                os.environ.update(redis)
                 return await measure(url, runs, bulk, keyed)
-            prefix = f"bench-submit-{uuid.uuid4().hex[:8]}"
-            os.environ |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
-            try:
-                return await measure(url, runs, bulk, keyed)
-            finally:
-                await delete_keys(prefix)
 
-        storage = backend.removesuffix("+redis")
+        storage = backend.removesuffix(WITH_REDIS)
         print(json.dumps(asyncio.run(on_fresh_database(storage, on))))
 
 

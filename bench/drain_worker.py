@@ -22,14 +22,13 @@ import os
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "peers")]
 
-from api import REDIS_URL, SOURCE_ROOT, cpu_seconds, delete_keys, upgrade_with  # noqa: E402
+from api import SOURCE_ROOT, WITH_REDIS, cpu_seconds, redis_beside, upgrade_with  # noqa: E402
 from common import on_fresh_database, seed_tenant  # noqa: E402
 from latency import start_worker, stop  # noqa: E402
 from moorline_driver import PLAN, plans_yaml  # noqa: E402
@@ -62,8 +61,6 @@ async def succeeded(db: DatabaseManager) -> int:
 async def drain(backend: str, source: Path, workflow: str, count: int) -> str:
     """Queue ``count`` runs of ``workflow``, drain them with ``source``'s worker: one line."""
 
-    prefix = f"bench-drain-{uuid.uuid4().hex[:8]}"
-
     async def on(url: str) -> str:
         with tempfile.TemporaryDirectory() as folder:
             plan = replace(DEFAULT_PLANS[PLAN], daily_quota=10**9, rate_limit="1000000/second")
@@ -72,9 +69,8 @@ async def drain(backend: str, source: Path, workflow: str, count: int) -> str:
                 "MOORLINE_DATABASE_URL": url,
                 "MOORLINE_PLANS_FILE": str(Path(folder) / "plans.yaml"),
                 "MOORLINE_APP": "moorline_app:app",
+                **redis,
             }
-            if backend.endswith("+redis"):
-                env |= {"MOORLINE_REDIS_URL": REDIS_URL, "MOORLINE_REDIS_PREFIX": prefix}
             await upgrade_with(source, url)
             db = DatabaseManager(Settings(database_url=url))
             try:
@@ -108,11 +104,11 @@ async def drain(backend: str, source: Path, workflow: str, count: int) -> str:
                 after = await sessions(db)
             finally:
                 await db.dispose()
-                await delete_keys(prefix)
         new = "" if opened is None or after is None else f", {after - opened} sessions opened"
         return f"{count / wall:7.0f} runs/s, worker CPU {cpu * 1000 / count:.2f} ms/run{new}"
 
-    return await on_fresh_database(backend.removesuffix("+redis"), on)
+    async with redis_beside(backend, "bench-drain") as redis:
+        return await on_fresh_database(backend.removesuffix(WITH_REDIS), on)
 
 
 async def main() -> None:
