@@ -26,7 +26,8 @@ BOUND_S = 0.3
 
 
 class HangingStore(InMemoryRuntimeStore):
-    """The in-memory store, except that taking a lease or opening a window never answers."""
+    """The in-memory store, except that taking a lease, opening a window or a step boundary's
+    cancel check never answers; ``hung`` lists the calls made, in order."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,12 +36,18 @@ class HangingStore(InMemoryRuntimeStore):
     async def acquire_lease(
         self, conversation_id: str, holder: str, ttl_s: float
     ) -> LeaseAcquisition:
-        self.hung.append("acquire_lease")
-        await asyncio.Event().wait()
+        await self._hang("acquire_lease")
         raise AssertionError("unreachable")
 
     async def mark_interactive(self, conversation_id: str, run_id: RunId, ttl_s: float) -> None:
-        self.hung.append("mark_interactive")
+        await self._hang("mark_interactive")
+
+    async def is_cancelled(self, run_id: RunId) -> bool:
+        await self._hang("is_cancelled")
+        raise AssertionError("unreachable")
+
+    async def _hang(self, call: str) -> None:
+        self.hung.append(call)
         await asyncio.Event().wait()
 
 
@@ -77,24 +84,11 @@ async def test_an_attempt_starts_when_the_store_hangs_past_its_bound(
     await store.close()
 
 
-class HangingCancelChecks(InMemoryRuntimeStore):
-    """The in-memory store, except that a step boundary's cancel check never answers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.checks = 0
-
-    async def is_cancelled(self, run_id: RunId) -> bool:
-        self.checks += 1
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-
 async def test_a_step_runs_when_its_cancel_check_hangs_past_the_bound(
     db: DatabaseManager, tenants: Tenants, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(conversations, "STORE_CALL_TIMEOUT_S", BOUND_S)
-    store = HangingCancelChecks()
+    store = HangingStore()
     engine = EngineHarness(db, store, tenants)
 
     @engine.app.workflow("stepping")
@@ -106,5 +100,6 @@ async def test_a_step_runs_when_its_cancel_check_hangs_past_the_bound(
     await engine.new_run("stepping")
     # Before the bound, each step boundary waited for the store as long as it hung.
     assert await asyncio.wait_for(engine.runner.run(await engine.claim()), 10) == "stepped"
-    assert store.checks == 2  # one per step, each given up: the steps ran
+    # The window, then one check per step, each given up: the steps ran.
+    assert store.hung == ["mark_interactive", "is_cancelled", "is_cancelled"]
     await store.close()
