@@ -140,7 +140,7 @@ async def run_scripts(client: RedisClient, calls: Sequence[ScriptCall]) -> list[
 async def _pipelined(client: RedisClient, calls: Sequence[ScriptCall]) -> list[Any]:
     if len(calls) == 1:
         # One call (a window change of an idle worker, say): the command alone, which costs
-        # redis-py a fifth less CPU than a pipeline of one. Its error is a reply, as in one.
+        # redis-py less CPU than a pipeline of one. Its error is a reply, as in a pipeline.
         ((script, keys, args),) = calls
         try:
             return [await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)]
