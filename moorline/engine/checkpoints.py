@@ -20,11 +20,14 @@ new step, any finish) raises ``LeaseLost``; replays until then write nothing and
 was recorded, as they would have anyway.
 """
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moorline.db.repos.records import Fence
 from moorline.db.repos.steps import StepsRepo
 from moorline.db.repos.usage import Charge
+from moorline.errors import CancelRequested
 from moorline.types import JSONValue, StepStatus
 from moorline.usage import StepUsage
 
@@ -53,6 +56,9 @@ class Started:
     replay: bool
     output: JSONValue = None
     usage: StepUsage = field(default_factory=dict)
+    unwritten: int | None = None
+    """Not None: the step is new and nothing is written yet (``start(..., defer=True)``); its
+    ``seq``, for the :class:`DeferredStart` that writes it."""
 
 
 RUN = Started(replay=False)
@@ -73,8 +79,13 @@ class Checkpoints:
         are numbered after it, in the order they start, with no read of the database."""
         self._replays: dict[str, Recorded] = {}
 
-    async def start(self, key: str, function: str, call_hash: str) -> Started:
+    async def start(
+        self, key: str, function: str, call_hash: str, *, defer: bool = False
+    ) -> Started:
         """Start step ``key`` for this call, or find it already succeeded for it.
+
+        With ``defer``, a step the run has never recorded is not written: the answer carries
+        its number (``unwritten``), and a :class:`DeferredStart` writes it.
 
         Raises:
             LeaseLost: The fence no longer holds; nothing was written.
@@ -86,6 +97,9 @@ class Checkpoints:
             # Taken before the write: steps started together are numbered in call order.
             self._last_seq += 1
             seq = self._last_seq
+            if defer:
+                keys.add(key)
+                return Started(replay=False, unwritten=seq)
             if await self._steps.insert_new(self._fence, key, function, call_hash, seq=seq):
                 keys.add(key)
                 return RUN
@@ -119,6 +133,71 @@ class Checkpoints:
         """Whether step ``key`` has a row that an earlier attempt (or this one) wrote."""
         return key in await self._recorded_keys()
 
+    async def write_start(
+        self,
+        key: str,
+        function: str,
+        call_hash: str,
+        *,
+        seq: int,
+        elapsed_s: float,
+        refuse: bool = True,
+    ) -> bool:
+        """Write the start of step ``key``, left unwritten by ``start(..., defer=True)``.
+
+        Args:
+            key: The step's key.
+            function: The step function's name.
+            call_hash: SHA-256 hex of the function name and its arguments.
+            seq: The step's number, taken by :meth:`start`.
+            elapsed_s: How long the function has run: the start is dated that long ago.
+            refuse: Whether a recorded cancel refuses the write (CancelRequested).
+
+        Returns:
+            False when a row with the key exists: :meth:`start` decides.
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+            CancelRequested: With ``refuse``, the run's cancel is recorded; nothing was written.
+        """
+        return await self._steps.insert_new(
+            self._fence,
+            key,
+            function,
+            call_hash,
+            seq=seq,
+            elapsed_s=elapsed_s,
+            refuse_cancelled=refuse,
+        )
+
+    async def record(
+        self,
+        key: str,
+        function: str,
+        call_hash: str,
+        output: JSONValue,
+        *,
+        seq: int,
+        elapsed_s: float,
+        charge: Charge | None = None,
+    ) -> bool:
+        """Record step ``key``, never written, as succeeded; True when the cancel is recorded.
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+            StepMismatch: A recorded step's key compares as equal to this one's.
+        """
+        return await self._steps.record(
+            self._fence,
+            key,
+            function,
+            call_hash,
+            output,
+            seq=seq,
+            elapsed_s=elapsed_s,
+            charge=charge,
+        )
+
     async def succeed(self, key: str, output: JSONValue, charge: Charge | None = None) -> None:
         """Record that step ``key`` (running under this attempt) returned ``output``.
 
@@ -146,3 +225,103 @@ class Checkpoints:
                 if step.status is StepStatus.SUCCEEDED
             }
         return self._keys
+
+
+class DeferredStart:
+    """A new step whose start is written only if its function outlasts ``after_s``.
+
+    A step that returns sooner is recorded succeeded by one statement
+    (:meth:`~moorline.db.repos.steps.StepsRepo.record`) instead of a start and a finish. What
+    the start write guarded before the call is kept where it matters: the function is called
+    only while the worker's self-fence vouches for the lease, every write stays fenced, and a
+    recorded cancel is found by the first write (the record, or the start written late), which
+    refuses and then writes anyway, since the function has run, and reports the cancel
+    (``on_cancel``): after a cancel whose signal the runtime store lost, at most this one step
+    runs (docs/reliability.md E7).
+    """
+
+    def __init__(
+        self,
+        checkpoints: Checkpoints,
+        key: str,
+        function: str,
+        call_hash: str,
+        *,
+        seq: int,
+        after_s: float,
+        on_cancel: Callable[[], None],
+    ) -> None:
+        self._checkpoints = checkpoints
+        self._key, self._function, self._call_hash, self._seq = key, function, call_hash, seq
+        self._on_cancel = on_cancel
+        loop = asyncio.get_running_loop()
+        self._called = loop.time()
+        self._writing: asyncio.Task[None] | None = None
+        self._timer = loop.call_later(after_s, self._write_start_soon)
+
+    async def succeed(self, output: JSONValue, charge: Charge | None = None) -> None:
+        """Record that the step returned ``output`` (and ``charge``, the calls it made).
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+            StepMismatch: A recorded step's key compares as equal to this one's.
+        """
+        if await self._started():
+            await self._checkpoints.succeed(self._key, output, charge)
+            return
+        cancelled = await self._checkpoints.record(
+            self._key,
+            self._function,
+            self._call_hash,
+            output,
+            seq=self._seq,
+            elapsed_s=self._elapsed_s(),
+            charge=charge,
+        )
+        if cancelled:
+            self._on_cancel()
+
+    async def ensure_started(self) -> None:
+        """Write the start now if it is not written (before the step's failure is).
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+        """
+        if not await self._started():
+            await self._write_start()
+
+    def close(self) -> None:
+        """Drop the timer, and a start write still in flight (the attempt is stopping)."""
+        self._timer.cancel()
+        if self._writing is not None and not self._writing.done():
+            self._writing.cancel()
+
+    def _elapsed_s(self) -> float:
+        return asyncio.get_running_loop().time() - self._called
+
+    def _write_start_soon(self) -> None:
+        self._writing = asyncio.create_task(self._write_start())
+
+    async def _write_start(self) -> None:
+        key, function, call_hash, seq = self._key, self._function, self._call_hash, self._seq
+        try:
+            written = await self._checkpoints.write_start(
+                key, function, call_hash, seq=seq, elapsed_s=self._elapsed_s()
+            )
+        except CancelRequested:
+            # The function runs already: its start is written all the same, the cancel seen.
+            self._on_cancel()
+            written = await self._checkpoints.write_start(
+                key, function, call_hash, seq=seq, elapsed_s=self._elapsed_s(), refuse=False
+            )
+        if not written:
+            # A row with this key after all: start() decides under the run's lock.
+            await self._checkpoints.start(key, function, call_hash)
+
+    async def _started(self) -> bool:
+        """Whether the start is written: the timer is stopped, or the write it began awaited."""
+        self._timer.cancel()
+        if self._writing is None:
+            return False
+        await self._writing
+        return True

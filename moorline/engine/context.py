@@ -51,7 +51,7 @@ from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import Fence
 from moorline.db.repos.steps import StepsRepo
 from moorline.db.repos.usage import UsageRepo
-from moorline.engine.checkpoints import Checkpoints
+from moorline.engine.checkpoints import Checkpoints, DeferredStart, Started
 from moorline.engine.children import DEFAULT_MAX_CHILDREN, ChildEnds, Children
 from moorline.engine.conversations import bounded
 from moorline.engine.events import (
@@ -71,6 +71,7 @@ from moorline.engine.steps import (
     backoff_delay_s,
     call_hash,
     call_step_function,
+    check_retry_policy,
     function_name,
     to_json,
 )
@@ -157,6 +158,8 @@ class Context(Permissions, Waits, Children, Metering):
         max_children: int = DEFAULT_MAX_CHILDREN,
         permission_timeout_s: float,
         park_after_s: float = DEFAULT_PARK_AFTER_S,
+        step_start_after_s: float = 0.0,
+        lease_held: Callable[[], bool] | None = None,
         deadline_s: float | None = None,
         interrupt_poll_s: float = DEFAULT_INTERRUPT_POLL_S,
         models: ModelsProvider | None = None,
@@ -180,6 +183,10 @@ class Context(Permissions, Waits, Children, Metering):
         self._on_enqueued = on_enqueued
         self._child_ends = child_ends
         self._park_after_s = park_after_s
+        self._step_start_after_s = step_start_after_s
+        self._lease_held = lease_held
+        """The worker's own clock's word on the lease (its self-fence): the only check a new
+        step's function gets before it is called when its start is deferred."""
         self._deadline_s = deadline_s
         self._permissions = 0
         self._drains = 0
@@ -271,8 +278,7 @@ class Context(Permissions, Waits, Children, Metering):
             TypeError: The arguments or the result are not JSON-serialisable.
             LeaseLost: This attempt no longer holds the run.
         """
-        if retries < 0 or backoff < 0:
-            raise ValueError(f"step {key!r}: retries and backoff must not be negative")
+        check_retry_policy(key, retries, backoff)
         function = function_name(fn)
         digest = call_hash(function, args, kwargs)
         # A replayed step runs and writes nothing, so it skips the cancel check's store round
@@ -287,13 +293,15 @@ class Context(Permissions, Waits, Children, Metering):
         while True:
             await self._check_boundary()
             await self.flush_saved()
-            start = await self._fenced(self._checkpoints.start(key, function, digest))
+            defer = self._defers_start()
+            start = await self._fenced(self._checkpoints.start(key, function, digest, defer=defer))
             if start.replay:
                 self._note_saved(start.usage)
                 return start.output
             token = CURRENT_STEP.set((self.run_id, key))
             progress = StepProgress(self._events, key, failures + 1)
             await progress.started()
+            deferred = self._deferred(start, key, function, digest)
             failed: BaseException | None = None
             with metering() as calls:
                 try:
@@ -306,6 +314,10 @@ class Context(Permissions, Waits, Children, Metering):
                     output = to_json(result, f"the result of step {key!r}")
                 except (Exception, AttemptStopped) as exc:
                     failed = exc
+                except BaseException:
+                    if deferred is not None:
+                        deferred.close()
+                    raise
                 finally:
                     CURRENT_STEP.reset(token)
             charge = await self._charge(calls)
@@ -315,6 +327,8 @@ class Context(Permissions, Waits, Children, Metering):
                 # counted with its failure: the provider billed them.
                 error = f"{type(failed).__name__}: {failed}"
                 await progress.finished(error)
+                if deferred is not None:
+                    await self._fenced(deferred.ensure_started())
                 await self._fenced(self._checkpoints.fail(key, error, charge))
                 failures += 1
                 if failures > retries or isinstance(failed, TypeError):
@@ -333,8 +347,32 @@ class Context(Permissions, Waits, Children, Metering):
                 await self._pause(delay_s)
                 continue
             await progress.finished(None)
-            await self._fenced(self._checkpoints.succeed(key, output, charge))
+            if deferred is None:
+                await self._fenced(self._checkpoints.succeed(key, output, charge))
+            else:
+                await self._fenced(deferred.succeed(output, charge))
             return output
+
+    def _defers_start(self) -> bool:
+        """Whether a new step's start may wait: deferring is on and the lease is held."""
+        held = self._lease_held
+        return self._step_start_after_s > 0 and held is not None and held()
+
+    def _deferred(
+        self, start: Started, key: str, function: str, digest: str
+    ) -> DeferredStart | None:
+        """A new step's start, written only if it outlasts ``step_start_after`` (or None)."""
+        if start.unwritten is None:
+            return None
+        return DeferredStart(
+            self._checkpoints,
+            key,
+            function,
+            digest,
+            seq=start.unwritten,
+            after_s=self._step_start_after_s,
+            on_cancel=self._mark_cancelled,  # raised at the next boundary
+        )
 
     def idempotency_key(self) -> str:
         """``"<run id>:<step key>"`` of the step running now, the same on every attempt.

@@ -86,6 +86,7 @@ class Runner(Protocol):
         *,
         cancel_requested: asyncio.Event | None = None,
         trailing: list[tuple[str, JSONObject]] | None = None,
+        lease_held: Callable[[], bool] | None = None,
     ) -> JSONValue:
         """Run the claimed run's workflow once and return its output (JSON).
 
@@ -95,6 +96,9 @@ class Runner(Protocol):
                 recorded in the database.
             trailing: Where a workflow that returned leaves its last progress events, for
                 the caller to write with the outcome; None writes them before returning.
+            lease_held: Whether the worker still holds the run's lease by its own clock (its
+                self-fence); with it, a new step's function may be called before its start
+                is written (``step_start_after``). None: every start is written first.
         """
         ...
 
@@ -168,8 +172,14 @@ class WorkflowRunner:
         self._event_batch_size = event_batch_size
         self._event_flush_interval_s = event_flush_interval_s
 
-    def context(self, claim: Claim, events: EventWriter | None = None) -> Context:
-        """A fresh :class:`Context` for one attempt of the claimed run."""
+    def context(
+        self,
+        claim: Claim,
+        events: EventWriter | None = None,
+        *,
+        lease_held: Callable[[], bool] | None = None,
+    ) -> Context:
+        """A fresh :class:`Context` for one attempt of the claimed run (see :meth:`run`)."""
         workflow = claim.run.workflow
         definition = self._app.get(workflow) if workflow in self._app else None
         return Context(
@@ -182,6 +192,8 @@ class WorkflowRunner:
             store=self._store,
             permission_timeout_s=self._settings.permission_timeout,
             park_after_s=self._settings.park_after,
+            step_start_after_s=self._settings.step_start_after,
+            lease_held=lease_held,
             deadline_s=None if definition is None else definition.deadline_s,
             children=self._children,
             workflows=self._app,
@@ -215,6 +227,7 @@ class WorkflowRunner:
         *,
         cancel_requested: asyncio.Event | None = None,
         trailing: list[tuple[str, JSONObject]] | None = None,
+        lease_held: Callable[[], bool] | None = None,
     ) -> JSONValue:
         """Call the run's workflow with a fresh :class:`Context` and its stored input.
 
@@ -227,6 +240,8 @@ class WorkflowRunner:
                 transaction of their own: the worker writes them with the outcome, before its
                 terminal event (one transaction less per run). Streams read them from the
                 database with the terminal event, which is not published live either.
+            lease_held: The worker's self-fence, asked before a new step's start is deferred
+                (see the :class:`Runner` protocol).
 
         Raises:
             WorkflowNotFound: this worker's app does not have the run's workflow (a
@@ -247,19 +262,20 @@ class WorkflowRunner:
             lane=run.lane,
             trace_context=run.trace_context,
         ):
-            return await self._run(claim, cancel_requested, trailing)
+            return await self._run(claim, cancel_requested, trailing, lease_held)
 
     async def _run(
         self,
         claim: Claim,
         cancel_requested: asyncio.Event | None,
         trailing: list[tuple[str, JSONObject]] | None,
+        lease_held: Callable[[], bool] | None,
     ) -> JSONValue:
         run = claim.run
         definition = self._app.get(run.workflow)
         arguments = definition.bind(run.input if isinstance(run.input, dict) else {})
         events = self.event_writer(claim)
-        ctx = self.context(claim, events)
+        ctx = self.context(claim, events, lease_held=lease_held)
         guard = AttemptGuard(
             hard_limit_s=self.hard_limit_s(definition, run),
             soft_limit_s=definition.soft_timeout_s,

@@ -60,6 +60,12 @@ def to_json(value: object, what: str) -> JSONValue:
     return decoded
 
 
+def check_retry_policy(key: str, retries: int, backoff: float) -> None:
+    """Raise ValueError when step ``key``'s ``retries`` or ``backoff`` is negative."""
+    if retries < 0 or backoff < 0:
+        raise ValueError(f"step {key!r}: retries and backoff must not be negative")
+
+
 def backoff_delay_s(base_s: float, failures: int) -> float:
     """Seconds before the next try after ``failures`` failed tries: ``base · 2^(n-1)``, capped."""
     return min(STEP_BACKOFF_CAP_S, base_s * 2.0 ** min(failures - 1, 62))

@@ -82,6 +82,17 @@ class LeaseKeeper:
         if fence.members:
             fence.timer = loop.call_at(since + budget, self._self_fenced, fence)
 
+    def holds(self, execution: Execution) -> bool:
+        """Whether ``execution``'s lease is held by this worker's own clock.
+
+        Not lost, and its self-fence deadline still ahead: a process resumed after a pause
+        finds the deadline passed here even before the deadline's timer has fired.
+        """
+        fence = execution.self_fence
+        if execution.lost or fence is None or fence.timer is None:
+            return False
+        return fence.timer.when() > asyncio.get_running_loop().time()
+
     def leave(self, execution: Execution) -> None:
         """Take ``execution`` off its deadline; the timer goes with the deadline's last one."""
         fence, execution.self_fence = execution.self_fence, None

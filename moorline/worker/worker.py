@@ -442,7 +442,10 @@ class Worker:
         trailing: list[tuple[str, JSONObject]] = []
         try:
             output = await self._runner.run(
-                claim, cancel_requested=execution.cancel_requested, trailing=trailing
+                claim,
+                cancel_requested=execution.cancel_requested,
+                trailing=trailing,
+                lease_held=lambda: self._leases.holds(execution),
             )
         except asyncio.CancelledError:
             if execution.lost or execution.releasing:

@@ -131,6 +131,14 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
+    def now_less(self, parameter: str) -> ColumnElement[datetime]:
+        """The database's current UTC time less the seconds bound as ``parameter`` (a float).
+
+        For a time the worker measured as an age rather than read: the start of a step that is
+        recorded once it has ended. Built once per parameter name and shared.
+        """
+
+    @abc.abstractmethod
     def select_now(self) -> Select[Any]:
         """``SELECT`` of the database's current time, built once."""
 

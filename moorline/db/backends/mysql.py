@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import (
     BigInteger,
+    Float,
     Insert,
     Select,
     Table,
@@ -59,6 +60,9 @@ class MySQLBackend(ServerBackend):
 
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
+
+    def now_less(self, parameter: str) -> ColumnElement[datetime]:
+        return _now_less(parameter)
 
     def select_now(self) -> Select[Any]:
         return _select_now()
@@ -157,6 +161,14 @@ class MySQLBackend(ServerBackend):
 @functools.lru_cache(maxsize=256)
 def _now(plus_s: float) -> ColumnElement[datetime]:
     micros = round(plus_s * 1_000_000)
+    expr = func.timestampadd(literal_column("MICROSECOND"), micros, func.utc_timestamp(6))
+    return type_coerce(expr, UTCDateTime())
+
+
+@functools.cache
+def _now_less(parameter: str) -> ColumnElement[datetime]:
+    # TIMESTAMPADD takes whole units: the seconds as microseconds.
+    micros = func.round(bindparam(parameter, type_=Float()) * -1_000_000)
     expr = func.timestampadd(literal_column("MICROSECOND"), micros, func.utc_timestamp(6))
     return type_coerce(expr, UTCDateTime())
 

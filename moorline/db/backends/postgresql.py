@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from sqlalchemy import (
     BigInteger,
     Executable,
+    Float,
     Insert,
     Interval,
     Row,
@@ -74,6 +75,9 @@ class PostgreSQLBackend(ServerBackend):
 
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
+
+    def now_less(self, parameter: str) -> ColumnElement[datetime]:
+        return _now_less(parameter)
 
     def select_now(self) -> Select[Any]:
         return _select_now()
@@ -232,6 +236,13 @@ _INDEX_ORDER_CONDITION = select(
 @functools.lru_cache(maxsize=256)
 def _now(plus_s: float) -> ColumnElement[datetime]:
     expr = func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, literal(plus_s))
+    return type_coerce(expr, UTCDateTime())
+
+
+@functools.cache
+def _now_less(parameter: str) -> ColumnElement[datetime]:
+    seconds = bindparam(parameter, type_=Float())
+    expr = func.clock_timestamp() - func.make_interval(0, 0, 0, 0, 0, 0, seconds)
     return type_coerce(expr, UTCDateTime())
 
 

@@ -22,7 +22,19 @@ from contextlib import AbstractContextManager, asynccontextmanager
 from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import Executable, Insert, Row, Select, Table, event, func, select, type_coerce
+from sqlalchemy import (
+    Executable,
+    Float,
+    Insert,
+    Row,
+    Select,
+    Table,
+    bindparam,
+    event,
+    func,
+    select,
+    type_coerce,
+)
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.dialects.sqlite.aiosqlite import SQLiteDialect_aiosqlite
 from sqlalchemy.engine import Connection, make_url
@@ -107,6 +119,9 @@ class SQLiteBackend(Backend):
 
     def now(self, *, plus_s: float = 0.0) -> ColumnElement[datetime]:
         return _now(float(plus_s))
+
+    def now_less(self, parameter: str) -> ColumnElement[datetime]:
+        return _now_less(parameter)
 
     def select_now(self) -> Select[Any]:
         return _select_now()
@@ -372,6 +387,13 @@ def _write_statement(conn: Connection, statement: Executable, params: dict[str, 
 @functools.lru_cache(maxsize=256)
 def _now(plus_s: float) -> ColumnElement[datetime]:
     modifier = f"{plus_s:+.6f} seconds"
+    return type_coerce(func.strftime(_NOW_FORMAT, "now", modifier), UTCDateTime())
+
+
+@functools.cache
+def _now_less(parameter: str) -> ColumnElement[datetime]:
+    seconds = bindparam(parameter, type_=Float())
+    modifier = func.printf("%.6f seconds", -seconds)
     return type_coerce(func.strftime(_NOW_FORMAT, "now", modifier), UTCDateTime())
 
 

@@ -45,32 +45,26 @@ commit acknowledgement was lost is retried and finds its own write (docs/reliabi
 """
 
 import builtins
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    Insert,
-    Integer,
-    RowMapping,
-    Update,
-    bindparam,
-    func,
-    insert,
-    literal,
-    null,
-    select,
-    update,
-)
+from sqlalchemy import RowMapping, bindparam, func, insert, literal, null, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
-from moorline.db.repos.fences import fence_by_parameters, fence_parameters, hold_fence_txn
+from moorline.db.repos.fences import fence_parameters, hold_fence_txn
 from moorline.db.repos.records import Fence, Step
+from moorline.db.repos.step_statements import (
+    finish_statement,
+    insert_new_statement,
+    next_seq,
+    record_statement,
+)
 from moorline.db.repos.usage import Charge, add_usage_txn
-from moorline.db.schema import runs, steps
+from moorline.db.schema import steps
 from moorline.errors import CancelRequested as CancelRequested  # re-exported (old home)
 from moorline.errors import LeaseLost as LeaseLost
 from moorline.errors import MoorlineError, TransitionRejected
@@ -79,7 +73,6 @@ from moorline.usage import usage_from_json, usage_to_json
 
 _RUNNING = StepStatus.RUNNING.value
 _SUCCEEDED = StepStatus.SUCCEEDED.value
-_FAILED = StepStatus.FAILED.value
 
 
 class StepMismatch(MoorlineError):
@@ -146,85 +139,31 @@ class StepStart:
     repeated: bool
 
 
-def _next_seq(run_id: ColumnElement[Any]) -> ColumnElement[int]:
-    """The ``seq`` of a run's next new step: one more than its largest (1 for the first).
-
-    Taken under the run's row lock (the fence), so a run's steps started one after another
-    are numbered in order; two started at once by ``asyncio.gather`` may share a number on a
-    server (its statement snapshot predates the lock wait), and then sort by time and key.
-    """
-    earlier = steps.alias("earlier")
-    return (
-        select(func.coalesce(func.max(earlier.c.seq), 0) + 1)
-        .where(earlier.c.run_id == run_id)
-        .scalar_subquery()
-    )
-
-
-def _insert_new_statement(backend: Backend, *, numbered: bool) -> Insert:
-    """``INSERT INTO steps … SELECT … FROM runs WHERE <fence> AND no cancel`` (locked).
-
-    Parameters: the fence's, ``step_key``, ``step_function`` and ``step_call_hash``.
-    """
-    source = select(
-        runs.c.id,
-        bindparam("step_key", type_=steps.c.key.type),
-        literal(_RUNNING, steps.c.status.type),
-        runs.c.attempt,
-        bindparam("step_function", type_=steps.c.function.type),
-        bindparam("step_call_hash", type_=steps.c.call_hash.type),
-        backend.now(),
-        bindparam("step_seq", type_=Integer()) if numbered else _next_seq(runs.c.id),
-    ).where(fence_by_parameters(), runs.c.cancel_requested_at.is_(None))
-    return insert(steps).from_select(
-        ["run_id", "key", "status", "attempt", "function", "call_hash", "started_at", "seq"],
-        backend.lock_rows(source),
-    )
-
-
-def _finish_statement(backend: Backend, status: StepStatus, *, counted: bool = False) -> Update:
-    """``UPDATE steps … WHERE <running under the attempt> AND EXISTS (<fenced run, locked>)``.
-
-    Parameters: the fence's, ``step_key``, and ``step_output`` (succeeded) or ``step_error``
-    (failed); with ``counted``, ``step_usage`` too (the step's model calls).
-    """
-    fenced_run = backend.lock_rows(select(runs.c.id).where(fence_by_parameters()))
-    values: dict[str, Any] = (
-        {"output": bindparam("step_output", type_=steps.c.output.type), "error": None}
-        if status is StepStatus.SUCCEEDED
-        # The output stays SQL NULL: start() cleared it when this attempt took the step.
-        else {"error": bindparam("step_error", type_=steps.c.error.type)}
-    )
-    if counted:
-        values["usage"] = bindparam("step_usage", type_=steps.c.usage.type)
-    return (
-        update(steps)
-        .where(
-            steps.c.run_id == bindparam("fence_run_id", type_=runs.c.id.type),
-            steps.c.key == bindparam("step_key", type_=steps.c.key.type),
-            steps.c.attempt == bindparam("fence_attempt", type_=runs.c.attempt.type),
-            steps.c.status == _RUNNING,
-            fenced_run.exists(),
-        )
-        .values(status=status.value, finished_at=backend.now(), **values)
-    )
-
-
 class StepsRepo:
     """Step checkpoints of runs, every write fenced by the run's attempt."""
 
     def __init__(self, db: DatabaseManager) -> None:
         self._db = db
         self._backend: Backend = db.backend
-        self._insert_new = _insert_new_statement(self._backend, numbered=False)
-        self._insert_numbered = _insert_new_statement(self._backend, numbered=True)
+        self._insert_new = insert_new_statement(self._backend, numbered=False)
+        self._insert_numbered = {
+            refuse: insert_new_statement(self._backend, numbered=True, refuse_cancelled=refuse)
+            for refuse in (True, False)
+        }
         self._finishes = {
-            status: _finish_statement(self._backend, status)
+            status: finish_statement(self._backend, status)
             for status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
         }
         self._counted_finishes = {
-            status: _finish_statement(self._backend, status, counted=True)
+            status: finish_statement(self._backend, status, counted=True)
             for status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
+        }
+        self._records = {
+            (refuse_cancelled, counted): record_statement(
+                self._backend, refuse_cancelled=refuse_cancelled, counted=counted
+            )
+            for refuse_cancelled in (True, False)
+            for counted in (True, False)
         }
 
     async def get(self, run_id: RunId, key: str) -> Step | None:
@@ -284,7 +223,15 @@ class StepsRepo:
         return await self._db.with_retry(attempt)
 
     async def insert_new(
-        self, fence: Fence, key: str, function: str, call_hash: str, *, seq: int | None = None
+        self,
+        fence: Fence,
+        key: str,
+        function: str,
+        call_hash: str,
+        *,
+        seq: int | None = None,
+        elapsed_s: float = 0.0,
+        refuse_cancelled: bool = True,
     ) -> bool:
         """Begin step ``key``, which the caller has not seen recorded, in one fenced statement.
 
@@ -300,6 +247,10 @@ class StepsRepo:
             seq: The step's place among the run's steps, when the caller knows it (the engine
                 numbers the steps of its attempt after those it loaded); None: the run's
                 largest plus one, read in the statement.
+            elapsed_s: With ``seq``: how long the function has run already (a deferred
+                start), which dates the start back.
+            refuse_cancelled: False when the function was called already: a recorded cancel
+                then does not stop the write (it is seen at the next boundary instead).
 
         Returns:
             True: the step is now ``running`` under this attempt; call the function. False: a
@@ -319,8 +270,8 @@ class StepsRepo:
         }
         statement = self._insert_new
         if seq is not None:
-            statement = self._insert_numbered
-            parameters["step_seq"] = seq
+            statement = self._insert_numbered[refuse_cancelled]
+            parameters.update(step_seq=seq, step_elapsed_s=elapsed_s)
 
         async def attempt() -> bool:
             try:
@@ -332,11 +283,125 @@ class StepsRepo:
             # failed never holds again (attempts only grow), nor does a cancel go away.
             async with self._db.write_transaction() as conn:
                 await hold_fence_txn(
-                    conn, self._backend.name, fence, f"step {key!r}", refuse_cancelled=True
+                    conn,
+                    self._backend.name,
+                    fence,
+                    f"step {key!r}",
+                    refuse_cancelled=refuse_cancelled,
                 )
             return False  # pragma: no cover - a fence that failed cannot hold again
 
         return await self._db.with_retry(attempt)
+
+    async def record(
+        self,
+        fence: Fence,
+        key: str,
+        function: str,
+        call_hash: str,
+        output: JSONValue,
+        *,
+        seq: int,
+        elapsed_s: float,
+        charge: Charge | None = None,
+    ) -> bool:
+        """Record step ``key``, whose start was never written, as succeeded with ``output``.
+
+        The engine's write for a step that returned within ``step_start_after``: one fenced
+        ``INSERT … SELECT`` where :meth:`insert_new` and :meth:`succeed` would be two, the
+        step's start dated ``elapsed_s`` before its end. Like a start it refuses a run whose
+        cancel is recorded; since the function has run, a second transaction then records the
+        step anyway (finishing work already done is always allowed) and says so.
+
+        Args:
+            fence: The attempt's fence.
+            key: The step key, which the attempt has not seen recorded.
+            function: The step function's registered name.
+            call_hash: SHA-256 hex of the function name and its arguments.
+            output: What the function returned, as stored.
+            seq: The step's place among the run's steps.
+            elapsed_s: Seconds from the function's call to its return.
+            charge: The model calls the step made, written in the same transaction.
+
+        Returns:
+            Whether the run's cancel was found recorded: the caller stops at its next boundary.
+
+        Raises:
+            LeaseLost: The fence no longer holds; nothing was written.
+            StepMismatch: A recorded step has a key this database compares as equal to ``key``.
+        """
+        parameters = {
+            **fence_parameters(fence),
+            "step_key": key,
+            "step_function": function,
+            "step_call_hash": call_hash,
+            "step_seq": seq,
+            "step_output": output,
+            "step_elapsed_s": elapsed_s,
+        }
+        usage = charge if charge is not None and not charge.empty else None
+        if usage is not None:
+            parameters["step_usage"] = usage_to_json(usage.spent)
+
+        async def write_txn(conn: AsyncConnection, *, refuse_cancelled: bool) -> bool:
+            statement = self._records[refuse_cancelled, usage is not None]
+            if (await conn.execute(statement, parameters)).rowcount != 1:
+                return False
+            if usage is not None:
+                await add_usage_txn(conn, self._backend, fence.run_id, usage)
+            return True
+
+        async def attempt() -> bool:
+            try:
+                if usage is None:
+                    statement = self._records[True, False]
+                    if await self._db.write_statement(statement, parameters) == 1:
+                        return False
+                else:
+                    async with self._db.write_transaction() as conn:
+                        if await write_txn(conn, refuse_cancelled=True):
+                            return False
+            except IntegrityError:
+                pass
+            return await self._record_refused(fence, key, function, call_hash, output, write_txn)
+
+        return await self._db.with_retry(attempt)
+
+    async def _record_refused(
+        self,
+        fence: Fence,
+        key: str,
+        function: str,
+        call_hash: str,
+        output: JSONValue,
+        write_txn: Callable[..., Awaitable[bool]],
+    ) -> bool:
+        """:meth:`record` after its statement wrote nothing: find out why, then act on it.
+
+        A lost fence, a recorded cancel, or a row with this key (one the database compares as
+        equal, or this very insert, committed unacknowledged).
+        """
+        async with self._db.write_transaction() as conn:
+            await hold_fence_txn(conn, self._backend.name, fence, f"step {key!r}")
+            found = await _select_step_txn(conn, fence.run_id, key)
+            if found is None:
+                # The fence held all along, so the recorded cancel refused the first write.
+                if not await write_txn(conn, refuse_cancelled=False):  # pragma: no cover
+                    raise AssertionError(f"step {key!r} not recorded under the run's lock")
+                return True
+        if found["key"] != key or not _is_recorded(
+            found, fence, StepStatus.SUCCEEDED, {"output": output}
+        ):
+            raise StepMismatch(
+                fence.run_id,
+                key,
+                recorded_key=found["key"],
+                recorded_function=found["function"],
+                recorded_call_hash=found["call_hash"],
+                function=function,
+                call_hash=call_hash,
+            )
+        return False
 
     async def _start_txn(
         self, conn: AsyncConnection, fence: Fence, key: str, function: str, call_hash: str
@@ -346,7 +411,7 @@ class StepsRepo:
         if found is None:
             # Read first, not a subquery of the INSERT: MySQL refuses one that reads the table
             # it inserts into. The run's row is locked (the fence), so the number is ours.
-            seq = await conn.scalar(select(_next_seq(literal(fence.run_id))))
+            seq = await conn.scalar(select(next_seq(literal(fence.run_id))))
             await conn.execute(
                 insert(steps).values(
                     run_id=fence.run_id,
