@@ -509,3 +509,50 @@ class ChildFailed(MoorlineError):
         self.run_id = run_id
         self.child_status = child_status
         self.error = error
+
+
+class StepMismatch(MoorlineError):
+    """A finished step key was replayed for a different call (non-deterministic workflow).
+
+    Raised instead of returning the recorded output: step keys are unique within a run, and a
+    workflow whose code changed between attempts must fail loudly (docs/reliability.md E3).
+    """
+
+    code = "step_mismatch"
+
+    def __init__(
+        self,
+        run_id: str,
+        key: str,
+        *,
+        recorded_key: str,
+        recorded_function: str,
+        recorded_call_hash: str,
+        function: str,
+        call_hash: str,
+    ) -> None:
+        if recorded_key != key:
+            message = (
+                f"step key {key!r} of run {run_id} collides with the recorded step key "
+                f"{recorded_key!r}, which this database compares as equal (case or trailing "
+                "spaces); step keys must differ in more than that"
+            )
+        else:
+            message = (
+                f"non-deterministic workflow: step {key!r} of run {run_id} already succeeded "
+                f"as {recorded_function} (call hash {recorded_call_hash}) and is now called as "
+                f"{function} (call hash {call_hash}); step keys must be unique within a run"
+            )
+        super().__init__(message)
+        self.run_id = run_id
+        self.key = key
+        self.recorded_function = recorded_function
+        self.recorded_call_hash = recorded_call_hash
+        self.function = function
+        self.call_hash = call_hash
+
+
+class StepNotRunning(TransitionRejected):
+    """A step was finished (or failed) while it was not running under the fence's attempt."""
+
+    code = "step_not_running"

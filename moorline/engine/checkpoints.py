@@ -6,7 +6,9 @@ and notes its own writes, so:
 
 * a step read ``succeeded`` for the same call is replayed without a database trip;
 * a step it has never seen is started by one fenced statement
-  (:meth:`~moorline.db.repos.steps.StepsRepo.insert_new`);
+  (:meth:`~moorline.db.repos.steps.StepsRepo.insert_new`), or, under a worker's lease, not
+  until it has run ``step_start_after`` (:class:`DeferredStart`): one that returns sooner is
+  recorded by one statement (:meth:`~moorline.db.repos.steps.StepsRepo.record`);
 * everything else (a step in flight at a crash, a failed step, a changed call, a key the
   database compares as equal to another, a key replayed twice) goes through
   :meth:`~moorline.db.repos.steps.StepsRepo.start`, which decides under the run's row lock.
@@ -22,6 +24,7 @@ was recorded, as they would have anyway.
 
 import asyncio
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 from moorline.db.repos.records import Fence
@@ -237,7 +240,7 @@ class DeferredStart:
     recorded cancel is found by the first write (the record, or the start written late), which
     refuses and then writes anyway, since the function has run, and reports the cancel
     (``on_cancel``): after a cancel whose signal the runtime store lost, at most this one step
-    runs (docs/reliability.md E7).
+    runs (docs/reliability.md E8).
     """
 
     def __init__(
@@ -250,8 +253,23 @@ class DeferredStart:
         seq: int,
         after_s: float,
         on_cancel: Callable[[], None],
+        alone: Callable[[], AbstractAsyncContextManager[None]],
     ) -> None:
+        """Call the step's function right after this.
+
+        Args:
+            checkpoints: The attempt's checkpoints.
+            key: The step's key.
+            function: The step function's name.
+            call_hash: SHA-256 hex of the function name and its arguments.
+            seq: The step's number, taken by ``Checkpoints.start(..., defer=True)``.
+            after_s: Seconds the function may run before its start is written.
+            on_cancel: Called when a write finds the run's cancel recorded.
+            alone: Keeps the attempt's other writes (its buffered events) out while the start
+                is written, so that an attempt holds one database connection at a time.
+        """
         self._checkpoints = checkpoints
+        self._alone = alone
         self._key, self._function, self._call_hash, self._seq = key, function, call_hash, seq
         self._on_cancel = on_cancel
         loop = asyncio.get_running_loop()
@@ -300,7 +318,11 @@ class DeferredStart:
         return asyncio.get_running_loop().time() - self._called
 
     def _write_start_soon(self) -> None:
-        self._writing = asyncio.create_task(self._write_start())
+        self._writing = asyncio.create_task(self._write_start_alone())
+
+    async def _write_start_alone(self) -> None:
+        async with self._alone():
+            await self._write_start()
 
     async def _write_start(self) -> None:
         key, function, call_hash, seq = self._key, self._function, self._call_hash, self._seq

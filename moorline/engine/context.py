@@ -372,6 +372,7 @@ class Context(Permissions, Waits, Children, Metering):
             seq=start.unwritten,
             after_s=self._step_start_after_s,
             on_cancel=self._mark_cancelled,  # raised at the next boundary
+            alone=self._events.exclusive,
         )
 
     def idempotency_key(self) -> str:

@@ -38,7 +38,9 @@ version), so they are exactly as fenced as the two-statement form. Each is sent 
 transaction of its own (:meth:`~moorline.db.manager.DatabaseManager.write_statement`: autocommit
 on the servers, one thread crossing on SQLite); only when it writes nothing does a second
 transaction find out why, which is safe because what it looks for never changes back: a lost
-fence stays lost, a recorded cancel stays recorded, a finished step stays finished.
+fence stays lost, a recorded cancel stays recorded, a finished step stays finished. A step whose
+function has returned before its start was written is recorded by one statement of both
+(:meth:`StepsRepo.record`, the engine's ``DeferredStart``).
 
 Every public method is idempotent, so each is wrapped in ``with_retry``: a checkpoint whose
 commit acknowledgement was lost is retried and finds its own write (docs/reliability.md E6).
@@ -67,59 +69,13 @@ from moorline.db.repos.usage import Charge, add_usage_txn
 from moorline.db.schema import steps
 from moorline.errors import CancelRequested as CancelRequested  # re-exported (old home)
 from moorline.errors import LeaseLost as LeaseLost
-from moorline.errors import MoorlineError, TransitionRejected
+from moorline.errors import StepMismatch as StepMismatch  # re-exported (old home)
+from moorline.errors import StepNotRunning as StepNotRunning  # re-exported (old home)
 from moorline.types import Attempt, JSONValue, RunId, StepStatus
 from moorline.usage import usage_from_json, usage_to_json
 
 _RUNNING = StepStatus.RUNNING.value
 _SUCCEEDED = StepStatus.SUCCEEDED.value
-
-
-class StepMismatch(MoorlineError):
-    """A finished step key was replayed for a different call (non-deterministic workflow).
-
-    Raised instead of returning the recorded output: step keys are unique within a run, and a
-    workflow whose code changed between attempts must fail loudly (docs/reliability.md E3).
-    """
-
-    code = "step_mismatch"
-
-    def __init__(
-        self,
-        run_id: RunId,
-        key: str,
-        *,
-        recorded_key: str,
-        recorded_function: str,
-        recorded_call_hash: str,
-        function: str,
-        call_hash: str,
-    ) -> None:
-        if recorded_key != key:
-            message = (
-                f"step key {key!r} of run {run_id} collides with the recorded step key "
-                f"{recorded_key!r}, which this database compares as equal (case or trailing "
-                "spaces); step keys must differ in more than that"
-            )
-        else:
-            message = (
-                f"non-deterministic workflow: step {key!r} of run {run_id} already succeeded "
-                f"as {recorded_function} (call hash {recorded_call_hash}) and is now called as "
-                f"{function} (call hash {call_hash}); step keys must be unique within a run"
-            )
-        super().__init__(message)
-        self.run_id = run_id
-        self.key = key
-        self.recorded_function = recorded_function
-        self.recorded_call_hash = recorded_call_hash
-        self.function = function
-        self.call_hash = call_hash
-
-
-class StepNotRunning(TransitionRejected):
-    """A step was finished (or failed) while it was not running under the fence's attempt."""
-
-    code = "step_not_running"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -249,8 +205,9 @@ class StepsRepo:
                 largest plus one, read in the statement.
             elapsed_s: With ``seq``: how long the function has run already (a deferred
                 start), which dates the start back.
-            refuse_cancelled: False when the function was called already: a recorded cancel
-                then does not stop the write (it is seen at the next boundary instead).
+            refuse_cancelled: With ``seq``, False when the function was called already: a
+                recorded cancel then does not stop the write (the caller learns of it
+                otherwise). Without ``seq`` the write always refuses a recorded cancel.
 
         Returns:
             True: the step is now ``running`` under this attempt; call the function. False: a
@@ -392,15 +349,7 @@ class StepsRepo:
         if found["key"] != key or not _is_recorded(
             found, fence, StepStatus.SUCCEEDED, {"output": output}
         ):
-            raise StepMismatch(
-                fence.run_id,
-                key,
-                recorded_key=found["key"],
-                recorded_function=found["function"],
-                recorded_call_hash=found["call_hash"],
-                function=function,
-                call_hash=call_hash,
-            )
+            raise _mismatch(fence, key, found, function, call_hash)
         return False
 
     async def _start_txn(
@@ -429,15 +378,7 @@ class StepsRepo:
             )
         if found["status"] == _SUCCEEDED or found["key"] != key:
             if (found["key"], found["function"], found["call_hash"]) != (key, function, call_hash):
-                raise StepMismatch(
-                    fence.run_id,
-                    key,
-                    recorded_key=found["key"],
-                    recorded_function=found["function"],
-                    recorded_call_hash=found["call_hash"],
-                    function=function,
-                    call_hash=call_hash,
-                )
+                raise _mismatch(fence, key, found, function, call_hash)
             return StepStart(step=_step_from_row(found), replay=True, repeated=False)
         # In flight at a crash, or failed before: this attempt takes it over. Conditional on
         # the row as read; the run's row lock makes a miss impossible, so a miss is a bug.
@@ -578,6 +519,21 @@ def _is_recorded(row: RowMapping, fence: Fence, status: StepStatus, values: dict
         row["status"] == status.value
         and row["attempt"] == fence.attempt
         and all(row[name] == value for name, value in values.items())
+    )
+
+
+def _mismatch(
+    fence: Fence, key: str, found: RowMapping, function: str, call_hash: str
+) -> StepMismatch:
+    """The error of a call of step ``key`` that meets the recorded row ``found``."""
+    return StepMismatch(
+        fence.run_id,
+        key,
+        recorded_key=found["key"],
+        recorded_function=found["function"],
+        recorded_call_hash=found["call_hash"],
+        function=function,
+        call_hash=call_hash,
     )
 
 
