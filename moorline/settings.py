@@ -182,10 +182,12 @@ class Settings(BaseSettings):
     """Seconds a wait (a decision, a sleep, a message) is awaited in memory before the run
     parks: ``waiting``, holding no lease, slot or cap unit. 0 parks at once."""
 
-    step_start_after: float = Field(default=0.05, ge=0)
-    """Seconds a new step runs before its start is written. A step that returns sooner is
-    recorded by one write (its start and its result together) instead of two; a longer one
-    shows ``running`` from then on. 0 writes every start before the function is called."""
+    step_start_after: float = Field(default=0.0, ge=0)
+    """Seconds a new step may run before its start is written (opt-in; 0, the default, writes
+    every start before the function is called). A step that returns sooner is recorded by one
+    write (its start and its result together) instead of two; a longer one shows ``running``
+    from then on. The price: a step may start after a cancel the worker has not heard of yet
+    (at most one per run, kept), where with 0 none starts after the cancel is recorded."""
 
     poll_interval: float = Field(default=1.0, gt=0)
     """Seconds a worker's lane waits for a wake-up before it looks for work anyway (the slow

@@ -47,11 +47,14 @@ class EngineHarness:
         event_batch_size: int = 256,
         event_flush_interval_s: float = 0.05,
         park_after_s: float = 2.0,
+        step_start_after_s: float = 0.0,
     ) -> None:
         self.db = db
         self.store = store
         self.tenants = tenants
-        self.settings = Settings(lease_ttl=lease_ttl_s, park_after=park_after_s)
+        self.settings = Settings(
+            lease_ttl=lease_ttl_s, park_after=park_after_s, step_start_after=step_start_after_s
+        )
         self.app = Moorline(self.settings)
         self.runner = WorkflowRunner(
             self.app,

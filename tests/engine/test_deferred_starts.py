@@ -1,11 +1,12 @@
-"""A new step's start written only if the step outlasts ``step_start_after`` (issue 19).
+"""A new step's start written only if the step outlasts ``step_start_after`` (opt-in, issue 19).
 
 Under a lease the worker's own clock vouches for, a step that returns within the grace is
 recorded by one statement (its start and its result together); a longer one has its start
 written at the grace and shows ``running`` from then on; a failing one gets its start and its
-failure. Without that word on the lease every start is written before the function is called.
-A cancel recorded in the database whose store signal was lost is found by the step's write,
-which keeps the step (it has run) and stops the run at the next boundary.
+failure. Without that word on the lease (or with the setting at its default, 0) every start is
+written before the function is called. A cancel recorded in the database whose store signal
+was lost is found by the step's write, which keeps the step (it has run) and stops the run at
+the next boundary.
 """
 
 import asyncio
@@ -25,19 +26,22 @@ from tests.engine.harness import EngineHarness
 from tests.helpers import wait_for
 
 STEPS = 4
-GRACE_S = 0.05  # the default of step_start_after, which the harness's settings keep
+GRACE_S = 0.05
 
 
 def held() -> bool:
     return True
 
 
+def not_held() -> bool:
+    return False
+
+
 @pytest.fixture
 async def harness(db: DatabaseManager) -> AsyncIterator[EngineHarness]:
     tenants = Tenants(db)
     store = InMemoryRuntimeStore()
-    made = EngineHarness(db, store, tenants)
-    assert made.settings.step_start_after == GRACE_S
+    made = EngineHarness(db, store, tenants, step_start_after_s=GRACE_S)
     yield made
     await store.close()
     await tenants.purge()
@@ -65,9 +69,14 @@ async def test_quick_steps_under_a_held_lease_cost_one_statement_each(
     ]
 
 
-async def test_without_the_workers_word_on_the_lease_every_start_is_written_first(
-    harness: EngineHarness,
+@pytest.mark.parametrize("why", ["the lease unvouched for", "the default setting"])
+async def test_otherwise_every_start_is_written_before_the_call(
+    harness: EngineHarness, db: DatabaseManager, why: str
 ) -> None:
+    if why == "the default setting":
+        harness = EngineHarness(db, harness.store, harness.tenants)
+        assert harness.settings.step_start_after == 0
+
     @harness.app.workflow("careful")
     async def careful(ctx: Context) -> JSONValue:
         return [await ctx.step(f"s{i}", pow, i, 2) for i in range(STEPS)]
@@ -75,7 +84,9 @@ async def test_without_the_workers_word_on_the_lease_every_start_is_written_firs
     await harness.new_run("careful")
     claim = await harness.claim()
     with data_statements(harness.db, "steps") as sent:
-        await harness.runner.run(claim, lease_held=lambda: False)
+        await harness.runner.run(
+            claim, lease_held=held if why == "the default setting" else not_held
+        )
     assert [statement.split()[0].upper() for statement in sent] == ["INSERT", "UPDATE"] * STEPS
 
 
