@@ -54,21 +54,14 @@ def insert_new_statement(
     start written once the function has run that long). Without ``refuse_cancelled`` a
     recorded cancel does not stop it (the function was called already).
     """
-    source = select(
-        runs.c.id,
-        bindparam("step_key", type_=steps.c.key.type),
-        literal(RUNNING, steps.c.status.type),
-        runs.c.attempt,
-        bindparam("step_function", type_=steps.c.function.type),
-        bindparam("step_call_hash", type_=steps.c.call_hash.type),
-        backend.now_less("step_elapsed_s") if numbered else backend.now(),
-        bindparam("step_seq", type_=Integer()) if numbered else next_seq(runs.c.id),
-    ).where(fence_by_parameters())
-    if refuse_cancelled:
-        source = source.where(runs.c.cancel_requested_at.is_(None))
-    return insert(steps).from_select(
-        ["run_id", "key", "status", "attempt", "function", "call_hash", "started_at", "seq"],
-        backend.lock_rows(source),
+    return _insert_from_run(
+        backend,
+        {
+            **_called(RUNNING),
+            "started_at": backend.now_less("step_elapsed_s") if numbered else backend.now(),
+            "seq": bindparam("step_seq", type_=Integer()) if numbered else next_seq(runs.c.id),
+        },
+        refuse_cancelled=refuse_cancelled,
     )
 
 
@@ -111,12 +104,7 @@ def record_statement(backend: Backend, *, refuse_cancelled: bool, counted: bool)
     ``step_seq``, ``step_output``, ``step_elapsed_s``; with ``counted``, ``step_usage``.
     """
     columns: dict[str, Any] = {
-        "run_id": runs.c.id,
-        "key": bindparam("step_key", type_=steps.c.key.type),
-        "status": literal(SUCCEEDED, steps.c.status.type),
-        "attempt": runs.c.attempt,
-        "function": bindparam("step_function", type_=steps.c.function.type),
-        "call_hash": bindparam("step_call_hash", type_=steps.c.call_hash.type),
+        **_called(SUCCEEDED),
         "started_at": backend.now_less("step_elapsed_s"),
         "finished_at": backend.now(),
         "seq": bindparam("step_seq", type_=Integer()),
@@ -124,6 +112,28 @@ def record_statement(backend: Backend, *, refuse_cancelled: bool, counted: bool)
     }
     if counted:
         columns["usage"] = bindparam("step_usage", type_=steps.c.usage.type)
+    return _insert_from_run(backend, columns, refuse_cancelled=refuse_cancelled)
+
+
+def _called(status: str) -> dict[str, Any]:
+    """A new step row's identity columns: the fenced run's, the call's, and ``status``."""
+    return {
+        "run_id": runs.c.id,
+        "key": bindparam("step_key", type_=steps.c.key.type),
+        "status": literal(status, steps.c.status.type),
+        "attempt": runs.c.attempt,
+        "function": bindparam("step_function", type_=steps.c.function.type),
+        "call_hash": bindparam("step_call_hash", type_=steps.c.call_hash.type),
+    }
+
+
+def _insert_from_run(
+    backend: Backend, columns: dict[str, Any], *, refuse_cancelled: bool
+) -> Insert:
+    """``INSERT INTO steps (columns) SELECT … FROM runs WHERE <fence>``, the run's row locked.
+
+    With ``refuse_cancelled``, also ``AND`` no cancel recorded.
+    """
     source = select(*columns.values()).where(fence_by_parameters())
     if refuse_cancelled:
         source = source.where(runs.c.cancel_requested_at.is_(None))

@@ -219,12 +219,7 @@ class StepsRepo:
             LeaseLost: The fence no longer holds; nothing was written.
             CancelRequested: The run's cancel is recorded; nothing was written.
         """
-        parameters = {
-            **fence_parameters(fence),
-            "step_key": key,
-            "step_function": function,
-            "step_call_hash": call_hash,
-        }
+        parameters = _call_parameters(fence, key, function, call_hash)
         statement = self._insert_new
         if seq is not None:
             statement = self._insert_numbered[refuse_cancelled]
@@ -288,10 +283,7 @@ class StepsRepo:
             StepMismatch: A recorded step has a key this database compares as equal to ``key``.
         """
         parameters = {
-            **fence_parameters(fence),
-            "step_key": key,
-            "step_function": function,
-            "step_call_hash": call_hash,
+            **_call_parameters(fence, key, function, call_hash),
             "step_seq": seq,
             "step_output": output,
             "step_elapsed_s": elapsed_s,
@@ -506,6 +498,16 @@ class StepsRepo:
 _STEP = select(steps).where(
     steps.c.run_id == bindparam("step_run_id"), steps.c.key == bindparam("step_key")
 )
+
+
+def _call_parameters(fence: Fence, key: str, function: str, call_hash: str) -> dict[str, Any]:
+    """The parameters a new step's statements share: the fence's and the call's."""
+    return {
+        **fence_parameters(fence),
+        "step_key": key,
+        "step_function": function,
+        "step_call_hash": call_hash,
+    }
 
 
 async def _select_step_txn(conn: AsyncConnection, run_id: str, key: str) -> RowMapping | None:
