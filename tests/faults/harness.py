@@ -6,8 +6,10 @@ Without ``redis_url`` each worker has its own in-memory RuntimeStore (nothing ou
 process can signal it); with one, they share Redis under ``redis_prefix`` with the test.
 """
 
+import asyncio
 import contextlib
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -269,10 +271,15 @@ async def pause_between_transactions(db: DatabaseManager, proc: subprocess.Popen
         if not await holds_write_locks(db, proc.pid):
             return True
         proc.send_signal(signal.SIGCONT)
+        # Let it run a random while before the next try: on a loaded machine a process
+        # stopped again every 20 ms (the check itself keeps it stopped longer) may never get
+        # the CPU to finish the transaction it was caught in, and a fixed cadence could
+        # keep landing in the same periodic write.
+        await asyncio.sleep(random.uniform(0.02, 0.3))
         return False
 
     await wait_for(
-        stopped_between_transactions, timeout_s=30, message="a pause between transactions"
+        stopped_between_transactions, timeout_s=60, message="a pause between transactions"
     )
 
 
