@@ -217,41 +217,49 @@ def client_ports(pid: int, server_port: int) -> list[int]:
     return ports
 
 
-async def holds_write_locks(db: DatabaseManager, pid: int) -> bool:
-    """Whether process ``pid`` holds a write lock on ``db``'s database.
+async def write_locks_held(db: DatabaseManager, pid: int) -> list[str]:
+    """The write locks process ``pid`` holds on ``db``'s database, described; empty if none.
 
-    SQLite: whether its one write lock is taken (a ``BEGIN IMMEDIATE`` that cannot wait),
-    by whomever. The servers: whether one of the process's sessions (known by their client
-    ports) is in a transaction that has written or locked rows (PostgreSQL gives such a
-    transaction an id). Other processes' transactions are not what a pause must avoid, and a
-    successor started beside the process may be in one at nearly every instant under load.
+    SQLite: its one write lock, when taken (a ``BEGIN IMMEDIATE`` that cannot wait), by
+    whomever. The servers: each transaction of the process's sessions (known by their client
+    ports) that has written or locked rows (PostgreSQL gives such a transaction an id).
+    Other processes' transactions are not what a pause must avoid, and a successor started
+    beside the process may be in one at nearly every instant under load.
     """
     if db.backend.name == "sqlite":
         probe = sqlite3.connect(str(make_url(db.urls[0]).database), timeout=0)
         try:
             probe.execute("BEGIN IMMEDIATE")
             probe.execute("ROLLBACK")
-            return False
+            return []
         except sqlite3.OperationalError as exc:
             assert "locked" in str(exc), exc
-            return True
+            return ["the database's write lock"]
         finally:
             probe.close()
     url = make_url(db.urls[0])
     ports = client_ports(pid, url.port or SERVERS[db.backend.name].port)
     assert ports, f"process {pid} has no TCP connection to the database"
     listed = ", ".join(str(port) for port in ports)
+    # Each such transaction described (its state and statement), for a failure's message.
     query = (
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "SELECT concat_ws(' ', state, 'since', xact_start, ':', left(query, 200)) "
+        "FROM pg_stat_activity WHERE datname = current_database() "
         f"AND backend_xid IS NOT NULL AND client_port IN ({listed})"
         if db.backend.name == "postgresql"
-        else "SELECT count(*) FROM information_schema.innodb_trx AS trx "
+        else "SELECT concat_ws(' ', trx_state, 'since', trx_started, 'rows locked', "
+        "trx_rows_locked, ':', left(coalesce(trx_query, '(idle)'), 200)) "
+        "FROM information_schema.innodb_trx AS trx "
         "JOIN information_schema.processlist AS session ON session.ID = trx.trx_mysql_thread_id "
         "WHERE (trx_rows_locked > 0 OR trx_rows_modified > 0 OR trx_tables_locked > 0) "
         f"AND SUBSTRING_INDEX(session.HOST, ':', -1) IN ({listed})"
     )
     async with db.connect() as conn:
-        return bool((await conn.execute(text(query))).scalar_one())
+        return [str(row[0]) for row in await conn.execute(text(query))]
+
+
+INNODB_TRX_CACHE_S = 0.15
+"""Longer than MariaDB's refresh interval of the ``innodb_trx`` table's cache (0.1 s)."""
 
 
 async def pause_between_transactions(db: DatabaseManager, proc: subprocess.Popen[bytes]) -> None:
@@ -265,11 +273,19 @@ async def pause_between_transactions(db: DatabaseManager, proc: subprocess.Popen
     is what happens to a worker paused mid-run, between its writes, which is nearly always
     where a pause lands (its transactions last milliseconds).
     """
+    last_held: list[str] = []
 
     async def stopped_between_transactions() -> bool:
         proc.send_signal(signal.SIGSTOP)
-        if not await holds_write_locks(db, proc.pid):
+        if db.backend.name == "mysql":
+            # MariaDB refreshes ``information_schema.innodb_trx`` from a cache at most every
+            # 0.1 s: read sooner, it may miss a transaction begun just before the stop, or
+            # show one ended just before it.
+            await asyncio.sleep(INNODB_TRX_CACHE_S)
+        held = await write_locks_held(db, proc.pid)
+        if not held:
             return True
+        last_held[:] = held
         proc.send_signal(signal.SIGCONT)
         # Let it run a random while before the next try: on a loaded machine a process
         # stopped again every 20 ms (the check itself keeps it stopped longer) may never get
@@ -278,9 +294,12 @@ async def pause_between_transactions(db: DatabaseManager, proc: subprocess.Popen
         await asyncio.sleep(random.uniform(0.02, 0.3))
         return False
 
-    await wait_for(
-        stopped_between_transactions, timeout_s=60, message="a pause between transactions"
-    )
+    try:
+        await wait_for(
+            stopped_between_transactions, timeout_s=60, message="a pause between transactions"
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the last write transactions found: {last_held}") from None
 
 
 @asynccontextmanager
