@@ -27,9 +27,11 @@ from moorline.worker.worker import Worker
 from tests.contract.queue_helpers import Tenants, no_caps, statuses, unique
 from tests.helpers import sampled, wait_for
 
-LEASE_TTL_S = 3.0
-"""Heartbeats every second: a loaded CI machine's event-loop stalls stay well inside a lease."""
-CLEANUP_S = 2.0
+LEASE_TTL_S = 6.0
+"""Heartbeats every 2 s. Until a heartbeat finds the run parked, the attempt's self-fence still
+runs from the last renewal before the park (5/6 of the TTL): that heartbeat may come up to 3 s
+late before the clean-up is cut short. With 3 s (1.5 s of slack) a loaded CI run once lost."""
+CLEANUP_S = 4.0
 """The workflow's clean-up after a park: two heartbeat intervals, within a lease."""
 SETTLE_S = 40.0
 
