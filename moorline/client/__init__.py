@@ -284,8 +284,8 @@ class Client:
         """One page of the tenant's runs matching the filters, newest first.
 
         Filters: ``status``, ``workflow``, ``conversation_id``, ``created_after``,
-        ``created_before`` (aware datetimes), ``ids`` (at most 100), ``run_id`` (an id's first
-        characters) and ``input_contains`` (see :func:`calls.run_filters`).
+        ``created_before`` (aware datetimes), ``ids`` (at most 100), ``run_id`` (an id's start,
+        or its last 8 characters) and ``input_contains`` (see :func:`calls.run_filters`).
         """
         call = calls.list_runs(calls.run_filters(**filters), limit=limit, cursor=cursor)
         return await self._call(call)

@@ -383,8 +383,9 @@ def run_filters(
 ) -> dict[str, Any]:
     """The filters of a listing or a bulk request as sent (those that are None are dropped).
 
-    ``run_id`` (an id's first characters) and ``input_contains`` (a word of the input, in any
-    case, among the newest 5,000 runs the other filters select) are the listing's only.
+    ``run_id`` (an id's start; up to 12 characters, its start or its end among the newest 5,000
+    runs the other filters select) and ``input_contains`` (a word of the input, in any case,
+    among those newest 5,000 too) are the listing's only.
     """
     return {
         "run_id": run_id,

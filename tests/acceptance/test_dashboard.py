@@ -195,7 +195,7 @@ async def test_sign_in_watch_approve_and_isolate(
     await sign_in(page, key_b)
     await expect(page.locator("#nav a[data-page=lanes]")).to_be_hidden()
     await expect(page.locator("#runs-body")).to_contain_text("No runs.")
-    assert run_id[:8] not in await page.content()
+    assert run_id[-8:] not in await page.content()  # its short id, as a listing shows it
     await page.screenshot(path=shots / "5-other-tenant-runs.png", full_page=True)
     await page.goto(f"{server.url}/#/runs/{run_id}")
     await expect(page.locator("#not-found")).to_contain_text(f"no run {run_id}")

@@ -128,11 +128,15 @@ async def test_statistics_search_and_narrow_screens(
         "fail_loudly 2 ended, 100.0 %; runs per minute as bars with axes."
     )
 
-    # Search by a run id's first characters, then by a word of an input.
+    # Search by the short id the table shows (a run id's last 8 characters), then by a word of
+    # an input.
     await page.click("#nav a[data-page=runs]")
     await expect(page.locator("#runs-body tr[data-run-id]")).to_have_count(5)
     wanted = runs["harbour"]
-    await page.fill("#search", wanted[:8])
+    await expect(page.locator(f"#runs-body tr[data-run-id='{wanted}'] code")).to_have_text(
+        wanted[-8:]
+    )
+    await page.fill("#search", wanted[-8:])
     await page.press("#search", "Enter")
     await expect(page.locator("#runs-body tr[data-run-id]")).to_have_count(1)
     await expect(page.locator(f"#runs-body tr[data-run-id='{wanted}']")).to_be_visible()
@@ -186,7 +190,7 @@ async def test_statistics_search_and_narrow_screens(
     await admin.set_viewport_size({"width": 1280, "height": 900})
     await admin.goto(server.url + "/")
     await sign_in(admin, ADMIN_TOKEN)
-    await admin.goto(f"{server.url}/#/runs?q={lighthouse[:8]}")
+    await admin.goto(f"{server.url}/#/runs?q={lighthouse[-8:]}")
     row = admin.locator(f"#runs-body tr[data-run-id='{lighthouse}']")
     await expect(row).to_contain_text(name)
     await expect(admin.locator("#runs-note")).to_contain_text("1 run on this page")

@@ -108,7 +108,12 @@ async def test_search_by_run_id_input_text_and_creation_time(api: Api) -> None:
         assert page.status_code == 200, page.text
         return [run["run_id"] for run in page.json()["runs"]]
 
-    assert await found(run_id=wanted[:8]) == [wanted]
+    # The short id the dashboard shows is an id's end (the start is the time it was made);
+    # up to 12 characters match either end, more the start only.
+    assert await found(run_id=wanted[-8:]) == [wanted]
+    assert wanted in await found(run_id=wanted[:8])
+    assert await found(run_id=wanted[:24]) == [wanted]
+    assert await found(run_id=wanted[-24:]) == []
     assert await found(run_id=wanted) == [wanted]
     assert await found(input_contains="LIGHTHOUSE") == [wanted]  # any case, own runs only
     assert await found(input_contains="50%_off") == []  # LIKE's wildcards are text here
@@ -122,5 +127,7 @@ async def test_search_by_run_id_input_text_and_creation_time(api: Api) -> None:
     )
     assert wanted in [run["run_id"] for run in page.json()["runs"]]
     assert len(page.json()["runs"]) >= 2
+    page = await api.client.get("/v1/admin/runs", params={"run_id": wanted[-8:]}, headers=ADMIN)
+    assert [run["run_id"] for run in page.json()["runs"]] == [wanted]
     refused = await api.client.get("/v1/runs", params={"run_id": "XYZ!"}, headers=caller.headers)
     assert refused.status_code == 422

@@ -204,6 +204,23 @@ async def test_a_batch_retried_after_a_lost_commit_acknowledgement_returns_its_r
     assert await tenant_run_count(db, tenant) == 3
 
 
+async def test_run_ids_are_uuid7_and_sort_as_the_runs_were_made(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # Time-ordered ids put new runs at the end of the indexes keyed by them (new_run_id).
+    repo = RunsRepo(db)
+    tenant = await tenants.new()
+    lane = unique("lane")
+    first = await repo.submit_many([new_run(tenant, lane, input={"n": n}) for n in range(50)])
+    second = await repo.submit_many([new_run(tenant, lane, input={"n": n}) for n in range(5)])
+    made = [run.run_id for run in [*first, *second]]
+    assert {uuid.UUID(run_id).version for run_id in made} == {7}
+    assert sorted(made) == made
+    async with db.connect() as conn:
+        query = select(runs.c.id).where(runs.c.tenant_id == tenant).order_by(runs.c.id)
+        assert list((await conn.execute(query)).scalars()) == made
+
+
 async def test_input_hash_is_sha256_of_canonical_json() -> None:
     value: JSONObject = {"b": [1, 2.5, "ü"], "a": {"y": None, "x": True}}
     canonical = '{"a":{"x":true,"y":null},"b":[1,2.5,"ü"]}'

@@ -81,7 +81,7 @@ class Clients:
 
     async def post_all(self, run_id: RunId, deadline: float) -> None:
         for index in range(self.per_run):
-            text = f"{run_id[:8]}:{index}"
+            text = f"{run_id[-8:]}:{index}"
             while True:
                 try:
                     await self.inbox.post_message(self.tenant, run_id, text)

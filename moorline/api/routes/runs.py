@@ -77,7 +77,13 @@ from moorline.api.schemas import (
 )
 from moorline.db.repos.children import ChildrenRepo
 from moorline.db.repos.interrupts import InterruptResolved
-from moorline.db.repos.listing import SEARCH_WINDOW, RunCursor, RunFilter, RunPage
+from moorline.db.repos.listing import (
+    SEARCH_WINDOW,
+    SHORT_ID_MAX,
+    RunCursor,
+    RunFilter,
+    RunPage,
+)
 from moorline.db.repos.records import DecisionReason, Event, InterruptStatus, Run
 from moorline.dispatch.cancel import cancel_run
 from moorline.engine.streams import EventStream
@@ -125,13 +131,16 @@ CursorQuery = Annotated[
         description="A `next_cursor` of an earlier page, as returned; anything else is 422.",
     ),
 ]
-RunIdPrefixQuery = Annotated[
+RunIdSearchQuery = Annotated[
     str | None,
     Query(
         min_length=4,
         max_length=36,
         pattern=r"^[0-9a-f-]+$",
-        description="Only runs whose id starts with this (a whole id or its first characters).",
+        description=f"Only runs whose id starts with this, when longer than {SHORT_ID_MAX} "
+        f"characters (a whole id, say); up to {SHORT_ID_MAX}, whose id starts or ends with it "
+        f"(the dashboard shows an id's last 8), among the newest {SEARCH_WINDOW:,} runs the "
+        "other filters select.",
     ),
 ]
 InputContainsQuery = Annotated[
@@ -454,7 +463,7 @@ async def list_runs(
     parent_run_id: Annotated[
         str | None, Query(max_length=36, description="Only this run's child runs.")
     ] = None,
-    run_id: RunIdPrefixQuery = None,
+    run_id: RunIdSearchQuery = None,
     input_contains: InputContainsQuery = None,
     created_after: CreatedAfterQuery = None,
     created_before: CreatedBeforeQuery = None,
@@ -468,7 +477,7 @@ async def list_runs(
             workflow=workflow,
             conversation_id=conversation_id,
             parent_run_id=parent_run_id,
-            run_id_prefix=run_id,
+            run_id_search=run_id,
             input_contains=input_contains,
             created_after=created_after,
             created_before=created_before,

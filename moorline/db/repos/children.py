@@ -17,7 +17,6 @@
 """
 
 import builtins
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -30,7 +29,7 @@ from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.events import EVENT_QUEUED, append_events_txn
 from moorline.db.repos.fences import hold_fence_txn
-from moorline.db.repos.new_runs import hash_input
+from moorline.db.repos.new_runs import hash_input, new_run_id
 from moorline.db.repos.parking import (
     ResumeReason,
     WaitKind,
@@ -202,7 +201,7 @@ class ChildrenRepo:
     @staticmethod
     def _row(parent: Run, child: NewChild, depth: int, now: datetime) -> dict[str, Any]:
         return {
-            "id": str(uuid.uuid4()),
+            "id": new_run_id(),
             "tenant_id": parent.tenant_id,
             "workflow": child.workflow,
             "status": RunStatus.QUEUED.value,

@@ -27,7 +27,16 @@ from moorline.db.schema import runs
 from moorline.types import RunId, RunStatus, TenantId
 
 SEARCH_WINDOW = 5_000
-"""Newest runs an input search reads at most: its cost is bounded, its reach is too."""
+"""Newest runs an input search, or a short id's, reads at most: its cost is bounded, its
+reach is too."""
+
+SHORT_ID_MAX = 12
+"""Longest run id search matched at either end of the id; a longer one is the id's start.
+
+Run ids are UUIDv7 (:func:`~moorline.db.repos.new_runs.new_run_id`): their first 12 hex digits
+are the time they were made, shared by every run of the same millisecond, so a short id is
+their end (the dashboard shows the last 8 characters). 13 characters or more name a
+millisecond and what follows: a range of the primary key, read in full."""
 
 ACTIVE_STATUSES = (RunStatus.PENDING, RunStatus.QUEUED, RunStatus.RUNNING)
 """The statuses of a run that has not ended: it holds its conversation."""
@@ -56,8 +65,9 @@ class RunFilter:
     """Only runs created before this instant."""
     run_ids: tuple[str, ...] | None = None
     """Only these runs (a bulk action's ``ids``; at most a few thousand)."""
-    run_id_prefix: str | None = None
-    """Only runs whose id starts with this (a range of the primary key)."""
+    run_id_search: str | None = None
+    """Only runs whose id starts with this; or, up to :data:`SHORT_ID_MAX` characters, starts
+    or ends with it, among the newest :data:`SEARCH_WINDOW` runs the other conditions select."""
     input_contains: str | None = None
     """Only runs whose input's JSON text contains this, in any case, among the newest
     :data:`SEARCH_WINDOW` runs the other conditions select (a bounded scan)."""
@@ -131,8 +141,9 @@ class RunListing:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         conditions = [*scope, *filter_conditions(where)]
+        searched = _searched_conditions(where)
         source: FromClause = runs
-        if where.input_contains is not None:
+        if searched:
             # Only the newest SEARCH_WINDOW runs of the listing are read for the text: a
             # derived table (MySQL refuses LIMIT in an IN subquery), joined back by id.
             window = (
@@ -143,9 +154,7 @@ class RunListing:
                 .subquery("window")
             )
             source = runs.join(window, window.c.id == runs.c.id)
-            conditions.append(
-                _text_of(runs.c.input).contains(where.input_contains.lower(), autoescape=True)
-            )
+            conditions += searched
         if after is not None:
             # ``created_at <= …`` is a range every planner can start the index walk from;
             # the OR alone would make some of them read the skipped pages again.
@@ -285,11 +294,25 @@ def filter_conditions(where: RunFilter) -> builtins.list[ColumnElement[bool]]:
         conditions.append(runs.c.created_at < where.created_before)
     if where.run_ids is not None:
         conditions.append(runs.c.id.in_(list(where.run_ids)))
-    if where.run_id_prefix is not None:
+    search = where.run_id_search
+    if search is not None and len(search) > SHORT_ID_MAX:
         # A range, so the primary key's index finds it (LIKE would not on every backend).
-        prefix = where.run_id_prefix
-        conditions.append(runs.c.id >= prefix)
-        conditions.append(runs.c.id < prefix[:-1] + chr(ord(prefix[-1]) + 1))
+        conditions.append(runs.c.id >= search)
+        conditions.append(runs.c.id < search[:-1] + chr(ord(search[-1]) + 1))
+    return conditions
+
+
+def _searched_conditions(where: RunFilter) -> builtins.list[ColumnElement[bool]]:
+    """The conditions of ``where`` tested only within its newest :data:`SEARCH_WINDOW` runs."""
+    conditions: builtins.list[ColumnElement[bool]] = []
+    if where.input_contains is not None:
+        conditions.append(
+            _text_of(runs.c.input).contains(where.input_contains.lower(), autoescape=True)
+        )
+    search = where.run_id_search
+    if search is not None and len(search) <= SHORT_ID_MAX:
+        starts = runs.c.id.startswith(search, autoescape=True)
+        conditions.append(or_(starts, runs.c.id.endswith(search, autoescape=True)))
     return conditions
 
 

@@ -3,9 +3,10 @@
 import hashlib
 import json
 import math
-import uuid
 from dataclasses import dataclass
 from typing import Any
+
+import uuid_utils
 
 from moorline.errors import InvalidInput
 from moorline.types import JSONObject, JSONValue, RunId, TenantId
@@ -28,7 +29,7 @@ class NewRun:
         conversation_id: The conversation the run belongs to, if any.
         timeout_s: Hard time limit of the run in seconds; None for the workflow's default.
         delay_s: Seconds after the database's current time before the run may be claimed.
-        run_id: The id to store it under; a new uuid4 when None.
+        run_id: The id to store it under; :func:`new_run_id` when None.
         rerun_of: The run whose input this one re-runs, if any.
         trace_context: The W3C trace context the worker's spans join (tracing on), if any.
     """
@@ -58,6 +59,18 @@ class NewRun:
             raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
 
 
+def new_run_id() -> RunId:
+    """A new run's id: a UUIDv7, in text (RFC 9562: 48 bits of milliseconds, then random).
+
+    Ids that grow with time put each new run at the end of every index keyed by its id (the
+    run's primary key, its events', its steps'), where a random uuid4 lands anywhere: a batch
+    of a thousand uuid4 runs dirtied a page per run in each of those b-trees, and every one of
+    them was written to the log at commit. 74 random bits remain, so an id is still not
+    guessable; what it tells besides is the run's creation time, which its holder can read.
+    """
+    return RunId(str(uuid_utils.uuid7()))
+
+
 def hash_input(value: JSONValue) -> str:
     """SHA-256 hex of the canonical JSON of ``value`` (sorted keys, no spaces, UTF-8).
 
@@ -79,7 +92,7 @@ def hash_input(value: JSONValue) -> str:
 def row_of(new: NewRun) -> dict[str, Any]:
     """The ``runs`` columns of ``new`` that do not depend on the transaction, plus its delay."""
     return {
-        "id": new.run_id if new.run_id is not None else str(uuid.uuid4()),
+        "id": new.run_id if new.run_id is not None else new_run_id(),
         "tenant_id": new.tenant_id,
         "workflow": new.workflow,
         "lane": new.lane,

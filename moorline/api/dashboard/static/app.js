@@ -338,9 +338,12 @@ function throughputChart(lane) {
 }
 
 // Runs: a filtered page, refreshed in place; older pages by the API's cursor.
-// The search box takes a run id (or its first characters) or a word of the input; the API
-// searches the input among the newest runs only (its `input_contains`).
+// The search box takes a run id (whole, or the short form shown) or a word of the input; the
+// API searches a short id and the input among the newest runs only.
 const RUN_ID_PREFIX = /^[0-9a-f]{8}[0-9a-f-]{0,28}$/i;
+// A run id's short form: its last 8 characters. Run ids are UUIDv7, whose first 12 digits are
+// the time they were made, alike for neighbouring runs; the end is random.
+const shortRunId = (id) => id.slice(-8);
 // Time ranges offered by the filters, in seconds back from now ("" = any time).
 const RANGES = [["", "any time"], ["900", "last 15 min"], ["3600", "last hour"],
   ["86400", "last 24 h"], ["604800", "last 7 days"]];
@@ -451,7 +454,7 @@ function viewRuns(params) {
       onclick: () => { location.hash = `#/runs/${run.run_id}`; },
     },
     selectCell(selection, run.run_id, () => bulk.update()),
-    h("td", {}, h("a", { href: `#/runs/${run.run_id}` }, h("code", {}, run.run_id.slice(0, 8)))),
+    h("td", {}, h("a", { href: `#/runs/${run.run_id}` }, h("code", {}, shortRunId(run.run_id)))),
     h("td", {}, run.workflow),
     session.isAdmin && h("td", { title: run.tenant_id }, tenantName(run.tenant_id)),
     h("td", {}, badge(run.status)),
@@ -625,7 +628,7 @@ function viewRun(runId) {
         h("table", { class: "runs", id: "children" },
           h("thead", {}, h("tr", {}, ...["run", "key", "workflow", "status"].map((c) => h("th", {}, c)))),
           h("tbody", {}, ...run.children.map((child) => h("tr", {},
-            h("td", {}, h("a", { href: `#/runs/${child.run_id}` }, h("code", {}, child.run_id.slice(0, 8)))),
+            h("td", {}, h("a", { href: `#/runs/${child.run_id}` }, h("code", {}, shortRunId(child.run_id)))),
             h("td", {}, h("code", {}, child.key)), h("td", {}, child.workflow),
             h("td", {}, badge(child.status)))))));
     }
