@@ -33,7 +33,11 @@ from moorline.errors import ConfigError
 from moorline.observability import tracing
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import AccessLog, Settings, load_settings
-from moorline.worker.process import run_worker_process, with_worker_pool
+from moorline.worker.process import (
+    freeze_start_up_objects,
+    run_worker_process,
+    with_worker_pool,
+)
 
 EXIT_STARTUP_FAILED = 3  # as uvicorn.run: the server never started (port taken, lifespan error)
 
@@ -243,6 +247,8 @@ def _run_workers_with_the_api(api: FastAPI, settings: Settings, app: Moorline, l
                 ),
                 name="workers",
             )
+            # What the start made lives as long as the server: out of the GC's full passes.
+            freeze_start_up_objects()
             try:
                 yield
             finally:

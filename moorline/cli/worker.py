@@ -21,6 +21,7 @@ from moorline.observability.metrics import Metrics
 from moorline.plans import default_lane_slots, resolve_plans
 from moorline.settings import Settings, load_settings
 from moorline.worker.process import (
+    freeze_start_up_objects,
     install_stop_signals,
     pin_mmap_threshold,
     run_worker_process,
@@ -94,6 +95,7 @@ async def _work(settings: Settings, app: Moorline, lanes: dict[str, int], grace_
                 scheduler = make_scheduler(
                     settings, db, admission=stack.admission, workflows=app, metrics=metrics
                 )
+                freeze_start_up_objects()
                 await run_worker_process(
                     settings,
                     app,
