@@ -203,10 +203,10 @@ def freeze_start_up_objects() -> None:
     and compiled statements, FastAPI's routes and models), alive until it exits. A full pass
     comes each time the objects that outlived the younger passes reach a quarter of the old
     ones, and a batch of a thousand runs keeps enough alive long enough for that every few
-    batches: ``moorline serve`` spent 70-120 ms a pass, every half second, under a stream of
-    batches (docs/performance.md). Frozen (after a collection, so no garbage is kept), those
-    objects are no longer visited and a full pass costs about 5 ms; what is made later is
-    collected as before. An object frozen that becomes garbage in a cycle later is not
+    batches: under a stream of batches ``moorline serve`` spent a good part of its time in
+    those passes (docs/performance.md). Frozen (after a collection, so no garbage is kept),
+    those objects are no longer visited and a full pass visits only what was made since; that
+    is collected as before. An object frozen that becomes garbage in a cycle later is not
     collected: done once, at start, that is a few objects, not a growing leak.
     """
     gc.collect()

@@ -1,11 +1,10 @@
 """``moorline serve`` and ``moorline worker`` take what their start made out of the GC's passes.
 
 :func:`~moorline.worker.process.freeze_start_up_objects` runs once a process has started: a
-full pass of the cyclic collector then visits only what was made since (docs/performance.md:
-70-120 ms a pass in ``moorline serve`` under batches of a thousand triggers before, about
-5 ms after). Checked in a fresh interpreter, since freezing is for the whole process: the
-start's objects leave the collector's generations, and garbage made before is still
-collected, not frozen with them.
+full pass of the cyclic collector then visits only what was made since (docs/performance.md
+has what that saved). Checked in a fresh interpreter, since freezing is for the whole
+process: the start's objects leave the collector's generations, and garbage made before is
+still collected, not frozen with them.
 """
 
 import json

@@ -144,8 +144,8 @@ class RunListing:
         searched = _searched_conditions(where)
         source: FromClause = runs
         if searched:
-            # Only the newest SEARCH_WINDOW runs of the listing are read for the text: a
-            # derived table (MySQL refuses LIMIT in an IN subquery), joined back by id.
+            # Only the newest SEARCH_WINDOW runs of the listing are read for the text or a short
+            # id: a derived table (MySQL refuses LIMIT in an IN subquery), joined back by id.
             window = (
                 select(runs.c.id)
                 .where(*conditions)
