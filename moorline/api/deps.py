@@ -61,7 +61,7 @@ from moorline.settings import Settings
 from moorline.types import RunId
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9-]{1,36}$")
-"""Run ids are uuid4 text; anything else names no run and is not looked up."""
+"""Run ids are UUID text (UUIDv7); anything else names no run and is not looked up."""
 
 api_key_scheme = HTTPBearer(
     scheme_name="ApiKey",

@@ -54,7 +54,7 @@ def only_where_set(column: str) -> dict[str, Any]:
     return {"sqlite_where": where, "postgresql_where": where}
 
 
-ID = 36  # uuid4 text
+ID = 36  # a UUID in text (uuid4 for most ids, UUIDv7 for runs)
 NAME = 200
 KEY = 255
 
