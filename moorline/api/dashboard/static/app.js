@@ -340,7 +340,7 @@ function throughputChart(lane) {
 // Runs: a filtered page, refreshed in place; older pages by the API's cursor.
 // The search box takes a run id (whole, or the short form shown) or a word of the input; the
 // API searches a short id and the input among the newest runs only.
-const RUN_ID_PREFIX = /^[0-9a-f]{8}[0-9a-f-]{0,28}$/i;
+const RUN_ID_PART = /^[0-9a-f]{8}[0-9a-f-]{0,28}$/i;
 // A run id's short form: its last 8 characters. Run ids are UUIDv7, whose first 12 digits are
 // the time they were made, alike for neighbouring runs; the end is random.
 const shortRunId = (id) => id.slice(-8);
@@ -437,7 +437,7 @@ function viewRuns(params) {
     if (range) query.set("created_after", new Date(Date.now() - Number(range) * 1000).toISOString());
     if (cursor) query.set("cursor", cursor);
     let page;
-    if (q && RUN_ID_PREFIX.test(q)) {
+    if (q && RUN_ID_PART.test(q)) {
       // Looks like a run id: that run; if none, the word may be in an input after all.
       page = await api(`${runsBase()}?${query}&run_id=${encodeURIComponent(q.toLowerCase())}`);
     }
