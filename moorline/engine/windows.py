@@ -19,9 +19,9 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from moorline.coalescer import Coalescer
 from moorline.errors import BackendUnavailable
 from moorline.runtime.base import RuntimeStore, WindowChange
-from moorline.runtime.coalescer import Coalescer
 from moorline.types import RunId
 
 T = TypeVar("T")

@@ -41,6 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from moorline.coalescer import Coalescer
 from moorline.concurrency import cancel_and_wait, keep_cancel
 from moorline.errors import BackendUnavailable
 from moorline.runtime.base import (
@@ -59,7 +60,6 @@ from moorline.runtime.base import (
     encode_decision,
     queue_full,
 )
-from moorline.runtime.coalescer import Coalescer
 from moorline.runtime.keys import SIGNAL_CANCEL, SIGNAL_CLEANUP, SIGNAL_INTERRUPT, RedisKeys
 from moorline.runtime.pubsub import EventFeeds, PubSubHub
 from moorline.runtime.redis_client import RedisClient, RedisConnector

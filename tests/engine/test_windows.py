@@ -5,10 +5,10 @@ from collections.abc import Sequence
 
 import pytest
 
+from moorline.coalescer import Coalescer
 from moorline.engine.windows import Windows
 from moorline.errors import BackendUnavailable
 from moorline.runtime.base import WindowChange
-from moorline.runtime.coalescer import Coalescer
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.types import RunId
 
