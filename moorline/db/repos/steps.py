@@ -59,6 +59,7 @@ from moorline.db.backends import Backend
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.fences import fence_parameters, hold_fence_txn
 from moorline.db.repos.records import Fence, Step
+from moorline.db.repos.step_batches import StepBatches
 from moorline.db.repos.step_statements import (
     finish_statement,
     insert_new_statement,
@@ -121,6 +122,8 @@ class StepsRepo:
             for refuse_cancelled in (True, False)
             for counted in (True, False)
         }
+        # The engine's starts and successes of many attempts, one statement per batch.
+        self._batches = StepBatches(db) if StepBatches.can_batch(self._backend) else None
 
     async def get(self, run_id: RunId, key: str) -> Step | None:
         """The step ``key`` of ``run_id``, or None when it never started."""
@@ -224,6 +227,10 @@ class StepsRepo:
         if seq is not None:
             statement = self._insert_numbered[refuse_cancelled]
             parameters.update(step_seq=seq, step_elapsed_s=elapsed_s)
+            # A start dated back, or one a cancel may not refuse, is rare: it goes alone.
+            batches = self._batches if refuse_cancelled and not elapsed_s else None
+            if batches is not None and await batches.start(parameters):
+                return True
 
         async def attempt() -> bool:
             try:
@@ -455,6 +462,10 @@ class StepsRepo:
         # One statement: the step's own conditions, and the fence on the run's locked row.
         stmt = self._finishes[status]
         parameters = {**fence_parameters(fence), "step_key": key, **outcome}
+        uncounted = charge is None or charge.empty
+        if self._batches is not None and status is StepStatus.SUCCEEDED and uncounted:
+            if await self._batches.succeed(parameters):
+                return
 
         async def finish_with_usage() -> bool:
             # The same statement, then the usage, in one transaction: the step's usage is
@@ -468,7 +479,7 @@ class StepsRepo:
             return True
 
         async def attempt() -> None:
-            if charge is not None and not charge.empty:
+            if not uncounted:
                 if await finish_with_usage():
                     return
             elif await self._db.write_statement(stmt, parameters) == 1:
