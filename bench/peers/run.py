@@ -13,13 +13,14 @@ same run, per storage (``GROUPS``). Timing is the same for all (``timing.py``):
   system with no bulk call gets the bulk's count enqueued one at a time, untimed, so every
   worker drains as many tasks); the clock runs from 10 % done to the last, so start-up is
   outside it. Moorline adds ``drain_wide`` (``--wide-slots`` slots) and, with DBOS,
-  ``drain_step`` (``--step-runs`` workflows of one checkpointed step);
+  ``drain_step`` (``--step-runs`` workflows of one checkpointed step; 2,000, so that the
+  quicker system's clock runs for seconds, not a few of the 20 ms polls);
 - **latency**: enqueue → start of one task at a time, the worker idle (``--latency-runs``);
 - **the same work**: a task that does nothing; "done" read from the system's own record;
 - **durability differs, and is printed with the table** (``DURABILITY``).
 
     .venv/bin/python bench/peers/run.py [--quick] [--rounds 1] [--runs 300] [--bulk-runs 3000]
-        [--step-runs 500] [--latency-runs 100] [--systems moorline-sqlite,huey-sqlite,...]
+        [--step-runs 2000] [--latency-runs 100] [--systems moorline-sqlite,huey-sqlite,...]
 """
 
 import argparse
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=None, help="one-at-a-time enqueues (300)")
     parser.add_argument("--bulk-runs", type=int, default=None, help="bulk enqueues (3000)")
     parser.add_argument("--batch", type=int, default=1000, help="tasks a bulk call")
-    parser.add_argument("--step-runs", type=int, default=None, help="one-step runs (500)")
+    parser.add_argument("--step-runs", type=int, default=None, help="one-step runs (2000)")
     parser.add_argument("--latency-runs", type=int, default=None, help="latency probes (100)")
     parser.add_argument("--wide-slots", type=int, default=64, help="Moorline's wider worker")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
@@ -91,7 +92,7 @@ def main() -> None:
     config = {
         "runs": args.runs or (50 if quick else 300),
         "bulk_runs": args.bulk_runs or (500 if quick else 3000),
-        "step_runs": args.step_runs or (100 if quick else 500),
+        "step_runs": args.step_runs or (100 if quick else 2000),
         "latency_runs": args.latency_runs or (10 if quick else 100),
         "batch": args.batch,
         "wide_slots": args.wide_slots,
