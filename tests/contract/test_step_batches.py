@@ -21,6 +21,7 @@ from moorline.types import JSONValue, StepStatus
 from tests.contract.queue_helpers import Tenants
 from tests.contract.statements import data_statements
 from tests.contract.test_steps_repo import new_run, reclaim, step_rows
+from tests.helpers import wait_for
 
 RUNS = 6
 OUTPUTS: list[JSONValue] = [
@@ -83,7 +84,7 @@ async def test_steps_of_many_runs_are_started_and_finished_together(
         nulls = select(steps.c.run_id, steps.c.output.is_(None)).where(
             steps.c.run_id.in_([fences[1].run_id, fence.run_id])
         )
-        stored: dict[str, bool] = dict((await conn.execute(nulls)).tuples().all())
+        stored = {run_id: is_null for run_id, is_null in await conn.execute(nulls)}
     assert stored[fences[1].run_id] == stored[fence.run_id]
 
 
@@ -129,4 +130,29 @@ async def test_a_key_already_taken_sends_the_batch_s_steps_alone(
     # The taken key fails the batch's statement as a whole: every step is written alone, and
     # the taken one is left to start(), as its own statement leaves it.
     assert await start_all(repo, fences) == [True, False, True]
+    assert [len(await step_rows(db, fence.run_id)) for fence in fences] == [1, 1, 1]
+
+
+@pytest.mark.requires("row_locks")
+async def test_a_run_another_transaction_holds_keeps_no_other_step_waiting(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo = StepsRepo(db)
+    fences = [(await new_run(db, tenants))[1] for _ in range(3)]
+    held = fences[1]
+    async with db.write_transaction() as conn:
+        # The run's row lock, as a cancel request or a reclaim holds it for a moment.
+        await conn.execute(
+            update(runs).where(runs.c.id == held.run_id).values(updated_at=db.backend.now())
+        )
+        starts = [
+            asyncio.create_task(repo.insert_new(fence, "s", "fn", "h1", seq=1)) for fence in fences
+        ]
+
+        async def others_done() -> bool:
+            return starts[0].done() and starts[2].done()
+
+        await wait_for(others_done, message="the steps of the runs nobody holds")
+        assert not starts[1].done()
+    assert [await start for start in starts] == [True, True, True]
     assert [len(await step_rows(db, fence.run_id)) for fence in fences] == [1, 1, 1]

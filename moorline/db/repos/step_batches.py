@@ -9,11 +9,12 @@ statements cost the worker more CPU than everything else the run did.
 :class:`StepBatches` sends the starts (and the finishes) asked for while one batch is in flight
 as the next batch, in one statement whose rows are a single parameter
 (:meth:`~moorline.db.backends.base.Backend.rows_parameter`, PostgreSQL only). The statement
-locks the batch's runs in id order, as every multi-run lock is taken, keeps those whose fence
-holds (and, for a start, whose cancel is not recorded), writes their steps and returns which
-it wrote. A step it did not write is written alone by the caller, the way it always was, and
-that write finds out why (a lost fence, a recorded cancel, a key already taken): a batch
-only ever does what each of its steps' own statements would have done, so the rules of
+locks the batch's runs in id order, as every multi-run lock is taken, skipping a run another
+transaction holds, keeps those whose fence holds (and, for a start, whose cancel is not
+recorded), writes their steps and returns which it wrote. A step it did not write is written
+alone by the caller, the way it always was, and that write waits for a held run or finds out
+why it may not write (a lost fence, a recorded cancel, a key already taken): a batch only
+ever does what each of its steps' own statements would have done, so the rules of
 :mod:`.steps` hold unchanged. An idle worker's lone write is sent alone at once, as before.
 """
 
@@ -120,7 +121,7 @@ def _row(item: Parameters, names: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _fenced_batch(backend: Backend, columns: Mapping[str, Any], *, refuse_cancelled: bool) -> CTE:
-    """The batch's rows whose fence holds on their run's row, locked in id order.
+    """The batch's rows whose fence holds on their run's row, locked in id order (or skipped).
 
     ``runs.id = ANY(:run_ids)`` finds the rows by primary key whatever the planner guesses
     of the batch's size; the join keeps each row's own fence.
@@ -144,7 +145,9 @@ def _fenced_batch(backend: Backend, columns: Mapping[str, Any], *, refuse_cancel
     )
     if refuse_cancelled:
         chosen = chosen.where(runs.c.cancel_requested_at.is_(None))
-    return chosen.with_for_update(of=runs, key_share=True).cte("fenced")
+    # SKIP LOCKED: a run another transaction holds (a cancel, a reclaim) is left to its step's
+    # own statement, which waits for it; the batch, and the batches queued behind it, do not.
+    return chosen.with_for_update(of=runs, key_share=True, skip_locked=True).cte("fenced")
 
 
 def _start_statement(backend: Backend) -> Insert:
