@@ -37,7 +37,6 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.exc import DBAPIError
 
 from moorline.coalescer import Coalescer
 from moorline.db.backends import Backend
@@ -104,9 +103,10 @@ class StepBatches:
         parameters = {"steps": rows, "run_ids": sorted({row["run_id"] for row in rows})}
         try:
             written = await self._db.write_statement_rows(statement, parameters)
-        except DBAPIError:
-            # A key taken, a lost connection (the batch may have committed), a deadlock: each
-            # step's own write decides, and finds its row if the batch wrote it.
+        except Exception:
+            # A key taken, a lost connection (the batch may have committed), a database that
+            # does not answer: each step's own write decides, retried as it always was
+            # (``with_retry``), and finds its row if the batch wrote it.
             return [False] * len(batch)
         done = {(row.run_id, row.key) for row in written}
         return [(row["run_id"], row["key"]) in done for row in rows]
