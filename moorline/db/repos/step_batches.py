@@ -37,6 +37,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.types import TypeEngine
 
 from moorline.coalescer import Coalescer
 from moorline.db.backends import Backend
@@ -120,13 +121,23 @@ def _row(item: Parameters, names: Mapping[str, str]) -> dict[str, Any]:
     return row
 
 
-def _fenced_batch(backend: Backend, columns: Mapping[str, Any], *, refuse_cancelled: bool) -> CTE:
+def _fenced_batch(
+    backend: Backend, columns: Mapping[str, TypeEngine[Any]], *, refuse_cancelled: bool
+) -> CTE:
     """The batch's rows whose fence holds on their run's row, locked in id order (or skipped).
+
+    Each row has the step's run, attempt, owner and key, then ``columns``.
 
     ``runs.id = ANY(:run_ids)`` finds the rows by primary key whatever the planner guesses
     of the batch's size; the join keeps each row's own fence.
     """
-    batch = backend.rows_parameter("steps", columns)
+    keyed: dict[str, TypeEngine[Any]] = {
+        "run_id": String(),
+        "attempt": Integer(),
+        "owner": String(),
+        "key": String(),
+    }
+    batch = backend.rows_parameter("steps", {**keyed, **columns})
     if batch is None:  # pragma: no cover - StepBatches.can_batch is checked first
         raise AssertionError(f"{backend.name} has no rows parameter")
     fenced = and_(
@@ -158,15 +169,7 @@ def _start_statement(backend: Backend) -> Insert:
     """
     fenced = _fenced_batch(
         backend,
-        {
-            "run_id": String(),
-            "attempt": Integer(),
-            "owner": String(),
-            "key": String(),
-            "function": String(),
-            "call_hash": String(),
-            "seq": Integer(),
-        },
+        {"function": String(), "call_hash": String(), "seq": Integer()},
         refuse_cancelled=True,
     )
     columns = {
@@ -192,17 +195,7 @@ def _succeed_statement(backend: Backend) -> Update:
     Each row as :func:`~.step_statements.finish_statement` (succeeded) writes it: only a step
     ``running`` under the fence's attempt.
     """
-    fenced = _fenced_batch(
-        backend,
-        {
-            "run_id": String(),
-            "attempt": Integer(),
-            "owner": String(),
-            "key": String(),
-            "boxed": postgresql.JSONB(),
-        },
-        refuse_cancelled=False,
-    )
+    fenced = _fenced_batch(backend, {"boxed": postgresql.JSONB()}, refuse_cancelled=False)
     return (
         update(steps)
         .where(
