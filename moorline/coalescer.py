@@ -3,10 +3,10 @@
 A worker's attempts start and end together (a claim hands out several runs; their outcomes are
 committed together), so their calls to the stores come together too: the window changes of
 :mod:`moorline.engine.windows`, the cancel checks of the Redis store's step boundaries, the
-step checkpoints of :mod:`moorline.db.repos.step_batches`.
-Sent as they come, each is a round trip of its own; a :class:`Coalescer` sends those asked
-for while one batch is in flight as the next batch, so an idle worker pays one round trip per
-call, as before, and a busy one a round trip per batch.
+step checkpoints of :mod:`moorline.db.repos.step_batches`. Sent as they come, each is a round
+trip of its own; a :class:`Coalescer` sends those asked for while one batch is in flight as
+the next batch, so an idle worker pays one round trip per call, as before, and a busy one a
+round trip per batch.
 """
 
 import asyncio
