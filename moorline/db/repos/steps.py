@@ -40,7 +40,9 @@ on the servers, one thread crossing on SQLite); only when it writes nothing does
 transaction find out why, which is safe because what it looks for never changes back: a lost
 fence stays lost, a recorded cancel stays recorded, a finished step stays finished. A step whose
 function has returned before its start was written is recorded by one statement of both
-(:meth:`StepsRepo.record`, the engine's ``DeferredStart``).
+(:meth:`StepsRepo.record`, the engine's ``DeferredStart``). On PostgreSQL, the starts and the
+successes that a busy worker's attempts ask for together share one statement
+(:mod:`.step_batches`); a step that statement does not write takes its own, as above.
 
 Every public method is idempotent, so each is wrapped in ``with_retry``: a checkpoint whose
 commit acknowledgement was lost is retried and finds its own write (docs/reliability.md E6).
