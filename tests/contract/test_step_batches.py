@@ -41,9 +41,9 @@ async def tenants(db: DatabaseManager) -> AsyncIterator[Tenants]:
     await made.purge()
 
 
-async def start_all(repo: StepsRepo, fences: list[Fence], key: str = "s") -> list[object]:
-    """Each run's step ``key`` started at once, as a claim's attempts start theirs."""
-    starts = (repo.insert_new(fence, key, "fn", "h1", seq=1) for fence in fences)
+async def start_all(repo: StepsRepo, fences: list[Fence]) -> list[object]:
+    """Each run's step ``s`` started at once, as a claim's attempts start theirs."""
+    starts = (repo.insert_new(fence, "s", "fn", "h1", seq=1) for fence in fences)
     return await asyncio.gather(*starts, return_exceptions=True)
 
 

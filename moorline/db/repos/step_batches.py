@@ -15,7 +15,8 @@ recorded), writes their steps and returns which it wrote. A step it did not writ
 alone by the caller, the way it always was, and that write waits for a held run or finds out
 why it may not write (a lost fence, a recorded cancel, a key already taken): a batch only
 ever does what each of its steps' own statements would have done, so the rules of
-:mod:`.steps` hold unchanged. An idle worker's lone write is sent alone at once, as before.
+:mod:`.steps` hold unchanged. An idle worker's lone write is sent alone, as before, one turn of
+the event loop later (the turn in which other writes could have joined it).
 """
 
 from collections.abc import Mapping
@@ -52,8 +53,13 @@ Parameters = Mapping[str, Any]
 _FENCE = {"fence_run_id": "run_id", "fence_attempt": "attempt", "fence_owner": "owner"}
 """The fence's parameters and the batch columns that carry them."""
 
-_START = {**_FENCE, "step_key": "key", "step_function": "function", "step_call_hash": "call_hash"}
-_START_NUMBERED = {**_START, "step_seq": "seq"}
+_START = {
+    **_FENCE,
+    "step_key": "key",
+    "step_function": "function",
+    "step_call_hash": "call_hash",
+    "step_seq": "seq",
+}
 _SUCCEED = {**_FENCE, "step_key": "key", "step_output": "boxed"}
 
 
@@ -90,17 +96,18 @@ class StepBatches:
         return await self._successes(parameters)
 
     async def _start_all(self, batch: list[Parameters]) -> list[bool]:
-        return await self._write(self._start_statement, _START_NUMBERED, batch)
+        return await self._write(self._start_statement, [_row(item, _START) for item in batch])
 
     async def _succeed_all(self, batch: list[Parameters]) -> list[bool]:
-        return await self._write(self._succeed_statement, _SUCCEED, batch)
+        rows = [_row(item, _SUCCEED) for item in batch]
+        for row in rows:
+            # A JSON null read out of a recordset is SQL NULL; out of an object it stays null.
+            row["boxed"] = {"output": row["boxed"]}
+        return await self._write(self._succeed_statement, rows)
 
-    async def _write(
-        self, statement: Insert | Update, names: Mapping[str, str], batch: list[Parameters]
-    ) -> list[bool]:
-        if len(batch) == 1:
+    async def _write(self, statement: Insert | Update, rows: list[dict[str, Any]]) -> list[bool]:
+        if len(rows) == 1:
             return [False]  # alone: the step's own statement, as an idle worker always sent it
-        rows = [_row(item, names) for item in batch]
         parameters = {"steps": rows, "run_ids": sorted({row["run_id"] for row in rows})}
         try:
             written = await self._db.write_statement_rows(statement, parameters)
@@ -108,17 +115,14 @@ class StepBatches:
             # A key taken, a lost connection (the batch may have committed), a database that
             # does not answer: each step's own write decides, retried as it always was
             # (``with_retry``), and finds its row if the batch wrote it.
-            return [False] * len(batch)
+            return [False] * len(rows)
         done = {(row.run_id, row.key) for row in written}
         return [(row["run_id"], row["key"]) in done for row in rows]
 
 
 def _row(item: Parameters, names: Mapping[str, str]) -> dict[str, Any]:
-    row = {column: item[name] for name, column in names.items()}
-    if "boxed" in row:
-        # A JSON null read out of a recordset is SQL NULL; out of an object it stays null.
-        row["boxed"] = {"output": row["boxed"]}
-    return row
+    """A step's parameters as a row of the batch (``names``: parameter → column)."""
+    return {column: item[name] for name, column in names.items()}
 
 
 def _fenced_batch(
