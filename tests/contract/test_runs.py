@@ -540,6 +540,50 @@ async def test_a_claim_and_a_finish_write_their_events_with_their_transition_whe
     assert failed.data == error
 
 
+async def test_an_attempts_last_events_go_in_its_outcomes_statement_where_rows_bind(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    repo, queue = RunsRepo(db), QueueRepo(db)
+    lane = unique("lane")
+    await repo.submit_many([new_run(await tenants.new(), lane) for _ in range(3)])
+    done, retried, stale = await claim(queue, lane)  # each has "queued" and "started"
+    error: JSONObject = {"type": "ValueError", "message": "bad", "reason": "retry"}
+    step: JSONObject = {"key": "a", "try": 1}
+    outcomes: list[Outcome] = [
+        Succeeded(
+            fence=done.fence,
+            output=None,
+            events=[("step_started", step), ("step_finished", {**step, "status": "succeeded"})],
+        ),
+        Failed(fence=retried.fence, error=error, retry_delay_s=5, events=[("step_started", step)]),
+        Succeeded(
+            fence=replace(stale.fence, owner="intruder"), output=1, events=[("step_started", step)]
+        ),
+    ]
+    with data_statements(db, "events") as sent:
+        assert await repo.finish_many(outcomes) == [True, True, False]
+    # One statement per kind of outcome ends its runs and writes all their events, where the
+    # database binds rows as one parameter; elsewhere the attempts' events go first, alone.
+    in_one = db.backend.rows_parameter("rows", {}) is not None
+    assert (len(sent) == 2) if in_one else (len(sent) > 2), sent
+    ended = await EventsRepo(db).list(done.run.run_id, after_seq=2)
+    assert [(e.seq, e.type, e.data, e.attempt) for e in ended] == [
+        (3, "step_started", step, 1),
+        (4, "step_finished", {**step, "status": "succeeded"}, 1),
+        (5, "succeeded", {}, 1),
+    ]
+    finished = await repo.get(done.run.run_id)
+    assert finished is not None and finished.status == RunStatus.SUCCEEDED
+    # Dated with the finish, by its one reading of the database's time.
+    assert {e.created_at for e in ended} == {finished.finished_at}
+    again = await EventsRepo(db).list(retried.run.run_id, after_seq=2)
+    assert [(e.seq, e.type, e.data) for e in again] == [
+        (3, "step_started", step),
+        (4, "retrying", {"delay_s": 5.0, "error": error}),
+    ]
+    assert await EventsRepo(db).list(stale.run.run_id, after_seq=2) == []
+
+
 async def test_outcomes_and_the_next_claim_commit_together_and_the_cap_counts_them_ended(
     db: DatabaseManager, tenants: Tenants
 ) -> None:

@@ -138,6 +138,16 @@ async def append_events_txn(
     return [param["seq"] for param in params]
 
 
+_EVENT_ROW_COLUMNS = {
+    "run_id": events.c.run_id.type,
+    "nth": events.c.seq.type,
+    "type": events.c.type.type,
+    "attempt": events.c.attempt.type,
+    "data": events.c.data.type,
+}
+"""The columns of an ``events`` rows parameter (:func:`numbered_event_rows`)."""
+
+
 @functools.cache
 def _appended_from_rows(dialect: DialectName, *, at_db_now: bool, new_runs: bool) -> Insert | None:
     """Events bound as one rows parameter, numbered by the statement itself; None if unbound.
@@ -153,14 +163,7 @@ def _appended_from_rows(dialect: DialectName, *, at_db_now: bool, new_runs: bool
     ``new_runs``: the runs have no event yet, and nothing is read.
     """
     backend = backend_for(dialect)
-    columns = {
-        "run_id": events.c.run_id.type,
-        "nth": events.c.seq.type,
-        "type": events.c.type.type,
-        "attempt": events.c.attempt.type,
-        "data": events.c.data.type,
-    }
-    source = backend.rows_parameter("events", columns)
+    source = backend.rows_parameter("events", _EVENT_ROW_COLUMNS)
     if source is None:
         return None
     created_at = (
@@ -197,6 +200,50 @@ def _appended_from_rows(dialect: DialectName, *, at_db_now: bool, new_runs: bool
     return _insert_events(chosen).returning(events.c.run_id, events.c.seq)
 
 
+@functools.lru_cache(maxsize=128)
+def transition_with_given_events(dialect: DialectName, transition: Update) -> Insert | None:
+    """``transition`` and events given for the runs it changes, as one statement; or None.
+
+    ``WITH moved AS (UPDATE runs … RETURNING …) INSERT INTO events …``, the events bound as
+    one rows parameter (``events``: ``run_id``, ``nth``, ``type``, ``attempt``, ``data``), as
+    :func:`append_events_txn` binds them; each at its run's last ``seq`` plus ``nth``, dated
+    the run's new ``updated_at``. An attempt's own last events and the event of its outcome go
+    in the outcome's statement this way (a round trip less than events, then transition). Only
+    events of runs the UPDATE changed are written, so the statement's rowcount is the number
+    of events given exactly when every run changed. The caller holds the runs' rows, so their
+    last ``seq`` read here cannot move (see :func:`events_from_runs_statement`). None where
+    the backend cannot bind rows as one parameter or run an UPDATE in a CTE. ``transition``
+    is the cache's key: a statement built once, its parameters not named ``events``.
+    """
+    backend = backend_for(dialect)
+    source = backend.rows_parameter("events", _EVENT_ROW_COLUMNS)
+    if source is None or not backend.capabilities.dml_in_cte:
+        return None
+    moved = transition.returning(runs.c.id, runs.c.updated_at).cte("moved")
+    given = select(source).cte("given")
+    prior = events.alias("prior")
+    last_seq = (
+        select(func.coalesce(func.max(prior.c.seq), 0))
+        .where(prior.c.run_id == moved.c.id)
+        .scalar_subquery()
+    )
+    # Materialised: each run's last seq read once, before the statement inserts any event.
+    last = (
+        select(moved.c.id, moved.c.updated_at, last_seq.label("seq"))
+        .cte("last_seq")
+        .prefix_with("MATERIALIZED")
+    )
+    chosen = select(
+        given.c.run_id,
+        last.c.seq + given.c.nth,
+        given.c.type,
+        given.c.attempt,
+        given.c.data,
+        last.c.updated_at,
+    ).join_from(given, last, given.c.run_id == last.c.id)
+    return _insert_events(chosen).add_cte(moved)
+
+
 async def _append_from_rows_txn(
     conn: AsyncConnection,
     statement: Insert,
@@ -204,13 +251,7 @@ async def _append_from_rows_txn(
     now: datetime | None,
 ) -> list[int]:
     """:func:`append_events_txn` with :func:`_appended_from_rows`'s statement: the seqs given."""
-    places: dict[str, int] = {}
-    rows: list[dict[str, Any]] = []
-    for run_id, attempt, event_type, data in items:
-        places[run_id] = nth = places.get(run_id, 0) + 1
-        rows.append(
-            {"run_id": run_id, "nth": nth, "type": event_type, "attempt": attempt, "data": data}
-        )
+    rows = numbered_event_rows(items)
     params: dict[str, Any] = {"events": rows}
     if now is not None:
         params["created_at"] = now
@@ -219,6 +260,20 @@ async def _append_from_rows_txn(
     for stored in await conn.execute(statement, params):
         first[stored.run_id] = min(stored.seq, first.get(stored.run_id, stored.seq))
     return [first[row["run_id"]] + row["nth"] - 1 for row in rows]
+
+
+def numbered_event_rows(
+    items: Sequence[tuple[RunId, Attempt, str, JSONObject]],
+) -> list[dict[str, Any]]:
+    """The ``events`` rows parameter of ``items``: each with ``nth``, its place in its run's."""
+    places: dict[str, int] = {}
+    rows: list[dict[str, Any]] = []
+    for run_id, attempt, event_type, data in items:
+        places[run_id] = nth = places.get(run_id, 0) + 1
+        rows.append(
+            {"run_id": run_id, "nth": nth, "type": event_type, "attempt": attempt, "data": data}
+        )
+    return rows
 
 
 @functools.cache

@@ -12,7 +12,7 @@ a value (rather than the SQL function per row), so a batch has one clock reading
 """
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, TypeAlias
@@ -42,12 +42,14 @@ from moorline.db.repos.events import (
     EVENT_TIMED_OUT,
     append_events_txn,
     events_from_runs_statement,
+    numbered_event_rows,
     transition_with_events,
+    transition_with_given_events,
 )
 from moorline.db.repos.records import Fence, is_running
 from moorline.db.repos.run_reads import IN_CHUNK, RunRepoBase, db_now_txn
 from moorline.db.schema import runs
-from moorline.types import Attempt, JSONObject, JSONValue, RunId, RunStatus
+from moorline.types import JSONObject, JSONValue, RunId, RunStatus
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,7 +197,7 @@ class RunFinishes(RunRepoBase):
         applied = [False] * len(outcomes)
         if not outcomes:
             return applied
-        trailing: list[tuple[RunId, Attempt, str, JSONObject]] = []
+        trailing: dict[RunId, Sequence[tuple[str, JSONObject]]] = {}
         running, now = await self._lock_running_txn(conn, outcomes, then_claims)
         if not running:
             return applied
@@ -214,18 +216,65 @@ class RunFinishes(RunRepoBase):
             finish = _finish_of(outcome, now, held.started_at)
             groups.setdefault(finish.kind, []).append(finish)
             applied[index] = True
-            trailing += [(fence.run_id, fence.attempt, *event) for event in outcome.events]
-        # Before the terminal events, which take the next seq after them.
-        await append_events_txn(conn, self._backend.name, trailing, now=now)
+            trailing[fence.run_id] = outcome.events
         chunks = [
             (kind, group[offset : offset + _FINISH_CHUNK])
             for kind, group in groups.items()
             for offset in range(0, len(group), _FINISH_CHUNK)
         ]
+        if self._with_given_events and any(trailing.values()):
+            for kind, chunk in chunks:
+                await self._finish_group_with_events_txn(conn, kind, chunk, now, trailing)
+            return applied
+        # Before the terminal events, which take the next seq after them.
+        items = [
+            (finish.fence.run_id, finish.fence.attempt, *event)
+            for group in groups.values()
+            for finish in group
+            for event in trailing[finish.fence.run_id]
+        ]
+        await append_events_txn(conn, self._backend.name, items, now=now)
         for index, (kind, chunk) in enumerate(chunks):
             is_last = ends_transaction and index == len(chunks) - 1
             await self._finish_group_txn(conn, kind, chunk, now, is_last=is_last)
         return applied
+
+    @functools.cached_property
+    def _with_given_events(self) -> bool:
+        """Whether an attempt's last events can go in its outcome's statement (PostgreSQL).
+
+        Only outcomes that carry events take that way: without any, the outcome's event comes
+        from its UPDATE's returned rows, with no rows parameter to encode and read.
+        """
+        probe = _finish_update(EVENT_SUCCEEDED, 1)
+        return transition_with_given_events(self._backend.name, probe) is not None
+
+    async def _finish_group_with_events_txn(
+        self,
+        conn: AsyncConnection,
+        kind: str,
+        group: Sequence["_Finish"],
+        now: datetime,
+        trailing: Mapping[RunId, Sequence[tuple[str, JSONObject]]],
+    ) -> None:
+        """End ``group`` with one statement: its UPDATE, each attempt's last events, its event.
+
+        Each run's events are its attempt's own last ones, then the outcome's
+        (:func:`~moorline.db.repos.events.transition_with_given_events`).
+        """
+        finish, params = _finish_statement(kind, group, now)
+        stmt = transition_with_given_events(self._backend.name, finish)
+        assert stmt is not None  # _with_given_events
+        items = [
+            (f.fence.run_id, f.fence.attempt, *event)
+            for f in group
+            for event in (*trailing[f.fence.run_id], (kind, f.event_data))
+        ]
+        params["events"] = numbered_event_rows(items)
+        result = await conn.execute(stmt, params)
+        # An event is written only for a run the UPDATE changed: all of them, or a lock failed.
+        if result.rowcount != len(items):  # pragma: no cover - would be a locking bug
+            raise AssertionError(f"finish {kind}: {result.rowcount} of {len(items)} events")
 
     async def _finish_group_txn(
         self,
