@@ -126,7 +126,7 @@ class Submitter:
         *,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_pending: int = DEFAULT_MAX_PENDING,
-        on_enqueued: Callable[[set[str]], None] | None = None,
+        on_enqueued: Callable[[set[str]], bool | None] | None = None,
         gate: Gate | None = None,
     ) -> None:
         """Prepare the submitter; its writer task starts with the first submission.
@@ -138,7 +138,9 @@ class Submitter:
                 :meth:`submit` waits for room: callers slow down to the database's pace
                 instead of piling up memory.
             on_enqueued: Called after each write with the lanes that got runs (the worker's
-                wake-up hook); an exception it raises is logged and otherwise ignored.
+                wake-up hook); an exception it raises is logged and otherwise ignored. True
+                from it: the wake-up is sent from a task that has yet to run, and the callers
+                are answered a turn of the event loop later, once it went out.
             gate: Decides each batch's claims before it is written (see the module docstring);
                 without one, quota units are taken in the batch's transaction.
         """
@@ -345,11 +347,11 @@ class Submitter:
             for outcome in outcomes.values()
             if isinstance(outcome, Run) and outcome.status is RunStatus.QUEUED
         }
-        if lanes:
-            # Before the callers are answered: a wake-up sent from a task of its own then goes
-            # out in the next turn of the loop, ahead of their continuations (an HTTP answer
-            # each), not behind them.
-            self._notify(lanes)
+        if lanes and self._notify(lanes):
+            # The wake-up's task writes it in the next turn of the loop, and uvloop puts a
+            # turn's writes on the wire only when the turn ends: answered in that same turn,
+            # the callers' continuations (an HTTP answer each) would delay it by their work.
+            await asyncio.sleep(0)
         unwritten = [
             claims for request, claims in held.items() if not isinstance(outcomes[request], Run)
         ]
@@ -464,13 +466,15 @@ class Submitter:
         self._batches_written += 1
         self._runs_written += runs
 
-    def _notify(self, lanes: set[str]) -> None:
+    def _notify(self, lanes: set[str]) -> bool:
+        """Tell the hook; whether the wake-up waits for a turn of the loop to be sent."""
         if self._on_enqueued is None:
-            return
+            return False
         try:
-            self._on_enqueued(lanes)
+            return bool(self._on_enqueued(lanes))
         except Exception:
             logger.exception("the on_enqueued hook failed for lanes %s", sorted(lanes))
+            return False
 
     def _fail_waiting(self, error: BaseException) -> None:
         """Fail every submission still in the queue (the writer will not take them)."""

@@ -604,7 +604,8 @@ class BackgroundNotifier:
         self._pending: set[str] = set()
         self._sender: asyncio.Task[None] | None = None
 
-    def __call__(self, lanes: set[str]) -> None:
+    def __call__(self, lanes: set[str]) -> bool:
+        """Wake ``lanes`` here and elsewhere; True when that waits for the sender task."""
         notifier = self._notifier
         if isinstance(notifier, LocalWakeups | ListeningWakeups):
             # This process's waiters are woken here, synchronously: through the sender task
@@ -612,10 +613,11 @@ class BackgroundNotifier:
             # are the other processes' where sending never waits (datagrams).
             notifier.wake(lanes)
             if isinstance(notifier, LocalWakeups) or notifier.publish_now(lanes):
-                return
+                return False
         self._pending |= lanes
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send(), name="moorline-wakeups-sender")
+        return True
 
     async def _send(self) -> None:
         notifier = self._notifier

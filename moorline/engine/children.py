@@ -96,7 +96,7 @@ class Children:
     _children: ChildrenRepo | None
     _workflows: Moorline | None
     _max_children: int
-    _on_enqueued: Callable[[set[str]], None] | None
+    _on_enqueued: Callable[[set[str]], object] | None
     _child_ends: ChildEnds | None
     _park_after_s: float
 

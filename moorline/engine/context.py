@@ -164,7 +164,7 @@ class Context(Permissions, Waits, Children, Metering):
         interrupt_poll_s: float = DEFAULT_INTERRUPT_POLL_S,
         models: ModelsProvider | None = None,
         usage: UsageRepo | None = None,
-        on_enqueued: Callable[[set[str]], None] | None = None,
+        on_enqueued: Callable[[set[str]], object] | None = None,
         child_ends: ChildEnds | None = None,
     ) -> None:
         self._fence: Fence = claim.fence

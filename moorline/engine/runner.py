@@ -132,7 +132,7 @@ class WorkflowRunner:
         event_flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         call_hook: CallHook | None = None,
         models: ModelsProvider | None = None,
-        on_enqueued: Callable[[set[str]], None] | None = None,
+        on_enqueued: Callable[[set[str]], object] | None = None,
     ) -> None:
         """Create a runner.
 
