@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import (
     CTE,
+    ColumnElement,
     FromClause,
     Insert,
     RowMapping,
@@ -178,18 +179,31 @@ def _appended_from_rows(dialect: DialectName, *, at_db_now: bool, new_runs: bool
         )
     given = select(source).cte("given")
     runs_given = select(given.c.run_id).distinct().subquery("runs_given")
+    last = _last_seqs(runs_given.c.run_id)
+    numbered = _numbered_after(given, last, created_at)
+    return _insert_events(numbered).returning(events.c.run_id, events.c.seq)
+
+
+def _last_seqs(run_id: ColumnElement[Any], *carried: ColumnElement[Any]) -> CTE:
+    """Each run of ``run_id``'s last ``seq`` (0: none yet), read once: a materialised CTE.
+
+    Read per inserted row instead, the index scan for a run's last ``seq`` would step over
+    every entry the statement had inserted for it so far (invisible to its snapshot).
+    ``carried``: more columns of the same rows, kept beside it.
+    """
     prior = events.alias("prior")
     last_seq = (
         select(func.coalesce(func.max(prior.c.seq), 0))
-        .where(prior.c.run_id == runs_given.c.run_id)
+        .where(prior.c.run_id == run_id)
         .scalar_subquery()
     )
-    last = (
-        select(runs_given.c.run_id, last_seq.label("seq"))
-        .cte("last_seq")
-        .prefix_with("MATERIALIZED")
-    )
-    chosen = select(
+    chosen = select(run_id.label("run_id"), *carried, last_seq.label("seq"))
+    return chosen.cte("last_seq").prefix_with("MATERIALIZED")
+
+
+def _numbered_after(given: CTE, last: CTE, created_at: ColumnElement[Any]) -> Select[Any]:
+    """The columns of each event in ``given``, at its run's last ``seq`` plus its ``nth``."""
+    return select(
         given.c.run_id,
         last.c.seq + given.c.nth,
         given.c.type,
@@ -197,7 +211,6 @@ def _appended_from_rows(dialect: DialectName, *, at_db_now: bool, new_runs: bool
         given.c.data,
         created_at,
     ).join_from(given, last, given.c.run_id == last.c.run_id)
-    return _insert_events(chosen).returning(events.c.run_id, events.c.seq)
 
 
 @functools.lru_cache(maxsize=128)
@@ -221,27 +234,8 @@ def transition_with_given_events(dialect: DialectName, transition: Update) -> In
         return None
     moved = transition.returning(runs.c.id, runs.c.updated_at).cte("moved")
     given = select(source).cte("given")
-    prior = events.alias("prior")
-    last_seq = (
-        select(func.coalesce(func.max(prior.c.seq), 0))
-        .where(prior.c.run_id == moved.c.id)
-        .scalar_subquery()
-    )
-    # Materialised: each run's last seq read once, before the statement inserts any event.
-    last = (
-        select(moved.c.id, moved.c.updated_at, last_seq.label("seq"))
-        .cte("last_seq")
-        .prefix_with("MATERIALIZED")
-    )
-    chosen = select(
-        given.c.run_id,
-        last.c.seq + given.c.nth,
-        given.c.type,
-        given.c.attempt,
-        given.c.data,
-        last.c.updated_at,
-    ).join_from(given, last, given.c.run_id == last.c.id)
-    return _insert_events(chosen).add_cte(moved)
+    last = _last_seqs(moved.c.id, moved.c.updated_at)
+    return _insert_events(_numbered_after(given, last, last.c.updated_at)).add_cte(moved)
 
 
 async def _append_from_rows_txn(
