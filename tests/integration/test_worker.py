@@ -195,7 +195,9 @@ async def test_a_worker_process_keeps_its_connections_through_a_drain(
     # Eight slots over the default pool (5 kept, 10 more at peaks) used to open and close a
     # connection every few runs of a checkpointed step: the slots are steady demand, not a peak.
     # Then a heartbeat or presence beat that came while every slot held a connection opened
-    # one more (seen once in CI): the short lease brings heartbeats into the drain.
+    # one more (seen once in CI): the short lease brings heartbeats (every second) into the
+    # drain. Not shorter: no reaper runs here, so a run self-fenced by a stall of the loaded
+    # machine (renewals late by 1.25 s, with a lease of 1.5 s, in CI) never ended.
     if db.backend.name == "sqlite":
         pytest.skip("SQLite has one connection and no pool")
     lane = unique("lane")
@@ -204,13 +206,13 @@ async def test_a_worker_process_keeps_its_connections_through_a_drain(
     opened: Counter[int] = Counter()
     for index, engine in enumerate(worker_db.engines):  # MariaDB's autocommit pool too
         event.listen(engine.sync_engine, "connect", lambda *_, i=index: opened.update([i]))
-    run_ids = await add_runs(db, await tenants.new(), lane, 200, workflow="stepped")
+    run_ids = await add_runs(db, await tenants.new(), lane, 600, workflow="stepped")
     try:
-        async with Running(make_worker(worker_db, Probe(), {lane: 8}, lease_ttl_s=1.5)):
-            # 200 runs of a step: seconds on a quiet machine, more with CI loading MariaDB.
+        async with Running(make_worker(worker_db, Probe(), {lane: 8}, lease_ttl_s=3.0)):
+            # 600 runs of a step: seconds on a quiet machine, more with CI loading MariaDB.
             await wait_for(
                 lambda: all_in(db, run_ids, "succeeded"),
-                timeout_s=30.0,
+                timeout_s=60.0,
                 message="all runs succeeded",
             )
     finally:
