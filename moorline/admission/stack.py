@@ -10,6 +10,7 @@ finish before the Submitter writes its last batch, before the counters it settle
 with).
 """
 
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -22,7 +23,13 @@ from moorline.db.repos.listing import RunListing
 from moorline.db.repos.runs import RunsRepo
 from moorline.dispatch.budgets import make_budget_store
 from moorline.dispatch.submit import Submitter
-from moorline.dispatch.wakeups import BackgroundNotifier, Notifier, Waiter, make_wakeups
+from moorline.dispatch.wakeups import (
+    BackgroundNotifier,
+    ListeningWakeups,
+    Notifier,
+    Waiter,
+    make_wakeups,
+)
 from moorline.observability.metrics import Metrics
 from moorline.settings import Settings
 
@@ -77,7 +84,20 @@ def build_admission(
     closing.push_async_callback(budgets.close)
     rate_limiter = RateLimiter(settings)
     closing.push_async_callback(rate_limiter.close)
-    submitter = Submitter(runs, on_enqueued=background, gate=make_gate(rate_limiter, quotas))
+    on_enqueued: Callable[[set[str]], bool | None] = background
+    announcement = None
+    if isinstance(notifier, ListeningWakeups):
+        # LISTEN/NOTIFY: the batches' writes send the other processes' wake-ups themselves,
+        # and the hook has only this process's waiters to wake.
+        announcement = notifier.announcement()
+        if announcement is not None:
+            on_enqueued = notifier.wake
+    submitter = Submitter(
+        runs,
+        on_enqueued=on_enqueued,
+        gate=make_gate(rate_limiter, quotas),
+        announcement=announcement,
+    )
     closing.push_async_callback(submitter.close)
     listing = RunListing(db)
     admission = Admission(

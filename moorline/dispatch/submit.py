@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from moorline.concurrency import settle
+from moorline.db.repos.announcements import Announcement
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import NewRun, RunsRepo
@@ -128,6 +129,7 @@ class Submitter:
         max_pending: int = DEFAULT_MAX_PENDING,
         on_enqueued: Callable[[set[str]], bool | None] | None = None,
         gate: Gate | None = None,
+        announcement: Announcement | None = None,
     ) -> None:
         """Prepare the submitter; its writer task starts with the first submission.
 
@@ -143,6 +145,10 @@ class Submitter:
                 are answered a turn of the event loop later, once it went out.
             gate: Decides each batch's claims before it is written (see the module docstring);
                 without one, quota units are taken in the batch's transaction.
+            announcement: The batches' writes send their runs' wake-ups to the other
+                processes themselves (PostgreSQL's NOTIFY, at their commit; see
+                :mod:`~moorline.db.repos.announcements`); ``on_enqueued`` then need only
+                wake this process's waiters.
         """
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -152,6 +158,7 @@ class Submitter:
         self._max_batch = max_batch
         self._on_enqueued = on_enqueued
         self._gate = gate
+        self._announcement = announcement
         # None is the stop marker close() puts behind the last submission.
         self._queue: asyncio.Queue[_Request | None] = asyncio.Queue(maxsize=max_pending)
         self._writer: asyncio.Task[None] | None = None
@@ -448,6 +455,7 @@ class Submitter:
         return await self._runs.submit_many(
             [request.new for request in batch],
             quotas=quotas if any(quota is not None for quota in quotas) else None,
+            announcement=self._announcement,
         )
 
     async def _write_one_by_one(self, batch: list[_Request]) -> dict[_Request, Run | BaseException]:

@@ -43,6 +43,7 @@ from moorline.concurrency import is_set_within
 from moorline.db.dsn import make_failover_creator
 from moorline.db.failures import is_unavailable
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.announcements import Announcement, wake_payload
 from moorline.errors import BackendUnavailable, ConfigError
 from moorline.settings import Settings
 
@@ -218,7 +219,11 @@ class ListeningWakeups(Notifier, Waiter, ABC):
         return self._connections
 
     def _payload(self, lane: str) -> str:
-        return f"{self.hub.origin}:{lane}"
+        return wake_payload(self.hub.origin, lane)
+
+    def announcement(self) -> Announcement | None:
+        """What a write needs to send this transport's wake-ups itself; None: it cannot."""
+        return None
 
     def _receive(self, payload: str) -> None:
         origin, sep, lane = payload.partition(":")
@@ -406,6 +411,15 @@ class PostgresWakeups(ListeningWakeups):
         self._backend_pid: int | None = None
         self._publisher: Any = None  # the asyncpg connection notifies go out on, once opened
         self._publishing = asyncio.Lock()  # one statement at a time on it
+
+    def announcement(self) -> Announcement:
+        """The channel and origin of ``pg_notify`` for a write that announces its runs.
+
+        The write reaches the database through the pool (PgBouncer included, where a NOTIFY
+        is allowed), the listeners through ``MOORLINE_LISTEN_URL``: one database, so its
+        notifications reach them either way.
+        """
+        return Announcement(channel=self.channel, origin=self.hub.origin)
 
     @property
     def backend_pid(self) -> int | None:

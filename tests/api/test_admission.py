@@ -23,6 +23,7 @@ from moorline.admission.quotas import DatabaseQuotaStore, QuotaStore, RedisQuota
 from moorline.admission.ratelimit import RateLimiter
 from moorline.admission.triggers import Admitted, Trigger
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.announcements import Announcement
 from moorline.db.repos.listing import RunListing
 from moorline.db.repos.quotas import QuotaClaim
 from moorline.db.repos.records import Run
@@ -285,12 +286,16 @@ class RacingRuns(RunsRepo):
         self._rival: NewRun | None = rival
 
     async def submit_many(
-        self, new: Sequence[NewRun], *, quotas: Sequence[QuotaClaim | None] | None = None
+        self,
+        new: Sequence[NewRun],
+        *,
+        quotas: Sequence[QuotaClaim | None] | None = None,
+        announcement: Announcement | None = None,
     ) -> list[Run]:
         rival, self._rival = self._rival, None
         if rival is not None:
             await RunsRepo(self._db).submit_many([rival])
-        return await super().submit_many(new, quotas=quotas)
+        return await super().submit_many(new, quotas=quotas, announcement=announcement)
 
 
 async def lost_race(api: Api, tenant_id: TenantId, key: str) -> tuple[Trigger, Submitter]:
@@ -617,7 +622,11 @@ class FailingRuns(RunsRepo):
     """A repository whose batches never reach the database."""
 
     async def submit_many(
-        self, new: Sequence[NewRun], *, quotas: Sequence[QuotaClaim | None] | None = None
+        self,
+        new: Sequence[NewRun],
+        *,
+        quotas: Sequence[QuotaClaim | None] | None = None,
+        announcement: Announcement | None = None,
     ) -> list[Run]:
         raise ConnectionResetError("the database went away")
 

@@ -12,6 +12,7 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ import redis.asyncio as aioredis
 from sqlalchemy import func, select
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.dispatch.datagrams import DatagramWakeups
+from moorline.dispatch.submit import Submitter
 from moorline.dispatch.wakeups import (
     LocalWakeups,
     Notifier,
@@ -29,8 +32,10 @@ from moorline.dispatch.wakeups import (
     make_wakeups,
     redis_channel,
 )
-from moorline.errors import ConfigError
+from moorline.errors import ConfigError, IdempotencyConflict
 from moorline.settings import Settings
+from moorline.types import TenantId
+from tests.contract.queue_helpers import create_tenant
 from tests.helpers import wait_for
 from tests.private_redis import PrivateRedis
 from tests.servers import REDIS_TEST_URL, require_server, servers_required
@@ -55,7 +60,9 @@ async def waiting(waiter: Waiter, name: str, timeout_s: float = LONG_S) -> "asyn
     return task
 
 
-async def woken_within(task: "asyncio.Task[bool]", notify: Callable[[], Awaitable[None]]) -> float:
+async def woken_within(
+    task: "asyncio.Task[bool]", notify: Callable[[], Awaitable[object]]
+) -> float:
     """Notify, then the seconds until ``task`` returned True."""
     started = time.perf_counter()
     await notify()
@@ -220,6 +227,62 @@ async def test_postgres_timeout_returns_false(
     started = time.perf_counter()
     assert await consumer.wait(lane(), 0.1) is False
     assert time.perf_counter() - started >= 0.09
+
+
+@pytest.fixture
+async def announcing(
+    pg_pair: tuple[PostgresWakeups, PostgresWakeups], db: DatabaseManager
+) -> AsyncIterator[tuple[Submitter, TenantId]]:
+    """A Submitter whose writes send their runs' wake-ups (the producer's announcement)."""
+    producer, _ = pg_pair
+    submitter = Submitter(
+        RunsRepo(db), on_enqueued=producer.wake, announcement=producer.announcement()
+    )
+    try:
+        yield submitter, await create_tenant(db)
+    finally:
+        await submitter.close()
+
+
+@pytest.mark.requires("listen_notify")
+async def test_postgres_writes_that_announce_their_runs_wake_another_process(
+    pg_pair: tuple[PostgresWakeups, PostgresWakeups], announcing: tuple[Submitter, TenantId]
+) -> None:
+    producer, consumer = pg_pair
+    submitter, tenant = announcing
+    # One statement (no conversation), then a transaction (a conversation is checked first).
+    for conversation in (None, f"conv-{uuid.uuid4().hex[:8]}"):
+        name = lane()
+        task = await waiting(consumer, name)
+        new = NewRun(
+            tenant_id=tenant, workflow="noop", input={}, lane=name, conversation_id=conversation
+        )
+        elapsed = await woken_within(task, partial(submitter.submit, new))
+        assert elapsed < REMOTE_WAKE_S * 10, f"woke after {elapsed * 1000:.1f} ms"
+        assert await producer.wait(name, 0) is True  # its own process, woken by the hook
+    # The write sent them: the producer never opened a connection to publish on.
+    assert producer.publisher_pid is None
+
+
+@pytest.mark.requires("listen_notify")
+async def test_postgres_a_write_that_fails_announces_nothing(
+    pg_pair: tuple[PostgresWakeups, PostgresWakeups], announcing: tuple[Submitter, TenantId]
+) -> None:
+    _, consumer = pg_pair
+    submitter, tenant = announcing
+    refused, stored = lane(), lane()
+    await submitter.submit(
+        NewRun(tenant_id=tenant, workflow="noop", input={}, lane="elsewhere", idempotency_key="k")
+    )
+    with pytest.raises(IdempotencyConflict):
+        await submitter.submit(
+            NewRun(tenant_id=tenant, workflow="noop", input={}, lane=refused, idempotency_key="k")
+        )
+    task = await waiting(consumer, stored)
+    new = NewRun(tenant_id=tenant, workflow="noop", input={}, lane=stored)
+    await woken_within(task, partial(submitter.submit, new))
+    # Notifications arrive in commit order: had the failed write sent one, it came first.
+    assert await consumer.wait(refused, 0) is False
 
 
 async def terminate_backend(db: DatabaseManager, pid: int) -> None:

@@ -264,6 +264,16 @@ class Backend(abc.ABC):
         """
         return None
 
+    def notify_condition(self) -> ColumnElement[bool] | None:
+        """A condition that sends a notification per bound payload, true; None where none.
+
+        The parameters are ``wake_channel`` (the channel) and ``wake_payloads`` (a list of
+        strings). Notifications go out when the statement's transaction commits, and not at
+        all if it rolls back, so a write can announce its own rows (see
+        :mod:`moorline.db.repos.announcements`). PostgreSQL's ``pg_notify`` only.
+        """
+        return None
+
     async def commit_with_next_statement(self, conn: AsyncConnection) -> None:
         """Let the next statement on ``conn`` carry its transaction's commit, where it can.
 

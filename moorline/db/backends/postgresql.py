@@ -22,6 +22,7 @@ from sqlalchemy import (
     Row,
     Select,
     Table,
+    Text,
     bindparam,
     column,
     exists,
@@ -116,6 +117,15 @@ class PostgreSQLBackend(ServerBackend):
         ``SET LOCAL`` does.
         """
         return _INDEX_ORDER_CONDITION
+
+    def notify_condition(self) -> ColumnElement[bool]:
+        """``(SELECT count(pg_notify(channel, p)) FROM unnest(payloads) p) >= 0``.
+
+        An uncorrelated subquery, as in :meth:`index_order_condition`: it runs once, before
+        the statement's first row; what a statement runs after finding no rows is not
+        promised, so an announcing write's rows are what ensures the notifications.
+        """
+        return _NOTIFY_CONDITION
 
     def lock_rows(self, stmt: SelectT) -> SelectT:
         """``FOR NO KEY UPDATE``: it excludes other claimers, not a foreign-key check.
@@ -231,6 +241,16 @@ _INDEX_ORDER = text("SET LOCAL enable_sort = off")
 _INDEX_ORDER_CONDITION = select(
     func.set_config("enable_sort", "off", True)
 ).scalar_subquery() == literal("off")
+
+_WAKE_PAYLOADS = func.unnest(bindparam("wake_payloads", type_=postgresql.ARRAY(Text()))).alias(
+    "payload"
+)
+_NOTIFY_CONDITION = (
+    select(func.count(func.pg_notify(bindparam("wake_channel", type_=Text()), column("payload"))))
+    .select_from(_WAKE_PAYLOADS)
+    .scalar_subquery()
+    >= 0
+)
 
 
 @functools.lru_cache(maxsize=256)

@@ -327,7 +327,7 @@ def _insert_events(chosen: Select[Any]) -> Insert:
     return insert(events).from_select(columns, chosen)
 
 
-def first_event_statement(source: CTE) -> Insert:
+def first_event_statement(source: CTE, condition: ColumnElement[bool] | None = None) -> Insert:
     """The first event of each run a CTE just inserted, in the CTE's own statement.
 
     ``source`` is an ``INSERT INTO runs … RETURNING id, attempt, updated_at``; one event per
@@ -335,6 +335,8 @@ def first_event_statement(source: CTE) -> Insert:
     ``updated_at``, the ``type`` and ``data`` parameters. The CTE goes to the top of the
     statement, where PostgreSQL wants data-modifying ones. Returns each event's ``run_id`` and
     ``created_at``, so a caller that let the database set the time learns it here.
+    ``condition``: a true condition the events' ``SELECT`` is to evaluate for what it does (a
+    backend's ``notify_condition``).
     """
     chosen = select(
         source.c.id,
@@ -344,6 +346,8 @@ def first_event_statement(source: CTE) -> Insert:
         bindparam("data", type_=events.c.data.type),
         source.c.updated_at,
     )
+    if condition is not None:
+        chosen = chosen.where(condition)
     stmt = _insert_events(chosen).add_cte(source)
     return stmt.returning(events.c.run_id, events.c.created_at)
 

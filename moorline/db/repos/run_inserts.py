@@ -26,6 +26,7 @@ from sqlalchemy import insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from moorline.db.repos.announcements import Announcement, announce_txn, check_backend
 from moorline.db.repos.events import EVENT_QUEUED, append_events_txn
 from moorline.db.repos.new_runs import NewRun, row_of
 from moorline.db.repos.quotas import QuotaClaim, take_units_txn
@@ -68,7 +69,11 @@ class RunInserts(RunRepoBase):
         return await self._insert(new, RunStatus.PENDING)
 
     async def submit_many(
-        self, new: Sequence[NewRun], *, quotas: Sequence[QuotaClaim | None] | None = None
+        self,
+        new: Sequence[NewRun],
+        *,
+        quotas: Sequence[QuotaClaim | None] | None = None,
+        announcement: Announcement | None = None,
     ) -> list[Run]:
         """Store ``new`` as ``queued`` runs with one ``queued`` event each, in one transaction.
 
@@ -83,9 +88,14 @@ class RunInserts(RunRepoBase):
         :meth:`insert_rate_limited` stores it. Units and runs commit together: a batch that
         fails takes no unit.
 
+        With ``announcement`` (PostgreSQL), the write itself sends the wake-ups of the lanes
+        its ``queued`` runs went to, at its commit (:mod:`~moorline.db.repos.announcements`):
+        a write that commits has announced them.
+
         Args:
             new: The runs to store.
             quotas: One claim (or None: no quota to take) per run of ``new``, in its order.
+            announcement: The wake-ups for the write to send.
 
         Returns:
             The runs as stored (``queued``, or ``rate_limited`` when refused by the quota), in
@@ -100,13 +110,15 @@ class RunInserts(RunRepoBase):
         """
         if quotas is not None and len(quotas) != len(new):
             raise ValueError(f"{len(quotas)} quota claims for {len(new)} runs")
-        return await self._insert(new, RunStatus.QUEUED, quotas)
+        check_backend(self._backend, announcement)
+        return await self._insert(new, RunStatus.QUEUED, quotas, announcement)
 
     async def _insert(
         self,
         new: Sequence[NewRun],
         status: RunStatus,
         quotas: Sequence[QuotaClaim | None] | None = None,
+        announcement: Announcement | None = None,
     ) -> list[Run]:
         if not new:
             return []
@@ -130,12 +142,12 @@ class RunInserts(RunRepoBase):
             tries += 1
             try:
                 if is_one_statement:
-                    made = await submit_in_one_statement(self._db, rows, units)
+                    made = await submit_in_one_statement(self._db, rows, units, announcement)
                     if made is not None:
                         return made
                 # Otherwise the statement wrote nothing: the units were not all there.
                 async with self._db.write_transaction() as conn:
-                    return await self._insert_txn(conn, rows, status, claims)
+                    return await self._insert_txn(conn, rows, status, claims, announcement)
             except IntegrityError as exc:
                 # The transaction is rolled back; find out which rule the batch broke.
                 return await explain(self._db, exc, new, ids, is_retry=tries > 1)
@@ -151,10 +163,14 @@ class RunInserts(RunRepoBase):
         rows: Sequence[dict[str, Any]],
         status: RunStatus,
         claims: dict[str, tuple[TenantId, QuotaClaim]],
+        announcement: Announcement | None,
     ) -> list[Run]:
         refusals, now = await self._take_units_txn(conn, claims)
         admitted = [row for row in rows if row["id"] not in refusals]
         await check_conversations_txn(conn, self._backend, admitted)
+        if announcement is not None and admitted:
+            # Sent at the commit, with the runs, or not at all.
+            await announce_txn(conn, self._backend, announcement, (r["lane"] for r in admitted))
         if now is None:
             stamped = self._backend.stamped_runs_insert(conn.dialect)
             if stamped is not None and not refusals:

@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import DialectName, backend_for
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.announcements import Announcement
 from moorline.db.repos.events import EVENT_QUEUED, events_from_runs_statement, first_event_statement
 from moorline.db.repos.quotas import take_all_parameters, units_gate
 from moorline.db.repos.records import NULL_ON_INSERT, Run, run_from_row
@@ -64,23 +65,29 @@ class UnitsWanted:
 
 
 @functools.cache
-def _submit_statement(name: DialectName, gated: bool) -> Insert:
+def _submit_statement(name: DialectName, gated: bool, announced: bool) -> Insert:
     """Runs (the ``runs`` parameter) and their first events, in one statement, built once.
 
     ``WITH submitted AS (INSERT INTO runs … RETURNING …) INSERT INTO events … SELECT … FROM
     submitted RETURNING run_id, created_at``; ``status``, ``type`` and ``data`` are one
     parameter each for the batch. ``gated``: ``WITH taken AS (UPDATE quota_usage …)`` first,
     and the runs go in only if it took their units (:func:`~moorline.db.repos.quotas.units_gate`).
+    ``announced``: the events' ``SELECT`` sends the runs' wake-ups too
+    (:mod:`~moorline.db.repos.announcements`).
     """
+    backend = backend_for(name)
     gate = units_gate(name) if gated else None
-    submitted = backend_for(name).submitted_runs(_SUBMITTED, gate)
+    submitted = backend.submitted_runs(_SUBMITTED, gate)
     if submitted is None:  # pragma: no cover - the caller checks the capability
         raise ValueError(f"{name} has no one-statement submit")
-    return first_event_statement(submitted)
+    return first_event_statement(submitted, backend.notify_condition() if announced else None)
 
 
 async def submit_in_one_statement(
-    db: DatabaseManager, rows: Sequence[dict[str, Any]], units: UnitsWanted | None = None
+    db: DatabaseManager,
+    rows: Sequence[dict[str, Any]],
+    units: UnitsWanted | None = None,
+    announcement: Announcement | None = None,
 ) -> list[Run] | None:
     """Store ``queued`` runs and their ``queued`` events with one statement, in autocommit.
 
@@ -93,6 +100,7 @@ async def submit_in_one_statement(
         db: The database; its backend has the capability ``one_statement_submit``.
         rows: The runs' columns (``row_of``'s), with ``delay_s``.
         units: The quota units the runs need, one each, taken in the same statement.
+        announcement: The runs' wake-ups, sent by the same statement.
 
     Returns:
         The runs as stored; None when ``units`` were not all there as one statement takes
@@ -108,7 +116,9 @@ async def submit_in_one_statement(
         params |= take_all_parameters(
             units.tenant_id, units.day, limit=units.limit, wanted=len(rows)
         )
-    statement = _submit_statement(db.backend.name, units is not None)
+    if announcement is not None:
+        params |= announcement.parameters(row["lane"] for row in rows)
+    statement = _submit_statement(db.backend.name, units is not None, announcement is not None)
     stored = await db.write_statement_rows(statement, params)
     if not stored:
         return None
