@@ -1,13 +1,15 @@
 """Wake-ups a write sends itself: the NOTIFY of new runs, in the write that stores them.
 
 With LISTEN/NOTIFY wake-ups (:class:`~moorline.dispatch.wakeups.PostgresWakeups`), a process
-that stores runs tells the other processes' workers with a ``pg_notify`` after the write: a
-statement of its own, on a connection of its own, about a fifth of the CPU of an
-``app.submit`` on PostgreSQL (docs/performance.md, "2026-12-01, 15:20"). PostgreSQL delivers
-a notification when the transaction that sent it commits, and never if it rolls back, so the
-write that stores the runs can send them itself, in its own statement
+that stores runs could tell the other processes' workers with a ``pg_notify`` after the
+write: a statement of its own on a connection of its own, about a fifth of the CPU of an
+``app.submit`` on PostgreSQL (docs/performance.md, "2026-12-01, 15:20-16:30 UTC"). PostgreSQL
+delivers a notification when the transaction that sent it commits, and never if it rolls
+back, so the write that stores the runs sends them itself, in its own statement
 (:func:`~moorline.db.repos.stamped_inserts.submit_in_one_statement`) or transaction: the
-listeners hear of the runs exactly when they can be claimed, and no round trip is added.
+listeners hear of the runs when they can be claimed, and no round trip is added. The price:
+PostgreSQL commits notifying transactions one at a time, so submitting processes wait on
+each other's commits (docs/deploy.md says when to use Redis instead).
 
 An :class:`Announcement` is what the write needs for that: the channel, and the origin that
 tags each payload (``<origin>:<lane>``), by which the sender's own listener skips its echo.
