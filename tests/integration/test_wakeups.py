@@ -20,10 +20,13 @@ import redis.asyncio as aioredis
 from sqlalchemy import func, select
 
 from moorline.db.manager import DatabaseManager
+from moorline.db.repos.announcements import Announcement
 from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.db.schema import runs
 from moorline.dispatch.datagrams import DatagramWakeups
 from moorline.dispatch.submit import Submitter
 from moorline.dispatch.wakeups import (
+    PG_CHANNEL,
     LocalWakeups,
     Notifier,
     PostgresWakeups,
@@ -34,7 +37,7 @@ from moorline.dispatch.wakeups import (
 )
 from moorline.errors import ConfigError, IdempotencyConflict
 from moorline.settings import Settings
-from moorline.types import TenantId
+from moorline.types import RunStatus, TenantId
 from tests.contract.queue_helpers import create_tenant
 from tests.helpers import wait_for
 from tests.private_redis import PrivateRedis
@@ -246,7 +249,9 @@ async def announcing(
 
 @pytest.mark.requires("listen_notify")
 async def test_postgres_writes_that_announce_their_runs_wake_another_process(
-    pg_pair: tuple[PostgresWakeups, PostgresWakeups], announcing: tuple[Submitter, TenantId]
+    pg_pair: tuple[PostgresWakeups, PostgresWakeups],
+    announcing: tuple[Submitter, TenantId],
+    db: DatabaseManager,
 ) -> None:
     producer, consumer = pg_pair
     submitter, tenant = announcing
@@ -260,7 +265,13 @@ async def test_postgres_writes_that_announce_their_runs_wake_another_process(
         elapsed = await woken_within(task, partial(submitter.submit, new))
         assert elapsed < REMOTE_WAKE_S * 10, f"woke after {elapsed * 1000:.1f} ms"
         assert await producer.wait(name, 0) is True  # its own process, woken by the hook
-    # The write sent them: the producer never opened a connection to publish on.
+    # A batch of runs in two lanes wakes both.
+    names = [lane(), lane()]
+    tasks = [await waiting(consumer, name) for name in names]
+    batch = [NewRun(tenant_id=tenant, workflow="noop", input={}, lane=name) for name in names]
+    await RunsRepo(db).submit_many(batch, announcement=producer.announcement())
+    assert await asyncio.wait_for(asyncio.gather(*tasks), LONG_S) == [True, True]
+    # The writes sent them: the producer never opened a connection to publish on.
     assert producer.publisher_pid is None
 
 
@@ -283,6 +294,24 @@ async def test_postgres_a_write_that_fails_announces_nothing(
     await woken_within(task, partial(submitter.submit, new))
     # Notifications arrive in commit order: had the failed write sent one, it came first.
     assert await consumer.wait(refused, 0) is False
+
+
+async def test_only_a_backend_with_notifications_takes_an_announcement(
+    db: DatabaseManager,
+) -> None:
+    tenant = await create_tenant(db)
+    new = NewRun(tenant_id=tenant, workflow="noop", input={}, lane=lane())
+    announcement = Announcement(channel=PG_CHANNEL, origin="elsewhere")
+    repo = RunsRepo(db)
+    if db.backend.capabilities.listen_notify:
+        [run] = await repo.submit_many([new], announcement=announcement)
+        assert run.status is RunStatus.QUEUED
+        return
+    with pytest.raises(ValueError, match="cannot send a write's wake-ups"):
+        await repo.submit_many([new], announcement=announcement)
+    async with db.transaction() as conn:
+        stored = await conn.scalar(select(func.count()).where(runs.c.tenant_id == tenant))
+    assert stored == 0
 
 
 async def terminate_backend(db: DatabaseManager, pid: int) -> None:
