@@ -122,8 +122,8 @@ class PostgreSQLBackend(ServerBackend):
         """``(SELECT count(pg_notify(channel, p)) FROM unnest(payloads) p) >= 0``.
 
         An uncorrelated subquery, as in :meth:`index_order_condition`: it runs once, before
-        the statement's first row; what a statement runs after finding no rows is not
-        promised, so an announcing write's rows are what ensures the notifications.
+        the statement's first row is read. A statement that stores no rows may send them all
+        the same (a spare wake-up, which costs a claim); one that stores rows always does.
         """
         return _NOTIFY_CONDITION
 
