@@ -75,8 +75,19 @@ def build_admission(
         wakeups = make_wakeups(settings, db)
         closing.push_async_callback(wakeups[1].close)  # also releases the notifier's connections
     notifier, waiter = wakeups
-    background = BackgroundNotifier(notifier)
-    closing.push_async_callback(background.close)
+    on_enqueued: Callable[[set[str]], bool | None]
+    announcement = None
+    if (
+        isinstance(notifier, ListeningWakeups)
+        and (announcement := notifier.announcement()) is not None
+    ):
+        # LISTEN/NOTIFY: the batches' writes send the other processes' wake-ups themselves,
+        # and the hook has only this process's waiters to wake.
+        on_enqueued = notifier.wake
+    else:
+        background = BackgroundNotifier(notifier)
+        closing.push_async_callback(background.close)
+        on_enqueued = background
     runs = RunsRepo(db)
     quotas = make_quota_store(settings, db)
     closing.push_async_callback(quotas.close)
@@ -84,14 +95,6 @@ def build_admission(
     closing.push_async_callback(budgets.close)
     rate_limiter = RateLimiter(settings)
     closing.push_async_callback(rate_limiter.close)
-    on_enqueued: Callable[[set[str]], bool | None] = background
-    announcement = None
-    if isinstance(notifier, ListeningWakeups):
-        # LISTEN/NOTIFY: the batches' writes send the other processes' wake-ups themselves,
-        # and the hook has only this process's waiters to wake.
-        announcement = notifier.announcement()
-        if announcement is not None:
-            on_enqueued = notifier.wake
     submitter = Submitter(
         runs,
         on_enqueued=on_enqueued,
