@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, select, text, update
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Fence
@@ -57,15 +57,20 @@ async def add_runs(
     max_attempts: int = 3,
     spacing: timedelta = timedelta(microseconds=10),
     workflow: str = "noop",
+    ids: Sequence[RunId] | None = None,
 ) -> list[RunId]:
     """Insert ``count`` queued runs, their ``not_before`` increasing in insertion order.
 
     The default ``not_before`` lies in the past, so the runs are claimable at once whatever
-    the clock difference between the test process and the database.
+    the clock difference between the test process and the database. ``ids``: the runs' ids,
+    stored in that order (new random ones by default).
     """
     start = not_before if not_before is not None else datetime.now(UTC) - timedelta(hours=1)
     now = datetime.now(UTC)
-    ids = [RunId(str(uuid.uuid4())) for _ in range(count)]
+    if ids is None:
+        ids = [RunId(str(uuid.uuid4())) for _ in range(count)]
+    if len(ids) != count:
+        raise ValueError(f"{len(ids)} ids for {count} runs")
     rows = [
         {
             "id": run_id,
@@ -89,7 +94,28 @@ async def add_runs(
     for offset in range(0, len(rows), INSERT_CHUNK):
         async with db.transaction() as conn:
             await conn.execute(insert(runs), rows[offset : offset + INSERT_CHUNK])
-    return ids
+    return list(ids)
+
+
+async def waits_for_a_lock(db: DatabaseManager, statement: str) -> bool:
+    """Whether a statement whose text is LIKE ``statement`` is waiting for a row lock.
+
+    PostgreSQL says so; on MariaDB a statement still in progress is taken as waiting (the
+    tests' statements take milliseconds, and a lock wait may come before the transaction
+    shows in ``innodb_trx``).
+    """
+    if db.backend.name == "postgresql":
+        query = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database() AND query LIKE :statement"
+        )
+    else:
+        query = (
+            "SELECT count(*) FROM information_schema.processlist"
+            " WHERE db = DATABASE() AND info LIKE :statement"
+        )
+    async with db.connect() as conn:
+        return bool((await conn.execute(text(query), {"statement": statement})).scalar_one())
 
 
 async def statuses(db: DatabaseManager, run_ids: Sequence[str]) -> dict[str, tuple[str, int]]:

@@ -1,17 +1,21 @@
 """Child runs on every backend: one child per key, limits, waking parents, orphans."""
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
+from sqlalchemy import Select, select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.children import ChildLimitExceeded, ChildrenRepo, NewChild
 from moorline.db.repos.parking import ParkingRepo, Wait, WaitKind
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.runs import Failed, RunsRepo
+from moorline.db.schema import runs
 from moorline.types import JSONObject, RunStatus
-from tests.contract.queue_helpers import NO_CAP, Tenants, add_runs, unique
+from tests.contract.queue_helpers import NO_CAP, Tenants, add_runs, unique, waits_for_a_lock
+from tests.helpers import wait_for
 
 TTL_S = 30.0
 
@@ -93,6 +97,39 @@ async def test_a_park_is_refused_when_every_awaited_child_ended(
     await RunsRepo(db).request_cancel(claim.run.tenant_id, kid.run_id)
     wait = Wait(kind=WaitKind.CHILDREN, until=None, children=(kid.run_id,))
     assert not await ParkingRepo(db).park(claim.fence, wait)
+
+
+async def test_a_parent_marks_its_children_awaited_in_id_order(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # A slot handoff that ends several children locks them in id order; a parent marking them
+    # awaited in another order (an index's) could deadlock with it.
+    if not db.backend.capabilities.row_locks:
+        pytest.skip("SQLite's one write lock has no order")
+    claim = await parent_claim(db, tenants)
+    repo = ChildrenRepo(db)
+    kids = [
+        await repo.start(claim.fence, claim.run, child(key), max_children=10, max_depth=5)
+        for key in "abcdef"
+    ]
+    ids = sorted(kid.run_id for kid in kids)
+    # All but the first (in id order) have ended: an index of the children by status meets
+    # them before it.
+    for run_id in ids[1:]:
+        await RunsRepo(db).request_cancel(claim.run.tenant_id, run_id)
+
+    def lock(run_id: str, nowait: bool = False) -> Select[tuple[str]]:
+        return select(runs.c.id).where(runs.c.id == run_id).with_for_update(nowait=nowait)
+
+    wait = Wait(kind=WaitKind.CHILDREN, until=None, children=tuple(ids[::-1]))
+    async with db.transaction() as handoff:
+        await handoff.execute(lock(ids[0]))
+        park = asyncio.create_task(ParkingRepo(db).park(claim.fence, wait))
+        await wait_for(lambda: waits_for_a_lock(db, "%parent_run_id%"), message="the park to wait")
+        # Waiting for the first child in id order, the parent holds none of the others.
+        for run_id in ids[1:]:
+            await handoff.execute(lock(run_id, nowait=True))
+    assert await park
 
 
 async def test_the_backstop_wakes_parents_and_finds_orphans(

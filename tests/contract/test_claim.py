@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import select, text, update
+from sqlalchemy import select, update
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.claim_statements import lock_tenants_statement
@@ -32,6 +32,7 @@ from tests.contract.queue_helpers import (
     running_per_tenant,
     statuses,
     unique,
+    waits_for_a_lock,
 )
 from tests.helpers import FULL_SIZE, wait_for
 
@@ -370,24 +371,6 @@ async def test_a_run_locked_by_another_transaction_is_skipped_not_waited_for(
     assert late.run.run_id == held
 
 
-async def waiting_on_a_lock(db: DatabaseManager) -> bool:
-    """Whether some transaction of this database waits for a row lock now."""
-    if db.backend.name == "postgresql":
-        query = (
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-        )
-    else:
-        # MariaDB may wait for the lock while it plans the statement, before the transaction
-        # shows in innodb_trx: the statement itself is what is in progress.
-        query = (
-            "SELECT count(*) FROM information_schema.processlist "
-            "WHERE db = DATABASE() AND info LIKE 'SELECT tenants.id%%FOR UPDATE'"
-        )
-    async with db.connect() as conn:
-        return bool((await conn.execute(text(query))).scalar_one())
-
-
 async def test_a_run_ending_while_a_claim_waits_for_its_tenant_still_reads_as_capped(
     db: DatabaseManager, tenants: Tenants
 ) -> None:
@@ -414,7 +397,10 @@ async def test_a_run_ending_while_a_claim_waits_for_its_tenant_still_reads_as_ca
         claiming = asyncio.create_task(
             queue.claim(lane, "w", limit=2, lease_ttl_s=TTL_S, tenant_caps=caps)
         )
-        await wait_for(lambda: waiting_on_a_lock(db), message="the claim to wait for the tenant")
+        await wait_for(
+            lambda: waits_for_a_lock(db, "SELECT tenants.id%FOR%UPDATE%"),
+            message="the claim to wait for the tenant",
+        )
     batch = await claiming
     assert len(batch.claims) == 1  # allotted by the first count: CAP - 1 running, 1 free
     assert batch.is_capped

@@ -4,17 +4,18 @@ import asyncio
 import random
 import statistics
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
 from typing import TypeVar
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import Select, select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.schema import runs
-from moorline.types import Attempt, RunStatus
+from moorline.types import Attempt, RunId, RunStatus
 from tests.contract.queue_helpers import (
     NO_CAP,
     Tenants,
@@ -23,8 +24,9 @@ from tests.contract.queue_helpers import (
     set_lease_expiry,
     statuses,
     unique,
+    waits_for_a_lock,
 )
-from tests.helpers import FULL_SIZE
+from tests.helpers import FULL_SIZE, wait_for
 
 RACE_TRIALS = 1_000 if FULL_SIZE else 400
 """Heartbeat-versus-reap trials per backend: issue 3's 1,000 with ``MOORLINE_FULL=1``."""
@@ -129,6 +131,40 @@ async def test_a_reclaimed_lease_rejects_the_zombie(db: DatabaseManager, tenants
     assert successor.fence.attempt == zombie.fence.attempt + 1
     assert not await queue.renew_lease(zombie.fence, TTL_S)
     assert not await queue.release(zombie.fence)
+
+
+async def test_a_heartbeat_locks_its_runs_in_id_order(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    # A slot handoff locks the runs it ends in id order. A heartbeat over the same runs that
+    # locked them in another order could hold one the handoff waits for while it waits for
+    # one the handoff holds: a deadlock, which the database breaks by failing one of them.
+    if not db.backend.capabilities.row_locks:
+        pytest.skip("SQLite's one write lock has no order")
+    queue = QueueRepo(db)
+    lane = unique("lane")
+    ids = sorted(RunId(str(uuid.uuid4())) for _ in range(8))
+    # Stored largest id first: a scan in storage order meets the runs in reverse id order.
+    await add_runs(db, await tenants.new(), lane, len(ids), ids=ids[::-1])
+    claims = await queue.claim_batch(
+        lane, "w", limit=len(ids), lease_ttl_s=TTL_S, tenant_caps=NO_CAP
+    )
+    assert len(claims) == len(ids)
+
+    def lock(run_id: RunId, nowait: bool = False) -> Select[tuple[str]]:
+        return select(runs.c.id).where(runs.c.id == run_id).with_for_update(nowait=nowait)
+
+    async with db.transaction() as handoff:
+        await handoff.execute(lock(ids[0]))
+        beat = asyncio.create_task(queue.renew_leases([c.fence for c in claims], TTL_S))
+        await wait_for(
+            lambda: waits_for_a_lock(db, "%lease_owner%"), message="the heartbeat to wait"
+        )
+        # Waiting for the first run in id order, the heartbeat holds none of the others.
+        for run_id in ids[1:]:
+            await handoff.execute(lock(run_id, nowait=True))
+    renewal = await beat
+    assert renewal.renewed == {(c.fence.run_id, c.fence.attempt) for c in claims}
 
 
 async def late(call: Awaitable[T], delay_s: float) -> T:

@@ -74,15 +74,18 @@ class LeasesRepo:
             raise ValueError("renew_leases renews the leases of one owner at a time")
         [owner] = owners
         keys = sorted({(fence.run_id, fence.attempt) for fence in fences})
-        renew_statement, read_back = _renew_statements(self._db.backend.name, lease_ttl_s)
+        held, renew_statement = _renew_statements(self._db.backend.name, lease_ttl_s)
         values = {"owner": owner, "keys": keys}
 
         async def renew() -> Renewal:
             async with self._db.write_transaction() as conn:
-                await conn.execute(renew_statement, values)
-                # Read back in the same transaction: the rows matching now are exactly the
-                # ones the UPDATE matched (it holds their locks; no fence can newly match).
-                rows = (await conn.execute(read_back, values)).all()
+                # Lock first, in id order: a slot handoff locks the runs it ends in id order,
+                # and an UPDATE alone would lock in its plan's order, so the two could each
+                # hold a run the other waits for. The rows read are the ones the UPDATE then
+                # matches (no fence can newly match, and we hold their locks).
+                rows = (await conn.execute(held, values)).all()
+                if rows:
+                    await conn.execute(renew_statement, values)
                 renewed = frozenset((RunId(row.id), Attempt(row.attempt)) for row in rows)
                 missed = [key for key in keys if key not in renewed]
                 parked = await self._parked_txn(conn, missed) if missed else frozenset()
@@ -148,10 +151,12 @@ class LeasesRepo:
 
 
 @functools.cache
-def _renew_statements(dialect: DialectName, lease_ttl_s: float) -> tuple[Update, Select[Any]]:
-    """A heartbeat's ``UPDATE`` of its leases and its read-back, built once per TTL.
+def _renew_statements(dialect: DialectName, lease_ttl_s: float) -> tuple[Select[Any], Update]:
+    """A heartbeat's lock of the leases it holds, and its ``UPDATE`` of them, built once per TTL.
 
-    Parameters: ``owner`` and ``keys``, the ``(run id, attempt)`` of each lease.
+    The lock reads the rows in id order (locking them where the backend has row locks) after
+    any wait, so a lease reaped meanwhile drops out of both. Parameters: ``owner`` and
+    ``keys``, the ``(run id, attempt)`` of each lease.
     """
     held = and_(
         runs.c.lease_owner == bindparam("owner"),
@@ -164,4 +169,5 @@ def _renew_statements(dialect: DialectName, lease_ttl_s: float) -> tuple[Update,
         .where(held)
         .values(lease_expires_at=backend.now(plus_s=lease_ttl_s), updated_at=backend.now())
     )
-    return renew, select(runs.c.id, runs.c.attempt, runs.c.cancel_requested_at).where(held)
+    lock = select(runs.c.id, runs.c.attempt, runs.c.cancel_requested_at).where(held)
+    return backend.lock_rows(lock.order_by(runs.c.id)), renew

@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import RowMapping, Select, bindparam, exists, select, update
+from sqlalchemy import RowMapping, Select, and_, bindparam, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from moorline.db.backends import Backend, DialectName, backend_for
@@ -220,7 +220,7 @@ class ParkingRepo:
             ).scalar_one_or_none()
             return status != _PENDING
         if wait.kind is WaitKind.CHILDREN:
-            return not await mark_awaited_txn(conn, run_id, wait.children)
+            return not await mark_awaited_txn(conn, self._backend, run_id, wait.children)
         if wait.kind is WaitKind.MESSAGE:
             waiting = exists().where(
                 messages.c.run_id == run_id, messages.c.delivered_attempt.is_(None)
@@ -388,20 +388,26 @@ async def deny_pending_txn(
     return int(result.rowcount)
 
 
-async def mark_awaited_txn(conn: AsyncConnection, parent_id: str, child_ids: Sequence[str]) -> bool:
+async def mark_awaited_txn(
+    conn: AsyncConnection, backend: Backend, parent_id: str, child_ids: Sequence[str]
+) -> bool:
     """Mark the parent's children ``child_ids`` awaited; whether any of them has not ended.
 
     The UPDATE locks the children's rows, so a child finishing meanwhile either committed
     before (and the read after it sees it ended) or finds the mark and wakes the parent
-    (:meth:`~moorline.db.repos.children.ChildrenRepo.wake_parents`).
+    (:meth:`~moorline.db.repos.children.ChildrenRepo.wake_parents`). Where there are row
+    locks they are taken first, in id order: the slot handoff that ends several of the
+    children locks them in that order, and an UPDATE alone locks in its plan's.
     """
-    for offset in range(0, len(child_ids), _IN_CHUNK):
-        chunk = list(child_ids[offset : offset + _IN_CHUNK])
-        await conn.execute(
-            update(runs)
-            .where(runs.c.parent_run_id == parent_id, runs.c.id.in_(chunk))
-            .values(awaited=1)
-        )
+    ordered = sorted(child_ids)
+    for offset in range(0, len(ordered), _IN_CHUNK):
+        chunk = ordered[offset : offset + _IN_CHUNK]
+        theirs = and_(runs.c.parent_run_id == parent_id, runs.c.id.in_(chunk))
+        if backend.capabilities.row_locks:
+            await conn.execute(
+                backend.lock_rows(select(runs.c.id).where(theirs).order_by(runs.c.id))
+            )
+        await conn.execute(update(runs).where(theirs).values(awaited=1))
     return await has_unfinished_awaited_txn(conn, parent_id)
 
 
