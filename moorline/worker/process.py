@@ -41,6 +41,9 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 128 * 1024
 """glibc's default mmap threshold: larger blocks get their own mapping, returned when freed."""
 
+CONNECTIONS_PER_SLOT = 2
+"""A slot's run writes its checkpoints while its event writer, in the background, writes the
+progress events a timer flushes (``step_started``, ``step_finished``): two at once at most."""
 WORKER_LOOPS_PER_LANE = 1
 """A worker's claim loop of each lane, which holds a connection while it claims."""
 WORKER_OWN_LOOPS = 3
@@ -56,13 +59,17 @@ def with_worker_pool(settings: Settings, lanes: Mapping[str, int], loops: int = 
     worker's slots are its steady concurrency, not a peak: with more slots than kept
     connections, a drain opened and closed a connection every few runs (each a TCP and
     authentication handshake and a cold statement cache, several milliseconds of the worker's
-    CPU). So a worker process keeps one connection per slot and one for each of a worker's own
-    loops that meet the slots' demand (:data:`WORKER_LOOPS_PER_LANE` and
-    :data:`WORKER_OWN_LOOPS`), within the same bound (``db_pool_size + db_max_overflow``): the
+    CPU). So a worker process keeps the connections its slots may hold at once
+    (:data:`CONNECTIONS_PER_SLOT`) and one for each of a worker's own loops that meet the
+    slots' demand (:data:`WORKER_LOOPS_PER_LANE` and :data:`WORKER_OWN_LOOPS`), within the
+    same bound (``db_pool_size + db_max_overflow``): the
     most connections a process may hold is unchanged, it only stops giving them back mid-drain.
     """
     bound = settings.db_pool_size + settings.db_max_overflow
-    per_worker = sum(lanes.values()) + WORKER_LOOPS_PER_LANE * len(lanes) + WORKER_OWN_LOOPS
+    slots = sum(lanes.values())
+    per_worker = (
+        CONNECTIONS_PER_SLOT * slots + WORKER_LOOPS_PER_LANE * len(lanes) + WORKER_OWN_LOOPS
+    )
     kept = min(bound, max(settings.db_pool_size, max(loops, 1) * per_worker))
     return settings.model_copy(update={"db_pool_size": kept, "db_max_overflow": bound - kept})
 

@@ -197,7 +197,9 @@ async def test_a_worker_process_keeps_its_connections_through_a_drain(
     # Then a heartbeat or presence beat that came while every slot held a connection opened
     # one more (seen once in CI): the short lease brings heartbeats (every second) into the
     # drain. Not shorter: no reaper runs here, so a run self-fenced by a stall of the loaded
-    # machine (renewals late by 1.25 s, with a lease of 1.5 s, in CI) never ended.
+    # machine (renewals late by 1.25 s, with a lease of 1.5 s, in CI) never ended. Then, with a
+    # loaded machine stretching runs past the event writer's flush timer, every run's progress
+    # events were written beside its step's checkpoint: two connections a slot (seen in CI).
     if db.backend.name == "sqlite":
         pytest.skip("SQLite has one connection and no pool")
     lane = unique("lane")
