@@ -8,7 +8,7 @@ limiter's own suite holds Redis to the same answers). The model is paused, as a 
 timer sweep re-queues it and the replay makes the call once; a shorter pause is slept through.
 """
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 
 import pytest
@@ -54,7 +54,12 @@ class Calls:
         self.at.append(datetime.now(UTC))
 
 
-def govern(harness: EngineHarness, limiter: ProviderLimiter, calls: Calls) -> None:
+def govern(
+    harness: EngineHarness,
+    limiter: ProviderLimiter,
+    calls: Calls,
+    before_call: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     async def plan_of(tenant_id: TenantId) -> Plan | None:
         return None
 
@@ -74,6 +79,8 @@ def govern(harness: EngineHarness, limiter: ProviderLimiter, calls: Calls) -> No
 
     @harness.app.workflow("ask")
     async def ask(ctx: Context) -> JSONValue:
+        if before_call is not None:
+            await before_call()
         reply = await complete(llm, [Message.user(f"hello from {ctx.run_id}")])
         return reply.text[:10]
 
@@ -86,16 +93,22 @@ async def test_a_long_wait_for_capacity_parks_the_run_until_the_limiter_answers(
     harness: EngineHarness,
 ) -> None:
     limiter, calls = ProviderLimiter(MemoryLimiter()), Calls()
-    govern(harness, limiter, calls)
+    paused: list[datetime] = []
+
+    async def pause_once() -> None:
+        # The provider's 429 comes as the run is about to call: the run meets the whole pause
+        # however late a loaded machine started it (paused before, it once slept through a
+        # pause it met with less than park_after left). Its replay calls at once.
+        if not paused:
+            paused.append(datetime.now(UTC))
+            await limiter.pause(MODEL, PAUSE_S)
+
+    govern(harness, limiter, calls, before_call=pause_once)
     timers = harness.timer_sweep()
     async with harness.worker(slots=1):
-        # Paused once the worker is up: the run must meet the pause with more than park_after
-        # of it left, which a worker slow to start on a loaded machine once missed (the run
-        # then slept through the pause and never waited).
-        paused_at = datetime.now(UTC)
-        await limiter.pause(MODEL, PAUSE_S)
         run_id = await harness.new_run("ask")
         await harness.until_status(run_id, RunStatus.WAITING)
+        [paused_at] = paused
         wait = await harness.waiting_for(run_id)
         assert wait["kind"] == "capacity"
         assert wait["model"] == MODEL  # which provider's limits the run waits for
