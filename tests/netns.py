@@ -55,6 +55,35 @@ def unavailable() -> str | None:
     return None
 
 
+def remove_stale() -> list[str]:
+    """Remove what networks of a killed test run left on the machine; what was removed.
+
+    Every network is on :data:`SUBNET`, so a bridge left behind by a run killed before its
+    cleanup routes the subnet away from the next network (whose servers then seem not to
+    listen). Two runs at once cannot share the subnet either, so whatever of this module's is
+    still here when a network is about to open is stale: the processes in its namespaces are
+    killed, the namespaces and links deleted.
+    """
+    removed: list[str] = []
+    for line in run(["ip", "netns", "list"]).stdout.splitlines():
+        namespace = line.split()[0]
+        if not namespace.startswith(NAME_PREFIX):
+            continue
+        for pid in run(["ip", "netns", "pids", namespace], check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        run(["ip", "netns", "delete", namespace], check=False)
+        removed.append(f"namespace {namespace}")
+    for line in run(["ip", "-o", "link"]).stdout.splitlines():
+        link = line.split(":")[1].strip().split("@")[0]
+        if link.startswith(NAME_PREFIX):
+            run(["ip", "link", "delete", link], check=False)
+            removed.append(f"link {link}")
+    return removed
+
+
 @dataclass(frozen=True)
 class Host:
     """One namespace: its name, its address on the bridge, and its end of the veth pair."""

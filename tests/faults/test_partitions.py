@@ -16,6 +16,7 @@ Checked for each fault:
 """
 
 import asyncio
+import logging
 import shutil
 import signal
 import subprocess
@@ -54,8 +55,19 @@ from tests.faults.harness import (
     terminal_events,
 )
 from tests.helpers import FULL_SIZE, wait_for
-from tests.netns import REDIS_PORT, SERVER_PORTS, DatabaseHost, Host, Network, run, unavailable
+from tests.netns import (
+    REDIS_PORT,
+    SERVER_PORTS,
+    DatabaseHost,
+    Host,
+    Network,
+    remove_stale,
+    run,
+    unavailable,
+)
 from tests.servers import is_listening, servers_required
+
+logger = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.faults
 
@@ -97,6 +109,9 @@ def network() -> Iterator[Network]:
         if servers_required():
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
+    stale = remove_stale()
+    if stale:
+        logger.warning("removed what a killed test run left: %s", ", ".join(stale))
     made = Network()
     try:
         made.open()
