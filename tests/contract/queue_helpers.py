@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import delete, func, insert, select, text, update
+from sqlalchemy import Select, delete, func, insert, select, text, update
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.records import Fence
@@ -95,6 +95,11 @@ async def add_runs(
         async with db.transaction() as conn:
             await conn.execute(insert(runs), rows[offset : offset + INSERT_CHUNK])
     return list(ids)
+
+
+def lock_run(run_id: str, *, nowait: bool = False) -> Select[tuple[str]]:
+    """The run's row, locked ``FOR UPDATE`` (``NOWAIT``: refused at once if another holds it)."""
+    return select(runs.c.id).where(runs.c.id == run_id).with_for_update(nowait=nowait)
 
 
 async def waits_for_a_lock(db: DatabaseManager, statement: str) -> bool:

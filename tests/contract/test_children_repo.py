@@ -5,16 +5,21 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
-from sqlalchemy import Select, select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.children import ChildLimitExceeded, ChildrenRepo, NewChild
 from moorline.db.repos.parking import ParkingRepo, Wait, WaitKind
 from moorline.db.repos.queue import Claim, QueueRepo
 from moorline.db.repos.runs import Failed, RunsRepo
-from moorline.db.schema import runs
 from moorline.types import JSONObject, RunStatus
-from tests.contract.queue_helpers import NO_CAP, Tenants, add_runs, unique, waits_for_a_lock
+from tests.contract.queue_helpers import (
+    NO_CAP,
+    Tenants,
+    add_runs,
+    lock_run,
+    unique,
+    waits_for_a_lock,
+)
 from tests.helpers import wait_for
 
 TTL_S = 30.0
@@ -118,17 +123,14 @@ async def test_a_parent_marks_its_children_awaited_in_id_order(
     for run_id in ids[1:]:
         await RunsRepo(db).request_cancel(claim.run.tenant_id, run_id)
 
-    def lock(run_id: str, nowait: bool = False) -> Select[tuple[str]]:
-        return select(runs.c.id).where(runs.c.id == run_id).with_for_update(nowait=nowait)
-
     wait = Wait(kind=WaitKind.CHILDREN, until=None, children=tuple(ids[::-1]))
     async with db.transaction() as handoff:
-        await handoff.execute(lock(ids[0]))
+        await handoff.execute(lock_run(ids[0]))
         park = asyncio.create_task(ParkingRepo(db).park(claim.fence, wait))
         await wait_for(lambda: waits_for_a_lock(db, "%parent_run_id%"), message="the park to wait")
         # Waiting for the first child in id order, the parent holds none of the others.
         for run_id in ids[1:]:
-            await handoff.execute(lock(run_id, nowait=True))
+            await handoff.execute(lock_run(run_id, nowait=True))
     assert await park
 
 

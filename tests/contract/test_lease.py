@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 import pytest
-from sqlalchemy import Select, select
+from sqlalchemy import select
 
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.queue import Claim, QueueRepo
@@ -21,6 +21,7 @@ from tests.contract.queue_helpers import (
     Tenants,
     add_runs,
     event_types,
+    lock_run,
     set_lease_expiry,
     statuses,
     unique,
@@ -151,18 +152,15 @@ async def test_a_heartbeat_locks_its_runs_in_id_order(
     )
     assert len(claims) == len(ids)
 
-    def lock(run_id: RunId, nowait: bool = False) -> Select[tuple[str]]:
-        return select(runs.c.id).where(runs.c.id == run_id).with_for_update(nowait=nowait)
-
     async with db.transaction() as handoff:
-        await handoff.execute(lock(ids[0]))
+        await handoff.execute(lock_run(ids[0]))
         beat = asyncio.create_task(queue.renew_leases([c.fence for c in claims], TTL_S))
         await wait_for(
             lambda: waits_for_a_lock(db, "%lease_owner%"), message="the heartbeat to wait"
         )
         # Waiting for the first run in id order, the heartbeat holds none of the others.
         for run_id in ids[1:]:
-            await handoff.execute(lock(run_id, nowait=True))
+            await handoff.execute(lock_run(run_id, nowait=True))
     renewal = await beat
     assert renewal.renewed == {(c.fence.run_id, c.fence.attempt) for c in claims}
 
