@@ -62,8 +62,8 @@ def with_worker_pool(settings: Settings, lanes: Mapping[str, int], loops: int = 
     CPU). So a worker process keeps the connections its slots may hold at once
     (:data:`CONNECTIONS_PER_SLOT`) and one for each of a worker's own loops that meet the
     slots' demand (:data:`WORKER_LOOPS_PER_LANE` and :data:`WORKER_OWN_LOOPS`), within the
-    same bound (``db_pool_size + db_max_overflow``): the
-    most connections a process may hold is unchanged, it only stops giving them back mid-drain.
+    same bound (``db_pool_size + db_max_overflow``): the most connections a process may hold
+    is unchanged, it only stops giving them back mid-drain.
     """
     bound = settings.db_pool_size + settings.db_max_overflow
     slots = sum(lanes.values())
