@@ -31,7 +31,9 @@ from tests.integration.test_cli import cli_env, free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 ADMIN_TOKEN = "dashboard-admin-token"
-STARTUP_S = 30.0
+STARTUP_S = 60.0
+"""How long ``moorline serve`` may take to answer ``/readyz``: 30 s was once too short on a
+loaded, slower CI machine (as long as the soak gives its API)."""
 UI_TIMEOUT_MS = 15_000
 """How long a page action or an assertion waits. Generous: on a loaded 2-core CI machine Swagger
 UI's bundle alone took more than Playwright's default 5 s to render."""
