@@ -28,7 +28,7 @@ from moorline.engine.runner import WorkflowRunner
 from moorline.errors import CancelRequested, LeaseLost
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
-from moorline.types import JSONValue, RunId, StepStatus
+from moorline.types import JSONObject, JSONValue, RunId, StepStatus
 from moorline.worker.worker import Worker
 from tests.contract.queue_helpers import (
     NO_CAP,
@@ -46,6 +46,20 @@ from tests.helpers import wait_for
 Workflow = Callable[..., Any]
 
 
+class WatchedStore(InMemoryRuntimeStore):
+    """The in-memory store, counting the waits for a decision that have begun."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupt_waits = 0
+
+    async def wait_interrupt(
+        self, run_id: RunId, interrupt_id: str, timeout_s: float
+    ) -> JSONObject | None:
+        self.interrupt_waits += 1
+        return await super().wait_interrupt(run_id, interrupt_id, timeout_s)
+
+
 class Harness:
     """One tenant, one lane, an app to register workflows on, and claims by hand."""
 
@@ -53,7 +67,7 @@ class Harness:
         self.db = db
         self.tenants = tenants
         self.app = Moorline(settings)
-        self.store = InMemoryRuntimeStore()
+        self.store = WatchedStore()
         self.runner = WorkflowRunner(self.app, db=db, store=self.store, settings=settings)
         self.lane = unique("lane")
         self.queue = QueueRepo(db)
@@ -339,10 +353,12 @@ async def test_a_decision_signalled_through_the_store_is_read_once_from_the_data
     run_id = await harness.new_run("ask")
     task = asyncio.create_task(harness.runner.run(await harness.claim()))
     interrupt = await harness.pending(run_id)
-    await wait_for(
-        lambda: harness.store.get_interrupt(run_id, interrupt.interrupt_id),
-        message="the workflow waiting in the store",
-    )
+
+    # Past its first read of the database, which would find a decision stored before.
+    async def waiting_in_the_store() -> bool:
+        return harness.store.interrupt_waits > 0
+
+    await wait_for(waiting_in_the_store, message="the workflow waiting in the store")
     await harness.interrupts.resolve(
         run_id, interrupt.interrupt_id, approved=False, reason="denied", data=None
     )

@@ -24,8 +24,12 @@ from tests.engine.harness import EngineHarness
 from tests.helpers import wait_for
 
 PARK_AFTER_S = 0.1
-SLEEP_S = 1.0
-"""A wait long enough to park (ten times ``PARK_AFTER_S``), short enough to pass in a test."""
+SLEEP_S = 2.0
+"""A wait long enough to park (twenty times ``PARK_AFTER_S``), short enough to pass in a test.
+
+A wait whose deadline passes before the park commits ends in memory instead; a loaded machine
+has been seen to take most of a second over the writes between the two.
+"""
 
 
 @pytest.fixture
