@@ -55,6 +55,21 @@ def unavailable() -> str | None:
     return None
 
 
+def namespaces(prefix: str) -> list[str]:
+    """The network namespaces on the machine whose names start with ``prefix``."""
+    listed = (line.split()[0] for line in run(["ip", "netns", "list"]).stdout.splitlines())
+    return [name for name in listed if name.startswith(prefix)]
+
+
+def links(prefix: str) -> list[str]:
+    """The links of the root namespace whose names start with ``prefix`` (``veth@peer``: veth)."""
+    listed = (
+        line.split(":")[1].strip().split("@")[0]
+        for line in run(["ip", "-o", "link"]).stdout.splitlines()
+    )
+    return [name for name in listed if name.startswith(prefix)]
+
+
 def remove_stale() -> list[str]:
     """Remove what networks of a killed test run left on the machine; what was removed.
 
@@ -65,10 +80,7 @@ def remove_stale() -> list[str]:
     killed, the namespaces and links deleted.
     """
     removed: list[str] = []
-    for line in run(["ip", "netns", "list"]).stdout.splitlines():
-        namespace = line.split()[0]
-        if not namespace.startswith(NAME_PREFIX):
-            continue
+    for namespace in namespaces(NAME_PREFIX):
         for pid in run(["ip", "netns", "pids", namespace], check=False).stdout.split():
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -76,11 +88,9 @@ def remove_stale() -> list[str]:
                 pass
         run(["ip", "netns", "delete", namespace], check=False)
         removed.append(f"namespace {namespace}")
-    for line in run(["ip", "-o", "link"]).stdout.splitlines():
-        link = line.split(":")[1].strip().split("@")[0]
-        if link.startswith(NAME_PREFIX):
-            run(["ip", "link", "delete", link], check=False)
-            removed.append(f"link {link}")
+    for link in links(NAME_PREFIX):
+        run(["ip", "link", "delete", link], check=False)
+        removed.append(f"link {link}")
     return removed
 
 
@@ -159,16 +169,9 @@ class Network:
 
     def leftovers(self) -> list[str]:
         """What of this network is still on the machine: namespaces, links, root rules."""
-        found = [
-            f"namespace {line.split()[0]}"
-            for line in run(["ip", "netns", "list"]).stdout.splitlines()
-            if line.startswith(f"{NAME_PREFIX}{self.tag}")
-        ]
-        found += [
-            f"link {line.split(':')[1].strip()}"
-            for line in run(["ip", "-o", "link"]).stdout.splitlines()
-            if f"{NAME_PREFIX}{self.tag}" in line
-        ]
+        mine = f"{NAME_PREFIX}{self.tag}"
+        found = [f"namespace {name}" for name in namespaces(mine)]
+        found += [f"link {name}" for name in links(mine)]
         found += [
             f"root rule {line}"
             for line in run(["iptables", "-w", "-S"]).stdout.splitlines()
