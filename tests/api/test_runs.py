@@ -340,6 +340,15 @@ async def test_a_trigger_is_answered_as_fastapis_own_solver_would_answer_it(
     assert {status for status, _ in by_hand} >= {200, 400, 401, 404, 409, 422}
 
 
+def _form_of(name: bytes, value: bytes) -> bytes:
+    """A header's value, or for those that name a run or count time, its form."""
+    if name == b"location":
+        return value.rsplit(b"/", 1)[0]
+    if name == b"ratelimit-remaining":
+        return b"<count>" if value.isdigit() else value
+    return value
+
+
 async def test_the_fast_and_the_public_trigger_paths_answer_alike(make_api: MakeApi) -> None:
     # fast_paths=False: FastAPI's own solver and route order, and Starlette's own Response.
     answers: dict[bool, list[Any]] = {}
@@ -351,9 +360,11 @@ async def test_the_fast_and_the_public_trigger_paths_answer_alike(make_api: Make
             accepted = await api.trigger(caller, idempotency_key="same")
             again = await api.trigger(caller, idempotency_key="same")
             # Each app makes its own run: the Location names it (its id differs, not its form).
+            # The hits left in the rate limit's one-second window depend on how long the
+            # triggers before took: only its form is compared.
             answers[fast] += [
                 [
-                    (name, value if name != b"location" else value.rsplit(b"/", 1)[0])
+                    (name, _form_of(name, value))
                     for name, value in answer.headers.raw
                     if name != b"content-length"
                 ]
