@@ -341,7 +341,7 @@ async def test_a_trigger_is_answered_as_fastapis_own_solver_would_answer_it(
 
 
 def _form_of(name: bytes, value: bytes) -> bytes:
-    """A header's value, or for those that name a run or count time, its form."""
+    """A header's value, or the form of one that names a run or counts recent hits."""
     if name == b"location":
         return value.rsplit(b"/", 1)[0]
     if name == b"ratelimit-remaining":
