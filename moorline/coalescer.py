@@ -38,12 +38,29 @@ class Coalescer(Generic[T, R]):
         self._sender: asyncio.Task[None] | None = None
 
     async def __call__(self, item: T) -> R:
+        return await self.submit(item)
+
+    def submit(self, item: T) -> asyncio.Future[R]:
+        """Queue ``item`` for the next batch; the future has its result once it is sent."""
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
         if self._sender is None:
             # Scheduled, not run: the items asked for in this turn of the loop join the batch.
             self._sender = asyncio.create_task(self._send_all(), name=self._name)
-        return await future
+        return future
+
+    def withdraw(self, future: asyncio.Future[R]) -> bool:
+        """Take back the item of ``future`` if no batch has taken it yet (``future`` cancelled).
+
+        Returns:
+            True when the item was withdrawn: it will never be sent.
+        """
+        for index, (_, waiting) in enumerate(self._pending):
+            if waiting is future:
+                del self._pending[index]
+                future.cancel()
+                return True
+        return False
 
     async def _send_all(self) -> None:
         batch: list[tuple[T, asyncio.Future[R]]] = []

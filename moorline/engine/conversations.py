@@ -15,11 +15,21 @@ different lifetimes (seed 000):
   ``ConversationBusy``, a retryable failure: two runs of one conversation never execute
   together.
 - the **interactive window**, which names the run whose workflow code is executing now: it
-  opens when the workflow starts and closes as soon as it returns or raises, before the
+  opens as the workflow starts and closes as soon as it returns or raises, before the
   attempt's post-processing (final events, outcome), so messages are accepted only while
   something can still drain them. Runs without a conversation use their run id as the window's
   key. The worker's attempts open and close their windows in shared round trips
   (:mod:`moorline.engine.windows`).
+
+  The workflow does not wait for its window to open: the open is queued as it starts, and the
+  attempt's first write (an event, a step, an interrupt, a drain, a child; the
+  :class:`~moorline.engine.events.EventWriter` waits in :meth:`Conversations.opened`) waits for
+  it. Whatever a run shows the world goes through such a write, so anyone who saw the run
+  act, and answers it with a message, finds its window open; code with no write yet may find
+  a message refused for a round trip longer than before (a ``running`` run already refused
+  them until its window opened). A workflow that returns before any batch took its open
+  withdraws it: that window never opens, nothing is closed, and a no-op run makes no store
+  call at all.
 
 The store is coordination that may be lost: when it cannot be reached, the attempt runs on
 (the database still fences every write); its window stays closed, so messages are refused
@@ -27,6 +37,7 @@ until a heartbeat reaches the store again.
 """
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
@@ -81,6 +92,9 @@ class _Live:
     claim: Claim
     holds_lease: bool = False
     window_open: bool = False
+    """Its open was asked for and it is not closing (the open may still be under way)."""
+    opening: asyncio.Future[bool] | None = None
+    """The attempt's first open (:meth:`Windows.begin`), done once the store has it."""
 
 
 class Conversations:
@@ -101,7 +115,7 @@ class Conversations:
         self._live: dict[tuple[RunId, Attempt], _Live] = {}
 
     async def enter(self, claim: Claim) -> None:
-        """Take the conversation lease (if the run has a conversation), open the window.
+        """Take the conversation lease (if the run has a conversation), queue the window's open.
 
         Raises:
             ConversationBusy: Another run of the conversation holds the lease and is live.
@@ -112,8 +126,6 @@ class Conversations:
             if key is not None:
                 await self._acquire(claim, key)
                 live.holds_lease = True
-            await self._windows.open(window_key(claim.run), claim.fence.run_id)
-            live.window_open = True
         except BackendUnavailable as exc:
             logger.warning(
                 "run %s: runtime store unreachable, no conversation lease or window: %r",
@@ -121,9 +133,32 @@ class Conversations:
                 exc,
                 extra=_extra(claim),
             )
+            return
         except BaseException:
             await self.release(claim)
             raise
+        live.opening = self._windows.begin(window_key(claim.run), claim.fence.run_id)
+        live.window_open = True
+        live.opening.add_done_callback(functools.partial(_note_open, live))
+
+    async def opened(self, claim: Claim) -> None:
+        """Wait until the attempt's window is open, or could not be opened (that is logged).
+
+        Raises:
+            Exception: What the store raised other than :class:`BackendUnavailable` (as the
+                attempt's start raised it when the open was awaited there).
+        """
+        live = self._live.get(_key(claim))
+        opening = None if live is None else live.opening
+        if opening is None:
+            return
+        if not opening.done():
+            await asyncio.wait([opening])  # not cancelled with its waiter: others wait too
+        if opening.cancelled():
+            return
+        error = opening.exception()
+        if error is not None and not isinstance(error, BackendUnavailable):
+            raise error
 
     async def leave(self, claim: Claim) -> None:
         """Close the interactive window: the workflow code has returned or raised."""
@@ -131,6 +166,8 @@ class Conversations:
         if live is None or not live.window_open:
             return
         live.window_open = False
+        if live.opening is not None and self._windows.withdraw(live.opening):
+            return  # the store never saw the open: nothing to close
         await self._quietly(claim, self._windows.close(window_key(claim.run), claim.fence.run_id))
 
     async def release(self, claim: Claim) -> None:
@@ -165,7 +202,9 @@ class Conversations:
                         taken.holder,
                         extra=_extra(claim),
                     )
-        if live.window_open:
+        # Not while the first open is under way: it sets the TTL itself, and until it is sent
+        # it may still be withdrawn, which a second open behind it would undo.
+        if live.window_open and live.opening is not None and live.opening.done():
             await self._quietly(
                 claim, self._windows.open(window_key(claim.run), claim.fence.run_id)
             )
@@ -206,6 +245,20 @@ class Conversations:
                 extra=_extra(claim),
             )
             return None
+
+
+def _note_open(live: _Live, opening: asyncio.Future[bool]) -> None:
+    """The first open is done: a failed one leaves the window closed, and is logged."""
+    if opening.cancelled() or (error := opening.exception()) is None:
+        return
+    live.window_open = False
+    claim = live.claim
+    logger.warning(
+        "run %s: runtime store unreachable, no interactive window: %r",
+        claim.fence.run_id,
+        error,
+        extra=_extra(claim),
+    )
 
 
 def _key(claim: Claim) -> tuple[RunId, Attempt]:

@@ -28,7 +28,7 @@ the next emit or flush: the events of that batch are not written, and the attemp
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 
@@ -129,6 +129,9 @@ class EventWriter:
         flush_interval_s: Longest a buffered event waits before a timer writes it.
         max_pending: Buffered events at which the emitting workflow waits for the writer
             (default ``PENDING_BATCHES`` batches).
+        opened: Awaited before the attempt's first write, an event's or a checkpoint's
+            (:meth:`flush_before_checkpoint`): its interactive window is open by then
+            (:meth:`~moorline.engine.conversations.Conversations.opened`).
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class EventWriter:
         batch_size: int = DEFAULT_BATCH_SIZE,
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         max_pending: int | None = None,
+        opened: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -164,6 +168,7 @@ class EventWriter:
         """Set while fewer than ``max_pending`` events wait: the workflow may emit on."""
         self._room.set()
         self._error: BaseException | None = None
+        self._opened = opened
         self.batches_written = 0
 
     @property
@@ -228,6 +233,7 @@ class EventWriter:
         """
         if self._durable == 0 and not self._lock.locked():
             self._raise_error()
+            await self._open()
             return
         await self.flush()
 
@@ -299,6 +305,7 @@ class EventWriter:
     async def _write_locked(self, extra: list[tuple[str, JSONObject]]) -> list[Event]:
         """Write everything buffered (and ``extra`` after it), a batch per transaction."""
         self._cancel_timer()
+        await self._open()
         self._pending.extend(extra)
         # Everything buffered is written below (or the attempt is over): none left to wait for.
         self._durable = 0
@@ -320,6 +327,12 @@ class EventWriter:
             await self.publish(batch)
             written += batch
         return written
+
+    async def _open(self) -> None:
+        """Wait for the attempt's window the first time (see ``opened``)."""
+        if self._opened is not None:
+            await self._opened()
+            self._opened = None
 
     def _raise_error(self) -> None:
         if self._error is not None:

@@ -25,11 +25,13 @@ one before an :class:`~moorline.engine.limits.AttemptGuard` cancels it outright.
 Around the workflow call the runner keeps the attempt's runtime state
 (:mod:`moorline.engine.conversations`): the conversation lease is taken before the workflow
 starts and released by :meth:`Runner.release` once the worker has written the outcome; the
-interactive window is open exactly while the workflow code runs. Between the workflow's end and
+interactive window is open while the workflow code runs (from its first write at the latest:
+the conversations module says how). Between the workflow's end and
 the outcome, the buffered events are written, so the terminal outcome is the last record.
 """
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -219,6 +221,7 @@ class WorkflowRunner:
             store=self._store,
             batch_size=self._event_batch_size,
             flush_interval_s=self._event_flush_interval_s,
+            opened=functools.partial(self._conversations.opened, claim),
         )
 
     async def run(

@@ -10,9 +10,12 @@ outcomes are committed together), so their windows change together too.
 :class:`Windows` sends the changes asked for while the previous round trip was in flight as
 one batch (:meth:`~moorline.runtime.base.RuntimeStore.change_windows`), in order: an idle
 worker pays one round trip per change, as before, and a busy one a round trip per batch.
-Each caller still waits until its own change is in the store, so the window's promise is
-unchanged: it is open before the workflow's code runs and closed before the attempt's last
-events and outcome are written.
+A close waits until it is in the store: the window is closed before the attempt's last events
+and outcome are written. An attempt's first open is only queued (:meth:`Windows.begin`): its
+workflow starts at once, and the attempt's first write waits for the open
+(:mod:`moorline.engine.conversations` says why that keeps messages safe). When the workflow
+returns before any batch has taken that open, the open is withdrawn and there is nothing to
+close: a run that does nothing worth a message costs the store nothing.
 """
 
 import asyncio
@@ -54,6 +57,22 @@ class Windows:
             BackendUnavailable: The store could not be reached, or did not answer in time.
         """
         await self._changes(WindowChange(key, run_id, opens=True))
+
+    def begin(self, key: str, run_id: RunId) -> asyncio.Future[bool]:
+        """Queue the opening of ``key``'s window for ``run_id``, without waiting for it.
+
+        Returns:
+            The open's future; a failure is :class:`BackendUnavailable`, as for :meth:`open`.
+        """
+        return self._changes.submit(WindowChange(key, run_id, opens=True))
+
+    def withdraw(self, opening: asyncio.Future[bool]) -> bool:
+        """Take back an open of :meth:`begin` that no batch has taken yet (it is cancelled).
+
+        Returns:
+            True when it was withdrawn: the store never saw it, so there is nothing to close.
+        """
+        return self._changes.withdraw(opening)
 
     async def close(self, key: str, run_id: RunId) -> bool:
         """Close ``key``'s window if ``run_id`` holds it; True when it was closed.

@@ -6,7 +6,7 @@ attempt's start until its outcome is written, renewed by the worker's heartbeat.
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,8 @@ from moorline.db.repos.runs import NewRun, Succeeded
 from moorline.db.schema import runs
 from moorline.engine.conversations import lease_holder
 from moorline.errors import ConversationBusy, InvalidInput, RunNotFound, RunNotInteractive
-from moorline.runtime.base import RuntimeStore, conversation_key
+from moorline.runtime.base import RuntimeStore, WindowChange, conversation_key
+from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
 from moorline.types import JSONValue, RunId, RunStatus
 from tests.contract.queue_helpers import Tenants
@@ -66,6 +67,13 @@ async def test_messages_are_accepted_only_while_the_workflow_code_runs(
     claim = await engine.claim()
     task = asyncio.create_task(engine.runner.run(claim))
     await asyncio.wait_for(entered.wait(), 10)
+
+    async def window_open() -> bool:
+        return await engine.store.is_interactive(run_id, run_id)
+
+    # The code runs without waiting for its window, which opens a round trip later even if
+    # the code writes nothing.
+    await wait_for(window_open, message="the window to open while the code runs")
     assert (await engine.inbox.post_message(tenant, run_id, "hello")).seq == 1
     assert (await engine.inbox.post_message(tenant, run_id, "again")).seq == 2
     with pytest.raises(RunNotFound):
@@ -82,6 +90,75 @@ async def test_messages_are_accepted_only_while_the_workflow_code_runs(
     await engine.runner.release(claim)
     listed = await engine.inbox.list_messages(tenant, run_id)
     assert [(m.content, m.delivered_attempt) for m in listed] == [("hello", 1), ("again", 1)]
+
+
+class HeldWindows(InMemoryRuntimeStore):
+    """The in-memory store, recording its window changes; they wait for ``gate`` when set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changes: list[WindowChange] = []
+        self.gate: asyncio.Event | None = None
+
+    async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
+        self.changes += changes
+        if self.gate is not None:
+            await self.gate.wait()
+        return await super().change_windows(changes, ttl_s)
+
+
+async def test_a_run_that_returns_before_its_window_is_sent_never_opens_it(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    store = HeldWindows()
+    engine = EngineHarness(db, store, tenants)
+
+    @engine.app.workflow("quick")
+    async def quick(ctx: Context) -> int:
+        return 1
+
+    await engine.new_run("quick")
+    claim = await engine.claim()
+    assert await engine.runner.run(claim) == 1
+    await engine.runner.release(claim)
+    assert store.changes == [], "no open to send, so no close either"
+    await store.close()
+
+
+async def test_the_code_starts_before_its_window_opens_and_its_first_write_waits_for_it(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    store = HeldWindows()
+    store.gate = asyncio.Event()
+    engine = EngineHarness(db, store, tenants)
+    started, emitted, gate = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    @engine.app.workflow("chat")
+    async def chat(ctx: Context) -> list[str]:
+        started.set()
+        await ctx.emit("ready", {})
+        emitted.set()
+        await gate.wait()
+        return await ctx.drain_messages()
+
+    run_id = await engine.new_run("chat")
+    assert engine.tenant is not None
+    task = asyncio.create_task(engine.runner.run(claim := await engine.claim()))
+    await asyncio.wait_for(started.wait(), 10)
+    assert store.changes == [WindowChange(run_id, run_id, opens=True)]
+    # The open is held in the store: the event waits for it, unwritten.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(emitted.wait(), 0.2)
+    assert await engine.stored(run_id, "ready") == []
+    store.gate.set()
+    await asyncio.wait_for(emitted.wait(), 10)
+    # Whoever saw the event finds the window open.
+    assert [event.type for event in await engine.stored(run_id, "ready")] == ["ready"]
+    assert (await engine.inbox.post_message(engine.tenant, run_id, "hello")).seq == 1
+    gate.set()
+    assert await asyncio.wait_for(task, 10) == ["hello"]
+    await engine.runner.release(claim)
+    await store.close()
 
 
 async def test_a_replay_gets_the_same_messages_from_the_same_drain(engine: EngineHarness) -> None:

@@ -93,6 +93,23 @@ async def test_a_cancelled_sender_cancels_the_callers_waiting_on_it() -> None:
         await caller
 
 
+async def test_an_item_withdrawn_before_its_batch_is_taken_is_never_sent() -> None:
+    recorder = Recorder()
+    recorder.gate = asyncio.Event()
+    coalescer = Coalescer(recorder.send, name="test")
+    flying = coalescer.submit("a")
+    await recorder.sending.wait()
+    queued, kept = coalescer.submit("b"), coalescer.submit("c")
+    assert not coalescer.withdraw(flying), "a batch has taken it"
+    assert coalescer.withdraw(queued)
+    assert queued.cancelled()
+    assert not coalescer.withdraw(queued), "withdrawn once"
+    recorder.gate.set()
+    assert await flying == "A"
+    assert await kept == "C"
+    assert recorder.batches == [["a"], ["c"]]
+
+
 class CountingStore(InMemoryRuntimeStore):
     """The in-memory store, recording its batches of window changes; ``hang`` makes them hang."""
 
@@ -147,4 +164,19 @@ async def test_a_hung_batch_counts_as_an_unreachable_store_and_the_next_is_sent(
     store.hang = False
     await asyncio.wait_for(windows.open("c1", RunId("run-1")), 5)
     assert await store.get_interactive_run("c1") == "run-1"
+    await store.close()
+
+
+async def test_an_open_withdrawn_before_it_is_sent_leaves_the_store_untouched() -> None:
+    store = CountingStore()
+    windows = Windows(store, ttl_s=30.0, timeout_s=5.0)
+    opening = windows.begin("c1", RunId("run-1"))
+    assert windows.withdraw(opening)
+    # A begun open the loop got to send is in the store, and can no longer be withdrawn.
+    sent = windows.begin("c2", RunId("run-2"))
+    assert await sent is True
+    assert not windows.withdraw(sent)
+    assert store.batches == [[WindowChange("c2", RunId("run-2"), opens=True)]]
+    assert await store.get_interactive_run("c1") is None
+    assert await store.get_interactive_run("c2") == "run-2"
     await store.close()
