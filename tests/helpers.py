@@ -9,6 +9,9 @@ from typing import TypeVar
 
 from prometheus_client.registry import Collector
 
+from moorline.runtime.base import RuntimeStore
+from moorline.types import RunId
+
 T = TypeVar("T")
 
 FULL_SIZE = os.environ.get("MOORLINE_FULL") == "1"
@@ -31,6 +34,20 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {message}")
         await asyncio.sleep(interval_s)
+
+
+async def until_interactive(store: RuntimeStore, key: str, run_id: str) -> None:
+    """Wait until ``run_id``'s interactive window under ``key`` is open.
+
+    A workflow starts before its window's open reaches the store (a round trip later, or by
+    the run's first write): a test that learns of the start out of band, through an
+    ``asyncio.Event``, waits here before posting a message, as a client retries its 409.
+    """
+
+    async def is_open() -> bool:
+        return await store.is_interactive(key, RunId(run_id))
+
+    await wait_for(is_open, message=f"the interactive window of run {run_id}")
 
 
 def sampled(metric: Collector, sample: str, **labels: str) -> float:

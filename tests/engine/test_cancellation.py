@@ -31,7 +31,7 @@ from moorline.types import JSONValue, RunId, RunStatus, TenantId
 from moorline.worker.worker import Worker
 from tests.conftest import CAPABILITIES
 from tests.contract.queue_helpers import Tenants, event_types, no_caps, unique
-from tests.helpers import wait_for
+from tests.helpers import until_interactive, wait_for
 from tests.runtime.conftest import delete_keys, keys_without_ttl, make_redis_store
 from tests.servers import require_server, unique_name
 
@@ -218,6 +218,7 @@ async def test_a_message_drain_after_the_cancel_raises_cancelled(bench: Bench) -
     inbox = Inbox(bench.db, bench.store)
     async with Serving(bench.worker()):
         await asyncio.wait_for(started.wait(), 10)
+        await until_interactive(bench.store, run_id, run_id)
         await inbox.post_message(bench.tenant, run_id, "hello")
         posted.set()
         await asyncio.wait_for(first_drained.wait(), 10)

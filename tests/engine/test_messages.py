@@ -24,7 +24,7 @@ from moorline.settings import Settings
 from moorline.types import JSONValue, RunId, RunStatus
 from tests.contract.queue_helpers import Tenants
 from tests.engine.harness import EngineHarness
-from tests.helpers import wait_for
+from tests.helpers import until_interactive, wait_for
 
 HEARTBEAT_LEASE_S = 1.2
 """Lease TTL of the heartbeat test: renewals every 0.4 s, self-fencing at 1.0 s."""
@@ -67,13 +67,9 @@ async def test_messages_are_accepted_only_while_the_workflow_code_runs(
     claim = await engine.claim()
     task = asyncio.create_task(engine.runner.run(claim))
     await asyncio.wait_for(entered.wait(), 10)
-
-    async def window_open() -> bool:
-        return await engine.store.is_interactive(run_id, run_id)
-
     # The code runs without waiting for its window, which opens a round trip later even if
     # the code writes nothing.
-    await wait_for(window_open, message="the window to open while the code runs")
+    await until_interactive(engine.store, run_id, run_id)
     assert (await engine.inbox.post_message(tenant, run_id, "hello")).seq == 1
     assert (await engine.inbox.post_message(tenant, run_id, "again")).seq == 2
     with pytest.raises(RunNotFound):
@@ -178,6 +174,7 @@ async def test_a_replay_gets_the_same_messages_from_the_same_drain(engine: Engin
     assert engine.tenant is not None
     first_try = asyncio.create_task(engine.runner.run(await engine.claim()))
     await asyncio.wait_for(entered[1].wait(), 10)
+    await until_interactive(engine.store, run_id, run_id)
     for text in ("m1", "m2"):
         await engine.inbox.post_message(engine.tenant, run_id, text)
     gates[1].set()
@@ -186,6 +183,7 @@ async def test_a_replay_gets_the_same_messages_from_the_same_drain(engine: Engin
 
     second_try = asyncio.create_task(engine.runner.run(await engine.reclaim()))
     await asyncio.wait_for(entered[2].wait(), 10)
+    await until_interactive(engine.store, run_id, run_id)
     await engine.inbox.post_message(engine.tenant, run_id, "m3")
     gates[2].set()
     # The replayed first drain returns its recorded batch, not m3; the next one takes m3.
@@ -214,7 +212,7 @@ async def test_the_conversation_lease_lives_until_the_outcome_is_written(
     async with engine.worker():
         await asyncio.wait_for(entered.wait(), 10)
         assert await store.get_lease_holder(conv_key(engine)) == f"{run_id}#1"
-        assert await store.is_interactive(conv_key(engine), run_id)
+        await until_interactive(store, conv_key(engine), run_id)
         with pytest.raises(ConversationBusy) as busy:
             await engine.new_run("turn", conversation_id="conv")
         assert busy.value.active_run_id == run_id
@@ -317,8 +315,8 @@ async def test_two_tenants_may_use_the_same_conversation_id_at_once(
     async with engine.worker():
         # Both workflows execute together: neither run was refused by the other's lease.
         await asyncio.wait_for(asyncio.gather(entered[1].wait(), entered[2].wait()), 10)
-        assert await engine.store.is_interactive(conversation_key(first_tenant, "conv"), first)
-        assert await engine.store.is_interactive(conv_key(engine), second)
+        await until_interactive(engine.store, conversation_key(first_tenant, "conv"), first)
+        await until_interactive(engine.store, conv_key(engine), second)
         gate.set()
         await engine.until_status(first, RunStatus.SUCCEEDED)
         await engine.until_status(second, RunStatus.SUCCEEDED)
