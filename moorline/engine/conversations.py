@@ -32,8 +32,9 @@ different lifetimes (seed 000):
   call at all.
 
 The store is coordination that may be lost: when it cannot be reached, the attempt runs on
-(the database still fences every write); its window stays closed, so messages are refused
-until a heartbeat reaches the store again.
+(the database still fences every write). A lease or window the attempt could not take at its
+start is not asked for again: that attempt refuses messages to its end. One taken and then
+lost (a store restart) is taken again by the next heartbeat.
 """
 
 import asyncio
