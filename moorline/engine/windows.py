@@ -56,7 +56,7 @@ class Windows:
         Raises:
             BackendUnavailable: The store could not be reached, or did not answer in time.
         """
-        await self._changes(WindowChange(key, run_id, opens=True))
+        await self.begin(key, run_id)
 
     def begin(self, key: str, run_id: RunId) -> asyncio.Future[bool]:
         """Queue the opening of ``key``'s window for ``run_id``, without waiting for it.

@@ -6,7 +6,7 @@ attempt out exactly as the reaper would.
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from sqlalchemy import select
@@ -26,12 +26,29 @@ from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
 from moorline.engine.streams import EventStreams
 from moorline.llm.governance import CallHook
-from moorline.runtime.base import RuntimeStore
+from moorline.runtime.base import RuntimeStore, WindowChange
+from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
 from moorline.types import JSONObject, RunId, RunStatus, TenantId
 from moorline.worker.worker import Worker
 from tests.contract.queue_helpers import NO_CAP, Tenants, no_caps, requeue_all, unique
 from tests.helpers import wait_for
+
+
+class CountingStore(InMemoryRuntimeStore):
+    """The in-memory store, recording its batches of window changes; while ``gate`` is set to
+    an event, each batch waits for it (one never set: the store hangs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[WindowChange]] = []
+        self.gate: asyncio.Event | None = None
+
+    async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
+        self.batches.append(list(changes))
+        if self.gate is not None:
+            await self.gate.wait()
+        return await super().change_windows(changes, ttl_s)
 
 
 class EngineHarness:

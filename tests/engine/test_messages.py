@@ -6,7 +6,7 @@ attempt's start until its outcome is written, renewed by the worker's heartbeat.
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,11 +19,10 @@ from moorline.db.schema import runs
 from moorline.engine.conversations import lease_holder
 from moorline.errors import ConversationBusy, InvalidInput, RunNotFound, RunNotInteractive
 from moorline.runtime.base import RuntimeStore, WindowChange, conversation_key
-from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
 from moorline.types import JSONValue, RunId, RunStatus
 from tests.contract.queue_helpers import Tenants
-from tests.engine.harness import EngineHarness
+from tests.engine.harness import CountingStore, EngineHarness
 from tests.helpers import until_interactive, wait_for
 
 HEARTBEAT_LEASE_S = 1.2
@@ -88,25 +87,10 @@ async def test_messages_are_accepted_only_while_the_workflow_code_runs(
     assert [(m.content, m.delivered_attempt) for m in listed] == [("hello", 1), ("again", 1)]
 
 
-class HeldWindows(InMemoryRuntimeStore):
-    """The in-memory store, recording its window changes; they wait for ``gate`` when set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.changes: list[WindowChange] = []
-        self.gate: asyncio.Event | None = None
-
-    async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
-        self.changes += changes
-        if self.gate is not None:
-            await self.gate.wait()
-        return await super().change_windows(changes, ttl_s)
-
-
 async def test_a_run_that_returns_before_its_window_is_sent_never_opens_it(
     db: DatabaseManager, tenants: Tenants
 ) -> None:
-    store = HeldWindows()
+    store = CountingStore()
     engine = EngineHarness(db, store, tenants)
 
     @engine.app.workflow("quick")
@@ -117,14 +101,14 @@ async def test_a_run_that_returns_before_its_window_is_sent_never_opens_it(
     claim = await engine.claim()
     assert await engine.runner.run(claim) == 1
     await engine.runner.release(claim)
-    assert store.changes == [], "no open to send, so no close either"
+    assert store.batches == [], "no open to send, so no close either"
     await store.close()
 
 
 async def test_the_code_starts_before_its_window_opens_and_its_first_write_waits_for_it(
     db: DatabaseManager, tenants: Tenants
 ) -> None:
-    store = HeldWindows()
+    store = CountingStore()
     store.gate = asyncio.Event()
     engine = EngineHarness(db, store, tenants)
     started, emitted, gate = asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -141,7 +125,7 @@ async def test_the_code_starts_before_its_window_opens_and_its_first_write_waits
     assert engine.tenant is not None
     task = asyncio.create_task(engine.runner.run(claim := await engine.claim()))
     await asyncio.wait_for(started.wait(), 10)
-    assert store.changes == [WindowChange(run_id, run_id, opens=True)]
+    assert store.batches == [[WindowChange(run_id, run_id, opens=True)]]
     # The open is held in the store: the event waits for it, unwritten.
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(emitted.wait(), 0.2)

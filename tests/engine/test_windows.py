@@ -1,7 +1,6 @@
 """Interactive windows change in shared round trips (moorline/engine/windows.py)."""
 
 import asyncio
-from collections.abc import Sequence
 
 import pytest
 
@@ -9,8 +8,8 @@ from moorline.coalescer import Coalescer
 from moorline.engine.windows import Windows
 from moorline.errors import BackendUnavailable
 from moorline.runtime.base import WindowChange
-from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.types import RunId
+from tests.engine.harness import CountingStore
 
 
 class Recorder:
@@ -110,21 +109,6 @@ async def test_an_item_withdrawn_before_its_batch_is_taken_is_never_sent() -> No
     assert recorder.batches == [["a"], ["c"]]
 
 
-class CountingStore(InMemoryRuntimeStore):
-    """The in-memory store, recording its batches of window changes; ``hang`` makes them hang."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches: list[list[WindowChange]] = []
-        self.hang = False
-
-    async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
-        self.batches.append(list(changes))
-        if self.hang:
-            await asyncio.Event().wait()
-        return await super().change_windows(changes, ttl_s)
-
-
 async def test_windows_opened_and_closed_together_share_a_store_call() -> None:
     store = CountingStore()
     windows = Windows(store, ttl_s=30.0, timeout_s=5.0)
@@ -158,10 +142,10 @@ async def test_a_close_asked_for_after_an_open_is_applied_after_it() -> None:
 async def test_a_hung_batch_counts_as_an_unreachable_store_and_the_next_is_sent() -> None:
     store = CountingStore()
     windows = Windows(store, ttl_s=30.0, timeout_s=0.2)
-    store.hang = True
+    store.gate = asyncio.Event()  # never set
     with pytest.raises(BackendUnavailable, match=r"did not answer within 0\.2 s"):
         await asyncio.wait_for(windows.open("c1", RunId("run-1")), 5)
-    store.hang = False
+    store.gate = None
     await asyncio.wait_for(windows.open("c1", RunId("run-1")), 5)
     assert await store.get_interactive_run("c1") == "run-1"
     await store.close()
