@@ -33,8 +33,10 @@ different lifetimes (seed 000):
 
 The store is coordination that may be lost: when it cannot be reached, the attempt runs on
 (the database still fences every write). A lease or window the attempt could not take at its
-start is not asked for again: that attempt refuses messages to its end. One taken and then
-lost (a store restart) is taken again by the next heartbeat.
+start is asked for again by each heartbeat while its workflow runs (an agent waiting hours for
+a message must not stay deaf for a blip of the store at its start); one taken and then lost (a
+store restart) is taken again by the next heartbeat. A heartbeat's open goes into the same
+ordered stream as the workflow's close, so it never lands behind it.
 """
 
 import asyncio
@@ -91,11 +93,13 @@ def window_key(run: Run) -> str:
 @dataclass(eq=False, slots=True)
 class _Live:
     claim: Claim
+    executing: bool = True
+    """The workflow code runs: the attempt wants its window (until :meth:`Conversations.leave`)."""
     holds_lease: bool = False
     window_open: bool = False
     """Its open was asked for and it is not closing (the open may still be under way)."""
     opening: asyncio.Future[bool] | None = None
-    """The attempt's first open (:meth:`Windows.begin`), done once the store has it."""
+    """The attempt's last open (:meth:`Windows.begin`), done once the store has it."""
 
 
 class Conversations:
@@ -134,13 +138,11 @@ class Conversations:
                 exc,
                 extra=_extra(claim),
             )
-            return
+            return  # the heartbeat asks again
         except BaseException:
             await self.release(claim)
             raise
-        live.opening = self._windows.begin(window_key(claim.run), claim.fence.run_id)
-        live.window_open = True
-        live.opening.add_done_callback(functools.partial(_note_open, live))
+        self._begin_open(live)
 
     async def opened(self, claim: Claim) -> None:
         """Wait until the attempt's window is open, or could not be opened (that is logged).
@@ -164,7 +166,10 @@ class Conversations:
     async def leave(self, claim: Claim) -> None:
         """Close the interactive window: the workflow code has returned or raised."""
         live = self._live.get(_key(claim))
-        if live is None or not live.window_open:
+        if live is None:
+            return
+        live.executing = False
+        if not live.window_open:
             return
         live.window_open = False
         if live.opening is not None and self._windows.withdraw(live.opening):
@@ -187,7 +192,9 @@ class Conversations:
     async def _renew_one(self, live: _Live) -> None:
         claim = live.claim
         key = lease_key(claim.run)
-        if live.holds_lease and key is not None:
+        if key is not None and not live.holds_lease:
+            await self._retake_lease(live, key)
+        elif live.holds_lease and key is not None:
             holder = lease_holder(claim)
             renewed = await self._quietly(claim, self._store.renew_lease(key, holder, self._ttl_s))
             if renewed is False:
@@ -203,12 +210,58 @@ class Conversations:
                         taken.holder,
                         extra=_extra(claim),
                     )
-        # Not while the first open is under way: it sets the TTL itself, and until it is sent
-        # it may still be withdrawn, which a second open behind it would undo.
-        if live.window_open and live.opening is not None and live.opening.done():
+        if live.executing and not live.window_open and (key is None or live.holds_lease):
+            # Its open failed, or was never asked for (the store was unreachable at the start).
+            opening = self._begin_open(live)
+            await asyncio.wait([opening])  # bounded by the windows' own timeout
+            if live.window_open:
+                logger.info(
+                    "run %s: interactive window opened by the heartbeat",
+                    claim.fence.run_id,
+                    extra=_extra(claim),
+                )
+        # Not while an open is under way: it sets the TTL itself, and until it is sent it may
+        # still be withdrawn, which a second open behind it would undo.
+        elif live.window_open and live.opening is not None and live.opening.done():
             await self._quietly(
                 claim, self._windows.open(window_key(claim.run), claim.fence.run_id)
             )
+
+    def _begin_open(self, live: _Live) -> asyncio.Future[bool]:
+        """Queue the opening of the attempt's window (its first, or a heartbeat's retake)."""
+        claim = live.claim
+        opening = self._windows.begin(window_key(claim.run), claim.fence.run_id)
+        live.opening, live.window_open = opening, True
+        opening.add_done_callback(functools.partial(_note_open, live))
+        return opening
+
+    async def _retake_lease(self, live: _Live, key: str) -> None:
+        """Take the lease the attempt could not take at its start, while its code still runs.
+
+        A stale holder is replaced as at the start; a live one of another run (stored
+        behind admission's back, which refused this attempt at its start) keeps it, and this
+        attempt goes on without lease or window.
+        """
+        claim = live.claim
+        if not live.executing:
+            return
+        try:
+            await self._acquire(claim, key)
+        except BackendUnavailable:
+            return  # still unreachable; already said at the start
+        except ConversationBusy as busy:
+            logger.warning(
+                "run %s: no conversation lease or window, the conversation is held: %s",
+                claim.fence.run_id,
+                busy,
+                extra=_extra(claim),
+            )
+            return
+        live.holds_lease = True
+        if self._live.get(_key(claim)) is not live:
+            # The attempt ended while the lease was being taken: give it back.
+            live.holds_lease = False
+            await self._quietly(claim, self._store.release_lease(key, lease_holder(claim)))
 
     async def _acquire(self, claim: Claim, key: str) -> None:
         mine = lease_holder(claim)

@@ -25,8 +25,9 @@ from moorline.engine.inbox import Inbox
 from moorline.engine.registry import Moorline
 from moorline.engine.runner import WorkflowRunner
 from moorline.engine.streams import EventStreams
+from moorline.errors import BackendUnavailable
 from moorline.llm.governance import CallHook
-from moorline.runtime.base import RuntimeStore, WindowChange
+from moorline.runtime.base import LeaseAcquisition, RuntimeStore, WindowChange
 from moorline.runtime.memory import InMemoryRuntimeStore
 from moorline.settings import Settings
 from moorline.types import JSONObject, RunId, RunStatus, TenantId
@@ -37,18 +38,29 @@ from tests.helpers import wait_for
 
 class CountingStore(InMemoryRuntimeStore):
     """The in-memory store, recording its batches of window changes; while ``gate`` is set to
-    an event, each batch waits for it (one never set: the store hangs)."""
+    an event, each batch waits for it (one never set: the store hangs); while ``unreachable``
+    is true, window changes and lease acquisitions fail as a store that cannot be reached."""
 
     def __init__(self) -> None:
         super().__init__()
         self.batches: list[list[WindowChange]] = []
         self.gate: asyncio.Event | None = None
+        self.unreachable = False
 
     async def change_windows(self, changes: Sequence[WindowChange], ttl_s: float) -> list[bool]:
         self.batches.append(list(changes))
         if self.gate is not None:
             await self.gate.wait()
+        self._fail_if_unreachable()
         return await super().change_windows(changes, ttl_s)
+
+    async def acquire_lease(self, key: str, holder: str, ttl_s: float) -> LeaseAcquisition:
+        self._fail_if_unreachable()
+        return await super().acquire_lease(key, holder, ttl_s)
+
+    def _fail_if_unreachable(self) -> None:
+        if self.unreachable:
+            raise BackendUnavailable("the test's runtime store is unreachable")
 
 
 class EngineHarness:

@@ -141,6 +141,93 @@ async def test_the_code_starts_before_its_window_opens_and_its_first_write_waits
     await store.close()
 
 
+@pytest.mark.parametrize("conversation", [None, "conv"])
+async def test_a_window_the_store_refused_at_the_start_is_opened_by_a_heartbeat(
+    db: DatabaseManager, tenants: Tenants, conversation: str | None
+) -> None:
+    """A store unreachable as the attempt starts leaves it without lease or window; once the
+    store answers, the heartbeat takes them, until the code returns, and never after."""
+    store = CountingStore()
+    store.unreachable = True
+    engine = EngineHarness(db, store, tenants)
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    @engine.app.workflow("chat")
+    async def chat(ctx: Context) -> list[str]:
+        entered.set()
+        await gate.wait()
+        return await ctx.drain_messages()
+
+    run_id = await engine.new_run("chat", conversation_id=conversation)
+    assert engine.tenant is not None
+    key = run_id if conversation is None else conv_key(engine)
+    task = asyncio.create_task(engine.runner.run(claim := await engine.claim()))
+    await asyncio.wait_for(entered.wait(), 10)
+    if conversation is None:
+
+        async def open_failed() -> bool:
+            return bool(store.batches) and not await store.is_interactive(key, run_id)
+
+        await wait_for(open_failed, message="the first open to fail")
+    await engine.runner.renew([claim])  # a heartbeat while the store is still down
+    with pytest.raises(RunNotInteractive):
+        await engine.inbox.post_message(engine.tenant, run_id, "lost in the outage")
+
+    store.unreachable = False
+    await engine.runner.renew([claim])
+    assert await store.is_interactive(key, run_id)
+    if conversation is not None:
+        assert await store.get_lease_holder(key) == f"{run_id}#1"
+    assert (await engine.inbox.post_message(engine.tenant, run_id, "hello")).seq == 1
+    gate.set()
+    assert await asyncio.wait_for(task, 10) == ["hello"]
+    await engine.runner.renew([claim])  # the code is over: no heartbeat opens it again
+    assert not await store.is_interactive(key, run_id)
+    await engine.runner.release(claim)
+    assert await store.get_lease_holder(key) is None
+    await store.close()
+
+
+async def test_a_heartbeats_open_under_way_as_the_code_returns_is_closed_behind_it(
+    db: DatabaseManager, tenants: Tenants
+) -> None:
+    store = CountingStore()
+    store.unreachable = True
+    engine = EngineHarness(db, store, tenants)
+    gate = asyncio.Event()
+
+    @engine.app.workflow("chat")
+    async def chat(ctx: Context) -> None:
+        await gate.wait()
+
+    run_id = await engine.new_run("chat")
+    task = asyncio.create_task(engine.runner.run(claim := await engine.claim()))
+
+    async def open_failed() -> bool:
+        return bool(store.batches) and not await store.is_interactive(run_id, run_id)
+
+    await wait_for(open_failed, message="the first open to fail")
+    store.unreachable, store.gate = False, asyncio.Event()
+    heartbeat = asyncio.create_task(engine.runner.renew([claim]))
+
+    async def retake_sent() -> bool:
+        return len(store.batches) == 2
+
+    await wait_for(retake_sent, message="the heartbeat's open to reach the store")
+    gate.set()  # the code returns while the store holds that open
+    with pytest.raises(TimeoutError):  # its close waits behind the open, and the run for it
+        await asyncio.wait_for(asyncio.shield(task), 0.2)
+    store.gate.set()
+    await asyncio.wait_for(asyncio.gather(task, heartbeat), 10)
+    assert store.batches[1:] == [
+        [WindowChange(run_id, run_id, opens=True)],
+        [WindowChange(run_id, run_id, opens=False)],
+    ]
+    assert not await store.is_interactive(run_id, run_id)
+    await engine.runner.release(claim)
+    await store.close()
+
+
 async def test_a_replay_gets_the_same_messages_from_the_same_drain(engine: EngineHarness) -> None:
     entered = {1: asyncio.Event(), 2: asyncio.Event()}
     gates = {1: asyncio.Event(), 2: asyncio.Event()}
