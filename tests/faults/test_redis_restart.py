@@ -11,6 +11,9 @@ interrupt flag and cancel flag is gone: it keeps nothing on disk) and starts it 
 - the runs that were only working finish, and no run is stuck: everything is terminal within
   the recovery bound of the moment Redis came back;
 - no key the runtime wrote after the restart lacks a TTL.
+
+And a run that starts while Redis is down (its conversation lease and window refused) takes
+messages within a lease TTL of Redis coming back: the worker's heartbeat asks again.
 """
 
 import shutil
@@ -23,12 +26,14 @@ import pytest
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.records import DecisionReason
-from moorline.db.repos.runs import RunsRepo
+from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.dispatch.cancel import cancel_run
+from moorline.engine.inbox import Inbox
+from moorline.errors import RunNotInteractive
 from moorline.runtime.redis import RedisRuntimeStore
 from moorline.types import JSONObject, RunId, RunStatus, TenantId
 from tests.contract.queue_helpers import Tenants, statuses
-from tests.faults.harness import PLAN, RECOVERY_BOUND_S, Workers, submit
+from tests.faults.harness import LANE, LEASE_TTL_S, PLAN, RECOVERY_BOUND_S, Workers, submit
 from tests.faults.test_cancel_faults import started_after_cancel
 from tests.helpers import wait_for
 from tests.private_redis import PrivateRedis
@@ -166,3 +171,67 @@ async def test_a_redis_restart_loses_no_cancel_no_decision_and_strands_no_run(
         workers.log(proc)[-2000:] for proc in workers.procs if proc.returncode != 0
     ]
     assert await keys_without_ttl(store.client, store.keys.prefix) == []
+
+
+async def test_a_run_started_while_redis_is_down_takes_messages_once_it_is_back(
+    db: DatabaseManager,
+    tenant: TenantId,
+    workers: Workers,
+    redis_server: PrivateRedis,
+    store: RedisRuntimeStore,
+) -> None:
+    """Its attempt could take neither lease nor window; the heartbeat takes them (D11)."""
+    runs = RunsRepo(db)
+    worker = workers.start()
+
+    async def serving() -> bool:
+        return workers.is_serving(worker)
+
+    await wait_for(serving, timeout_s=120, message="the worker to serve")
+    redis_server.stop()
+    chats = await runs.submit_many(
+        [
+            NewRun(
+                tenant_id=tenant,
+                workflow="chat",
+                input={"expected": 1},
+                lane=LANE,
+                conversation_id=conversation,
+            )
+            for conversation in (None, "restart")
+        ]
+    )
+    run_ids = [run.run_id for run in chats]
+
+    async def both_refused() -> bool:
+        # Logged when the lease (with a conversation) or the window's open failed.
+        log = workers.log(worker)
+        return all(f"run {run_id}: runtime store unreachable" in log for run_id in run_ids)
+
+    await wait_for(both_refused, timeout_s=30, message="both chats to start without Redis")
+    await redis_server.start()
+    back_at = time.monotonic()
+    inbox = Inbox(db, store)
+    for run_id in run_ids:
+
+        async def accepted(run_id: RunId = run_id) -> bool:
+            try:
+                await inbox.post_message(tenant, run_id, "hello")
+            except RunNotInteractive:
+                return False
+            return True
+
+        # Never, before D11: the attempt refused messages to its end.
+        await wait_for(accepted, timeout_s=LEASE_TTL_S + 5, message=f"{run_id} to take a message")
+    assert time.monotonic() - back_at <= LEASE_TTL_S + 5
+
+    async def both_done() -> bool:
+        found = await statuses(db, run_ids)
+        return all(status == RunStatus.SUCCEEDED.value for status, _ in found.values())
+
+    await wait_for(both_done, timeout_s=30, message="both chats to end with their message")
+    for run_id in run_ids:
+        run = await runs.get(run_id)
+        assert run is not None and run.output == {"received": ["hello"]}, run
+    workers.terminate_all()
+    assert worker.returncode == 0, workers.log(worker)[-2000:]
