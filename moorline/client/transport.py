@@ -238,39 +238,80 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         url = request.url
         port = url.port or (443 if url.scheme == "https" else 80)
-        key = (url.raw_scheme, url.raw_host, port)
         content = await request.aread()
         head = [request.method.encode(), b" ", url.raw_path, b" HTTP/1.1\r\n"]
         for name, value in request.headers.raw:
             head += (name, b": ", value, b"\r\n")
         head.append(b"\r\n")
         data = b"".join(head) + content
-        while True:
-            connection = self._take_idle(key)
-            reused = connection is not None
-            if connection is None:
-                connection = await self._connect(request, key, timeouts)
-            try:
-                connection.start(data)
-                status, headers = await connection.head(timeouts.get("read"))
-                break
-            except httpx.RemoteProtocolError:
-                self._discard(connection)
-                # A kept-alive connection the server closed as the request went out (its idle
-                # timeout): nothing was answered, so a request that may be repeated is sent
-                # again on a fresh connection. Others (a trigger) raise: they may have landed.
-                if reused and not connection.answered and request.method in IDEMPOTENT_METHODS:
-                    continue
-                raise
-            except BaseException:
-                self._discard(connection)
-                raise
+        key = (url.raw_scheme, url.raw_host, port)
+        connection, status, headers = await self._exchange(key, request.method, data, timeouts)
         return httpx.Response(
             status,
             headers=headers,
             stream=_Body(self, connection, timeouts.get("read")),
             extensions={"http_version": b"HTTP/1.1"},
         )
+
+    async def send(
+        self,
+        origin: tuple[bytes, bytes, int],
+        method: str,
+        data: bytes,
+        timeouts: dict[str, float | None],
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Send a request already written as bytes and read its whole answer.
+
+        The client's own calls come this way, with no ``httpx.Request`` or ``httpx.Response``
+        built around them (see :meth:`~moorline.client.calls.RequestBuilder.encode`).
+
+        Args:
+            origin: The server: scheme, host and port.
+            method: The request's method (whether it may be sent again, see
+                :data:`IDEMPOTENT_METHODS`).
+            data: The whole request, head and body.
+            timeouts: ``connect``, ``read`` and ``pool``, in seconds (None: no limit).
+
+        Returns:
+            The answer's status, headers and body.
+        """
+        connection, status, headers = await self._exchange(origin, method, data, timeouts)
+        body: list[bytes] = []
+        try:
+            async for chunk in connection.body(timeouts.get("read")):
+                body.append(chunk)
+        finally:
+            self.release(connection)
+        return status, headers, b"".join(body)
+
+    async def _exchange(
+        self,
+        key: tuple[bytes, bytes, int],
+        method: str,
+        data: bytes,
+        timeouts: dict[str, float | None],
+    ) -> tuple[_Connection, int, list[tuple[bytes, bytes]]]:
+        """Send ``data`` on an idle connection (or a new one); the connection and answer head."""
+        while True:
+            connection = self._take_idle(key)
+            reused = connection is not None
+            if connection is None:
+                connection = await self._connect(key, timeouts)
+            try:
+                connection.start(data)
+                status, headers = await connection.head(timeouts.get("read"))
+                return connection, status, headers
+            except httpx.RemoteProtocolError:
+                self._discard(connection)
+                # A kept-alive connection the server closed as the request went out (its idle
+                # timeout): nothing was answered, so a request that may be repeated is sent
+                # again on a fresh connection. Others (a trigger) raise: they may have landed.
+                if reused and not connection.answered and method in IDEMPOTENT_METHODS:
+                    continue
+                raise
+            except BaseException:
+                self._discard(connection)
+                raise
 
     def release(self, connection: _Connection) -> None:
         """Take back a connection whose answer was read (or abandoned)."""
@@ -297,10 +338,7 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         return None
 
     async def _connect(
-        self,
-        request: httpx.Request,
-        key: tuple[bytes, bytes, int],
-        timeouts: dict[str, float | None],
+        self, key: tuple[bytes, bytes, int], timeouts: dict[str, float | None]
     ) -> _Connection:
         loop = asyncio.get_running_loop()
         host = key[1].decode("ascii")
@@ -324,7 +362,7 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectTimeout(f"could not connect to {host}:{key[2]} in time") from None
         except OSError as exc:
             self._slots.release()
-            raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from exc
+            raise httpx.ConnectError(str(exc) or type(exc).__name__) from exc
         connection.key = key
         self._open.add(connection)
         return connection

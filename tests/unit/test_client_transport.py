@@ -8,12 +8,14 @@ allows (a length, chunks, the end of the connection).
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
 
 from moorline import Client, SyncClient
 from moorline.api.protocol import uvicorn_limits
+from moorline.client import calls
 from moorline.client.calls import RequestBuilder, get_run
 from moorline.client.transport import IDLE_EXPIRY_S, KeepAliveTransport
 from moorline.settings import Settings
@@ -163,6 +165,42 @@ def test_requests_keep_the_base_url_path_and_quote_ids() -> None:
     assert str(RequestBuilder("http://h:1", 5.0).build(get_run("r"), {}).url) == (
         "http://h:1/v1/runs/r"
     )
+
+
+ENCODED_CALLS = [
+    calls.trigger(
+        "echo é/1",
+        {"x": "é", "n": [1, 2.5, None]},
+        idempotency_key="k",
+        conversation_id="c",
+        delay_seconds=1.5,
+    ),
+    calls.trigger("echo", None, idempotency_key=None, conversation_id=None, delay_seconds=None),
+    calls.trigger_batch("echo", [{"input": {"i": 1}}, {"input": {}, "idempotency_key": "b"}]),
+    calls.get_run("a/b?c"),
+    calls.list_runs({"status": "queued", "workflow": "a b&c"}, limit=5, cursor="x+y=="),
+    calls.list_tenants(limit=None, cursor=None),
+    calls.cancel("r"),
+    calls.rerun("r", idempotency_key=None, admin=True),
+    calls.delete_schedule("s 1"),
+    calls.edit_schedule("s", {"paused": True}),
+    calls.post_message("r", "hello \u2603"),
+]
+
+
+@pytest.mark.parametrize("base", ["http://h:1", "http://h:1/prefix/", "https://example.org"])
+@pytest.mark.parametrize("call", ENCODED_CALLS, ids=lambda call: f"{call.method} {call.path}")
+async def test_encoded_requests_are_the_bytes_httpx_would_send(
+    base: str, call: calls.Call[Any]
+) -> None:
+    """The client's own calls skip ``httpx.Request``: what they send must not change."""
+    builder = RequestBuilder(base, 5.0)
+    headers = {"Authorization": "Bearer secret"}
+    built = builder.build(call, headers)
+    head = [built.method.encode(), b" ", built.url.raw_path, b" HTTP/1.1\r\n"]
+    for name, value in built.headers.raw:
+        head += (name, b": ", value, b"\r\n")
+    assert builder.encode(call, headers) == b"".join(head) + b"\r\n" + await built.aread()
 
 
 async def test_a_proxy_in_the_environment_leaves_the_requests_to_httpx(
