@@ -134,8 +134,7 @@ class RequestBuilder:
         self._base = base
         # httpx joins a relative path to the base's path as if it ended in "/"; so do we.
         self._prefix = base.raw_path.rstrip(b"/")
-        self._timeouts = httpx.Timeout(timeout_s).as_dict()
-        self.timeouts: dict[str, float | None] = dict(self._timeouts)
+        self.timeouts: dict[str, float | None] = httpx.Timeout(timeout_s).as_dict()
         """The transport's timeouts of every request (``connect``, ``read``, ...)."""
         port = base.port or (443 if base.scheme == "https" else 80)
         self.origin = (base.raw_scheme, base.raw_host, port)
@@ -178,7 +177,7 @@ class RequestBuilder:
             params=call.params or None,
             json=call.json,
             headers={"Accept": "application/json", **headers},
-            extensions={"timeout": self._timeouts},
+            extensions={"timeout": self.timeouts},
         )
 
 

@@ -6,9 +6,11 @@ connections (quadratic in the concurrency) and probes each idle connection's soc
 anyio layer under it adds a few context managers per read; at 64 in flight one client spent
 about 1 ms of CPU per trigger there (bench/client_cpu.py). Here an idle connection is popped
 from a stack, its socket is an :class:`asyncio.Protocol` (no stream layer), and httptools,
-already a dependency for ``moorline serve``, parses the answers. httpx stays the interface:
-:class:`~moorline.client.Client` still builds ``httpx.Request`` objects and reads
-``httpx.Response`` ones, and tests still pass their own transport.
+already a dependency for ``moorline serve``, parses the answers. httpx stays the interface for
+everything but the client's own calls (event streams, tests that pass their own transport:
+``httpx.Request`` in, ``httpx.Response`` out); :class:`~moorline.client.Client`'s calls are
+written as bytes and read back as bytes (:meth:`KeepAliveTransport.send`), since building
+those two objects cost more CPU than the rest of a request.
 
 What it does not do, because a Moorline server does not need it: HTTP/2, proxies, and
 ``Expect: 100-continue``. ``https`` URLs get a default TLS context (certificates verified).
