@@ -104,7 +104,7 @@ class Client:
     ) -> None:
         self.url = calls.resolve_url(url)
         self._api_key = calls.resolve_api_key(api_key)
-        self._admin_token = admin_token
+        self._admin_token = calls.checked_secret(admin_token, "admin token")
         # A proxy from the environment (HTTP_PROXY, ...) is httpx's to honour: the kept-alive
         # transport speaks only straight to the server.
         if transport is None and not calls.has_environment_proxy():

@@ -102,8 +102,30 @@ def resolve_url(url: str | None) -> str:
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
-    """``api_key``, else ``MOORLINE_API_KEY``, else None (admin-only clients need none)."""
-    return api_key if api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+    """``api_key``, else ``MOORLINE_API_KEY``, else None (admin-only clients need none).
+
+    Raises:
+        InvalidInput: the key cannot go in a header (see :func:`checked_secret`).
+    """
+    key = api_key if api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+    return checked_secret(key, "API key")
+
+
+def checked_secret(secret: str | None, what: str) -> str | None:
+    """``secret``, if an ``Authorization`` header can carry it.
+
+    A line break (a key read from a file with its newline, say) would end the header early
+    and corrupt the request; other control or non-ASCII characters fail deep in the transport.
+
+    Raises:
+        InvalidInput: the secret holds such a character.
+    """
+    if secret is not None and not (secret.isascii() and secret.isprintable()):
+        raise InvalidInput(
+            f"the {what} holds a line break, a control or a non-ASCII character, which an "
+            "HTTP header cannot carry; check how it was read"
+        )
+    return secret
 
 
 def authorization(secret: str | None, *, admin: bool) -> dict[str, str]:

@@ -83,7 +83,7 @@ class SyncClient:
     ) -> None:
         self.url = calls.resolve_url(url)
         self._api_key = calls.resolve_api_key(api_key)
-        self._admin_token = admin_token
+        self._admin_token = calls.checked_secret(admin_token, "admin token")
         # httpx's pool, sized as the async client's; requests go straight to it (see _call),
         # unless a proxy from the environment is httpx's to honour.
         if transport is None and not calls.has_environment_proxy():

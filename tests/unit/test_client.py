@@ -13,13 +13,14 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from moorline import Client
+from moorline import Client, SyncClient
 from moorline.cli.banner import start_banner
 from moorline.cli.main import main
 from moorline.client import ApiError, Event, error_from_response, parse_sse
 from moorline.errors import (
     Conflict,
     ConversationBusy,
+    InvalidInput,
     InvalidRequest,
     QuotaExceeded,
     RateLimited,
@@ -138,6 +139,7 @@ def test_a_client_command_fails_in_one_line(
         (["submit", "greet", "--input", f"@{tmp_path / 'missing.json'}"], "cannot read it"),
         (["status", "r1", "--key", "k"], "error: server_unreachable: could not reach"),
         (["runs"], "error: unauthorized:"),
+        (["status", "r1", "--key", "k\n"], "error: invalid_input: the API key holds a line"),
     ]
     for args, expected in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -145,6 +147,24 @@ def test_a_client_command_fails_in_one_line(
         assert exit_info.value.code == 1
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], (args, lines)
+
+
+@pytest.mark.parametrize("secret", ["key\n", "ke\ry", "k\x00", "clé"])
+def test_a_secret_a_header_cannot_carry_is_refused_when_the_client_is_made(
+    secret: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a request with a broken head (a line break would end the header early)."""
+    for make in (Client, SyncClient):
+        with pytest.raises(InvalidInput, match="API key holds a line break"):
+            make("http://127.0.0.1:1", secret)
+        with pytest.raises(InvalidInput, match="admin token holds a line break"):
+            make("http://127.0.0.1:1", admin_token=secret)
+        if "\x00" not in secret:  # the environment cannot hold a NUL
+            monkeypatch.setenv("MOORLINE_API_KEY", secret)
+            with pytest.raises(InvalidInput, match="API key holds"):
+                make("http://127.0.0.1:1")
+            monkeypatch.delenv("MOORLINE_API_KEY")
+    assert Client("http://127.0.0.1:1", "ml_live_a-b.c~d+e/f=")._api_key == "ml_live_a-b.c~d+e/f="
 
 
 def test_serve_on_loopback_without_an_admin_token_generates_one_for_the_process() -> None:
