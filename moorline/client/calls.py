@@ -44,7 +44,7 @@ from moorline.client.results import (
     Workers,
     Workflows,
 )
-from moorline.client.transport import IDLE_EXPIRY_S, MAX_CONNECTIONS
+from moorline.client.transport import IDLE_EXPIRY_S, MAX_CONNECTIONS, origin_of
 from moorline.errors import InvalidInput, Unauthorized
 from moorline.types import JSONObject, RunStatus
 
@@ -158,8 +158,7 @@ class RequestBuilder:
         self._prefix = base.raw_path.rstrip(b"/")
         self.timeouts: dict[str, float | None] = httpx.Timeout(timeout_s).as_dict()
         """The transport's timeouts of every request (``connect``, ``read``, ...)."""
-        port = base.port or (443 if base.scheme == "https" else 80)
-        self.origin = (base.raw_scheme, base.raw_host, port)
+        self.origin = origin_of(base)
         """The server, as the kept-alive transport keys its connections."""
         self._host = httpx.Request("GET", base).headers["Host"].encode("ascii")
 

@@ -41,6 +41,12 @@ HIGH_WATER_BYTES = 256 * 1024
 """Unread body bytes after which the connection stops reading until the caller catches up."""
 
 
+def origin_of(url: httpx.URL) -> tuple[bytes, bytes, int]:
+    """The server of ``url`` as the transport keys its connections: scheme, host and port."""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return url.raw_scheme, url.raw_host, port
+
+
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection; it carries one exchange at a time."""
 
@@ -239,15 +245,15 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         url = request.url
-        port = url.port or (443 if url.scheme == "https" else 80)
         content = await request.aread()
         head = [request.method.encode(), b" ", url.raw_path, b" HTTP/1.1\r\n"]
         for name, value in request.headers.raw:
             head += (name, b": ", value, b"\r\n")
         head.append(b"\r\n")
         data = b"".join(head) + content
-        key = (url.raw_scheme, url.raw_host, port)
-        connection, status, headers = await self._exchange(key, request.method, data, timeouts)
+        connection, status, headers = await self._exchange(
+            origin_of(url), request.method, data, timeouts
+        )
         return httpx.Response(
             status,
             headers=headers,

@@ -194,7 +194,7 @@ class Conversations:
         key = lease_key(claim.run)
         if key is not None and not live.holds_lease:
             await self._retake_lease(live, key)
-        elif live.holds_lease and key is not None:
+        elif key is not None:
             holder = lease_holder(claim)
             renewed = await self._quietly(claim, self._store.renew_lease(key, holder, self._ttl_s))
             if renewed is False:
