@@ -141,9 +141,22 @@ async def test_the_code_starts_before_its_window_opens_and_its_first_write_waits
     await store.close()
 
 
+async def until_refused(caplog: pytest.LogCaptureFixture, run_id: RunId) -> None:
+    """Wait until ``run_id``'s attempt has heard that the store refused its lease or its
+    window's open: it logs so, after which a heartbeat finds the window closed."""
+
+    async def refused() -> bool:
+        return f"run {run_id}: runtime store unreachable" in caplog.text
+
+    await wait_for(refused, message=f"run {run_id} to hear that the store is unreachable")
+
+
 @pytest.mark.parametrize("conversation", [None, "conv"])
 async def test_a_window_the_store_refused_at_the_start_is_opened_by_a_heartbeat(
-    db: DatabaseManager, tenants: Tenants, conversation: str | None
+    db: DatabaseManager,
+    tenants: Tenants,
+    conversation: str | None,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A store unreachable as the attempt starts leaves it without lease or window; once the
     store answers, the heartbeat takes them, until the code returns, and never after."""
@@ -163,12 +176,7 @@ async def test_a_window_the_store_refused_at_the_start_is_opened_by_a_heartbeat(
     key = run_id if conversation is None else conv_key(engine)
     task = asyncio.create_task(engine.runner.run(claim := await engine.claim()))
     await asyncio.wait_for(entered.wait(), 10)
-    if conversation is None:
-
-        async def open_failed() -> bool:
-            return bool(store.batches) and not await store.is_interactive(key, run_id)
-
-        await wait_for(open_failed, message="the first open to fail")
+    await until_refused(caplog, run_id)
     await engine.runner.renew([claim])  # a heartbeat while the store is still down
     with pytest.raises(RunNotInteractive):
         await engine.inbox.post_message(engine.tenant, run_id, "lost in the outage")
@@ -189,7 +197,7 @@ async def test_a_window_the_store_refused_at_the_start_is_opened_by_a_heartbeat(
 
 
 async def test_a_heartbeats_open_under_way_as_the_code_returns_is_closed_behind_it(
-    db: DatabaseManager, tenants: Tenants
+    db: DatabaseManager, tenants: Tenants, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = CountingStore()
     store.unreachable = True
@@ -203,10 +211,7 @@ async def test_a_heartbeats_open_under_way_as_the_code_returns_is_closed_behind_
     run_id = await engine.new_run("chat")
     task = asyncio.create_task(engine.runner.run(claim := await engine.claim()))
 
-    async def open_failed() -> bool:
-        return bool(store.batches) and not await store.is_interactive(run_id, run_id)
-
-    await wait_for(open_failed, message="the first open to fail")
+    await until_refused(caplog, run_id)
     store.unreachable, store.gate = False, asyncio.Event()
     heartbeat = asyncio.create_task(engine.runner.renew([claim]))
 
