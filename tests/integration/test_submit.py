@@ -272,6 +272,7 @@ async def test_an_outage_mid_bulk_leaves_every_unit_with_its_run(
         async with holder.connect() as holding, admin.connect() as control:
             await holding.begin()
             await holding.execute(insert(runs).values(key_holding_row(tenant, "k2999")))
+            holder_pid = (await holding.execute(text("SELECT pg_backend_pid()"))).scalar_one()
             async with build_app(settings) as app:
                 await app.submit("add", {"a": -1, "b": 0}, tenant=tenant)  # connections open
                 submitting = asyncio.create_task(app.submit_many(items, tenant=tenant))
@@ -290,15 +291,19 @@ async def test_an_outage_mid_bulk_leaves_every_unit_with_its_run(
                 # From another database: PostgreSQL cannot close the one it is connected to.
                 await control.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
                 try:
+                    # The app's backends go first, the holder's after: ended first, the holder
+                    # gave the key back while the waiting batch's own termination was still on
+                    # its way, and that batch once committed in between, on a loaded machine.
+                    terminate = text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = :name AND pid <> :holder"
+                    )
                     killed = (
-                        await control.execute(
-                            text(
-                                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                                "WHERE datname = :name"
-                            ),
-                            {"name": name},
-                        )
+                        await control.execute(terminate, {"name": name, "holder": holder_pid})
                     ).scalar_one()
+                    await control.execute(
+                        text("SELECT pg_terminate_backend(:holder)"), {"holder": holder_pid}
+                    )
                     await holding.invalidate()  # terminated: nothing left to roll back
                     # The outage lasts until the submission has answered: the waiting batch is
                     # its last, so it has then failed through its retries. (A fixed 0.3 s once
@@ -308,6 +313,7 @@ async def test_an_outage_mid_bulk_leaves_every_unit_with_its_run(
                     await control.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
                 assert killed > 0
                 failed = [n for n, got in enumerate(results) if not isinstance(got, Submitted)]
+                assert failed, "every item was stored: the outage came after the last batch"
                 # The batch that waited failed whole, not run by run through the outage; the
                 # batches before it were stored.
                 assert failed == list(range(failed[0], len(items))), failed
