@@ -6,7 +6,7 @@ of SQLite's writes and of PostgreSQL's one-statement writes (:mod:`moorline.db.b
 and the modules it names), aiomysql's needless ``ROLLBACK`` and ping
 (:mod:`moorline.db.mysql_driver`), the ``limits`` memory storage's sweep thread
 (:mod:`moorline.admission.ratelimit`), Starlette's response construction and FastAPI's
-dependency solving on the trigger route (:mod:`moorline.api.routes.runs`,
+dependency solving on the trigger route (:mod:`moorline.api.routes.trigger`,
 :mod:`moorline.api.guards`). Each has a fallback to the library's public path, chosen by the
 ``fast_paths`` setting (``MOORLINE_FAST_PATHS``), the way uvicorn picks httptools or h11.
 
@@ -70,7 +70,7 @@ class PrivateName:
 _SQLITE = "moorline/db/sqlite_driver.py"
 _MYSQL = "moorline/db/mysql_driver.py"
 _RATELIMIT = "moorline/admission/ratelimit.py"
-_RUNS = "moorline/api/routes/runs.py"
+_TRIGGER = "moorline/api/routes/trigger.py"
 _GUARDS = "moorline/api/guards.py"
 
 
@@ -143,14 +143,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         shape=Shape.METHOD,
         user=_RATELIMIT,
     ),
-    # runs.TriggerAnswer is a Response built without Response.__init__.
+    # trigger.TriggerAnswer is a Response built without Response.__init__.
     PrivateName(
         library="starlette",
         owner="starlette.responses.Response",
         name="__init__",
         shape=Shape.INIT_SETS,
         details=("background", "body", "raw_headers", "status_code"),
-        user=_RUNS,
+        user=_TRIGGER,
     ),
     # The backends' write_statement runs its sync body in one greenlet, as SQLAlchemy's
     # asyncio extension does (exported by sqlalchemy.util, but not documented).
@@ -239,7 +239,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         name="add_api_route",
         shape=Shape.KEYWORDS,
         details=("route_class_override",),
-        user=_RUNS,
+        user=_TRIGGER,
     ),
 )
 """Every private name of another library that a fast path touches."""

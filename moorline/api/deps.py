@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from moorline.admission.admit import Admission
@@ -62,6 +62,9 @@ from moorline.types import RunId
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9-]{1,36}$")
 """Run ids are UUID text (UUIDv7); anything else names no run and is not looked up."""
+
+RunIdPath = Annotated[str, Path(max_length=200, description="The run's id.")]
+"""A route's ``{run_id}``: its length checked here (422), its form by :func:`owned_run`."""
 
 api_key_scheme = HTTPBearer(
     scheme_name="ApiKey",
@@ -223,7 +226,7 @@ def bearer_credential(request: Request) -> str | None:
 
     What :data:`api_key_scheme` (``HTTPBearer(auto_error=False)``) reads, without the
     pydantic model it wraps the credential in: for a route that solves its own arguments
-    (the trigger's, :func:`~moorline.api.routes.runs.solve_trigger`).
+    (the trigger's, :func:`~moorline.api.routes.trigger.solve_trigger`).
     """
     authorization = request.headers.get("Authorization")
     if not authorization:

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from moorline.api.errors import rate_limit_headers
 from moorline.api.guards import JSONRequest, solved_by
 from moorline.api.routes import runs as runs_routes
+from moorline.api.routes import trigger as trigger_route
 from moorline.db.repos.interrupts import InterruptsRepo
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.repos.steps import StepsRepo
@@ -322,7 +323,7 @@ async def test_a_trigger_is_answered_as_fastapis_own_solver_would_answer_it(
 
     async def solve(request: JSONRequest) -> dict[str, Any]:
         solved.append(request.url.path)
-        return await runs_routes.solve_trigger(request)
+        return await trigger_route.solve_trigger(request)
 
     monkeypatch.setattr(runs_routes, "TriggerRoute", solved_by(solve))
     async with make_api(fast_paths=True) as api:
@@ -371,7 +372,7 @@ async def test_the_fast_and_the_public_trigger_paths_answer_alike(make_api: Make
                 for answer in (accepted, again)
             ]
             documents[fast] = api.app.openapi()
-            hand_solved = [r for r in api.app.routes if isinstance(r, runs_routes.TriggerRoute)]
+            hand_solved = [r for r in api.app.routes if isinstance(r, trigger_route.TriggerRoute)]
             assert len(hand_solved) == (1 if fast else 0)
             assert (api.app.routes[0] in hand_solved) is fast
     assert answers[True] == answers[False]

@@ -100,7 +100,7 @@ def test_a_fast_path_refuses_to_start_without_its_names(monkeypatch: pytest.Monk
                 name="__init__",
                 shape=Shape.INIT_SETS,
                 details=("body", "status_code"),
-                user="moorline/api/routes/runs.py",
+                user="moorline/api/routes/trigger.py",
             ),
             "has Response.__init__ setting ['background', 'body', 'raw_headers', 'status_code'],"
             " not ['body', 'status_code']",
@@ -123,7 +123,7 @@ def test_a_fast_path_refuses_to_start_without_its_names(monkeypatch: pytest.Monk
                 name="add_api_route",
                 shape=Shape.KEYWORDS,
                 details=("route_class",),
-                user="moorline/api/routes/runs.py",
+                user="moorline/api/routes/trigger.py",
             ),
             "has APIRouter.add_api_route without its route_class argument",
         ),

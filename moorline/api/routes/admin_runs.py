@@ -20,27 +20,28 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from sse_starlette import EventSourceResponse
 
-from moorline.api.deps import ServicesDep, admin_router, any_run
+from moorline.api.deps import RunIdPath, ServicesDep, admin_router, any_run
 from moorline.api.errors import BODY_ERRORS, responses
+from moorline.api.routes.run_events import (
+    AfterQuery,
+    LastEventIdHeader,
+    event_stream,
+    resume_point,
+)
 from moorline.api.routes.runs import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
-    AfterQuery,
     CreatedAfterQuery,
     CreatedBeforeQuery,
     CursorQuery,
     IdsQuery,
     InputContainsQuery,
-    LastEventIdHeader,
-    RunIdPath,
     RunIdSearchQuery,
     cancel_owned,
     decode_cursor,
     describe_run,
-    event_stream,
     listed,
     resume,
-    resume_point,
     send_message,
 )
 from moorline.api.schemas import (

@@ -21,7 +21,7 @@ from moorline.admission.triggers import Admitted
 from moorline.api.deps import ServicesDep, TriggerCallerDep, authenticate_tenant
 from moorline.api.errors import BODY_ERRORS, responses
 from moorline.api.guards import authenticated_by
-from moorline.api.routes.runs import WorkflowPath, origin_of
+from moorline.api.routes.trigger import WorkflowPath, origin_of
 from moorline.api.schemas import ItemError, RunBatch, RunBatchAnswer, RunBatchItem
 from moorline.engine.submitting import Submission
 from moorline.errors import MoorlineError, QuotaExceeded, Unauthorized, WorkflowNotFound

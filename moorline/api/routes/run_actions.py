@@ -18,6 +18,7 @@ from fastapi import APIRouter, Response
 from moorline.admission.triggers import Trigger
 from moorline.api.deps import (
     CallerDep,
+    RunIdPath,
     Services,
     ServicesDep,
     admin_router,
@@ -26,7 +27,8 @@ from moorline.api.deps import (
 )
 from moorline.api.errors import BODY_ERRORS, responses
 from moorline.api.routes.admin_runs import ADMIN_ERRORS
-from moorline.api.routes.runs import RunIdPath, TenantRoute, accepted, location_of
+from moorline.api.routes.runs import TenantRoute
+from moorline.api.routes.trigger import accepted, location_of
 from moorline.api.schemas import RerunAccepted, RerunRequest, RunAccepted
 from moorline.db.repos.records import Run
 from moorline.errors import (

@@ -33,7 +33,7 @@ from moorline.api.deps import (
 from moorline.api.errors import BODY_ERRORS, responses
 from moorline.api.guards import authenticated_by, parse_json
 from moorline.api.openapi import CHECKED_BY_ROUTE
-from moorline.api.routes.runs import answer_trigger
+from moorline.api.routes.trigger import answer_trigger
 from moorline.api.schemas import RunAccepted, WebhookCreate, WebhookCreated
 from moorline.errors import (
     BudgetExhausted,
