@@ -10,10 +10,12 @@ the reaper) and :class:`Waiter` (worker loops):
 
 - :class:`LocalWakeups`: one :class:`asyncio.Event` per lane, for producers and workers that
   share a process (and the in-process half of the other two).
-- :class:`PostgresWakeups`: ``SELECT pg_notify(channel, payload)`` and ``LISTEN``, each on an
-  asyncpg connection of its own that is not part of the pool (to ``MOORLINE_LISTEN_URL`` when
-  set: behind PgBouncer the pool's sessions are not its own).
-- :class:`RedisWakeups`: ``PUBLISH`` and ``SUBSCRIBE`` on ``<redis_prefix>:wakeups``.
+- :class:`~moorline.dispatch.pg_wakeups.PostgresWakeups`: ``SELECT pg_notify(channel,
+  payload)`` and ``LISTEN``, each on an asyncpg connection of its own that is not part of the
+  pool (to ``MOORLINE_LISTEN_URL`` when set: behind PgBouncer the pool's sessions are not its
+  own).
+- :class:`~moorline.dispatch.redis_wakeups.RedisWakeups`: ``PUBLISH`` and ``SUBSCRIBE`` on
+  ``<redis_prefix>:wakeups``.
 - :class:`~moorline.dispatch.datagrams.DatagramWakeups`: Unix datagram sockets in a directory
   next to a SQLite file, for the processes of one host without Redis.
 
@@ -30,29 +32,19 @@ SQLite file, else in-process only.
 """
 
 import asyncio
-import functools
 import logging
 import math
 import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
-from moorline.concurrency import is_set_within
-from moorline.db.dsn import make_failover_creator
-from moorline.db.failures import is_unavailable
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.announcements import Announcement, wake_payload
-from moorline.errors import BackendUnavailable, ConfigError
 from moorline.settings import Settings
 
 logger = logging.getLogger(__name__)
-
-PG_CHANNEL = "moorline_wakeups"
-"""The LISTEN/NOTIFY channel; channels are per database, so one name serves every lane."""
-
-REDIS_CHANNEL_SUFFIX = "wakeups"
 
 NOTIFY_TIMEOUT_S = 2.0
 """Longest a remote ``notify`` may take before the hint is given up (logged, not raised)."""
@@ -66,11 +58,6 @@ PING_TIMEOUT_S = 5.0
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 5.0
 """Backoff between reconnection attempts: doubles from the minimum up to the maximum."""
-
-
-def redis_channel(prefix: str) -> str:
-    """The Pub/Sub channel of lane wake-ups under the Redis prefix ``prefix``."""
-    return f"{prefix}:{REDIS_CHANNEL_SUFFIX}"
 
 
 class Notifier(Protocol):
@@ -354,256 +341,6 @@ class ListeningWakeups(Notifier, Waiter, ABC):
         return None
 
 
-@functools.cache
-def _notify_sql(lanes: int) -> str:
-    """``SELECT pg_notify($1, $2), pg_notify($1, $3), …``: the channel, then a payload a lane."""
-    return "SELECT " + ", ".join(f"pg_notify($1, ${index + 2})" for index in range(lanes))
-
-
-class PostgresWakeups(ListeningWakeups):
-    """Wake-ups across processes through PostgreSQL LISTEN/NOTIFY.
-
-    ``notify`` sends ``pg_notify``, one statement committed alone (NOTIFY is delivered at
-    commit), on an asyncpg connection kept for it, opened at the first notify; the listener
-    holds another. Both are opened by the manager's primary-first failover creator, so they
-    follow a database failover too; a publishing connection that fails is dropped, and the
-    notify is tried once more on a new one.
-    A lost connection is noticed at once by asyncpg's termination callback, and a silently
-    dead one by a ``SELECT 1`` after ``ping_interval_s`` of silence.
-    """
-
-    transport = "postgresql"
-
-    def __init__(
-        self,
-        db: DatabaseManager,
-        *,
-        channel: str = PG_CHANNEL,
-        hub: LocalWakeups | None = None,
-        notify_timeout_s: float = NOTIFY_TIMEOUT_S,
-        ping_interval_s: float = PING_INTERVAL_S,
-    ) -> None:
-        """Create PostgreSQL wake-ups; nothing connects before ``start`` or ``notify``.
-
-        Args:
-            db: The manager whose database (and failover addresses) to use.
-            channel: The LISTEN/NOTIFY channel (at most 63 bytes).
-            hub: The in-process wake-ups to fan out to; a new one when None.
-            notify_timeout_s: Longest a ``notify`` may take before it is given up.
-            ping_interval_s: Seconds of silence before the listener pings its connection.
-
-        Raises:
-            ConfigError: ``db`` is not a PostgreSQL database, or it is behind PgBouncer and
-                ``MOORLINE_LISTEN_URL`` is not set.
-        """
-        if not db.backend.capabilities.listen_notify:
-            raise ConfigError(f"LISTEN/NOTIFY wake-ups need PostgreSQL, not {db.backend.name}")
-        if not db.listen_targets:
-            raise ConfigError(
-                "LISTEN/NOTIFY wake-ups behind PgBouncer need MOORLINE_LISTEN_URL "
-                "(a direct PostgreSQL URL)"
-            )
-        super().__init__(
-            hub=hub, notify_timeout_s=notify_timeout_s, ping_interval_s=ping_interval_s
-        )
-        self.channel = channel
-        self._connect = make_failover_creator(db.listen_targets)
-        self._backend_pid: int | None = None
-        self._publisher: Any = None  # the asyncpg connection notifies go out on, once opened
-        self._publishing = asyncio.Lock()  # one statement at a time on it
-
-    def announcement(self) -> Announcement:
-        """The channel and origin of ``pg_notify`` for a write that announces its runs.
-
-        The write reaches the database through the pool (PgBouncer included, where a NOTIFY
-        is allowed), the listeners through ``MOORLINE_LISTEN_URL``: one database, so its
-        notifications reach them either way.
-        """
-        return Announcement(channel=self.channel, origin=self.hub.origin)
-
-    @property
-    def backend_pid(self) -> int | None:
-        """Server process id of the listener connection while it is connected."""
-        return self._backend_pid
-
-    @property
-    def publisher_pid(self) -> int | None:
-        """Server process id of the connection notifies go out on, once one is open."""
-        publisher = self._publisher
-        return None if publisher is None or publisher.is_closed() else publisher.get_server_pid()
-
-    async def _publish(self, lanes: list[str]) -> None:
-        payloads = [self._payload(lane) for lane in lanes]
-        # asyncpg's own statement, not one through SQLAlchemy and the pool: this is all a
-        # submitting process sends besides its runs, and SQLAlchemy's way cost it several
-        # times the CPU (docs/performance.md). Committed alone, the notifications go out at
-        # once.
-        async with self._publishing:
-            if self._publisher is not None and not self._publisher.is_closed():
-                try:
-                    await self._send(payloads)
-                    return
-                except Exception:
-                    # Kept from an earlier notify, it may have died since (a restart, a
-                    # terminated backend): one more try, on a new connection.
-                    pass
-            self._publisher = await self._connect()
-            await self._send(payloads)
-
-    async def _send(self, payloads: list[str]) -> None:
-        conn = self._publisher
-        try:
-            await conn.execute(_notify_sql(len(payloads)), self.channel, *payloads)
-        except BaseException:
-            self._publisher = None
-            conn.terminate()
-            raise
-
-    async def _listen(self) -> None:
-        conn = await self._connect()
-        try:
-            lost = asyncio.Event()
-            conn.add_termination_listener(lambda _conn: lost.set())
-            await conn.add_listener(self.channel, self._on_notification)
-            self._backend_pid = conn.get_server_pid()
-            self._on_listening()
-            while not await is_set_within(lost, self._ping_interval_s):
-                async with asyncio.timeout(PING_TIMEOUT_S):
-                    await conn.fetchval("SELECT 1")
-            raise ConnectionResetError("the LISTEN connection was closed")
-        finally:
-            self._backend_pid = None
-            conn.terminate()
-
-    def _on_notification(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        self._receive(payload)
-
-    async def _close_transport(self) -> None:
-        publisher, self._publisher = self._publisher, None
-        if publisher is not None:
-            publisher.terminate()
-
-    def _is_transport_error(self, exc: Exception) -> bool:
-        import asyncpg
-
-        return (
-            is_unavailable(exc)
-            or isinstance(exc, BackendUnavailable | OSError | TimeoutError)
-            or isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError)
-        )
-
-
-class RedisWakeups(ListeningWakeups):
-    """Wake-ups across processes through Redis Pub/Sub on ``<prefix>:wakeups``.
-
-    One client serves both sides: ``PUBLISH`` on pooled connections, ``SUBSCRIBE`` on a
-    connection of its own. Its connections are named ``<prefix>:wakeups`` (``CLIENT LIST``).
-    redis-py retries a failed read once, reconnecting and subscribing again; every subscribe
-    confirmation counts as a (re)connect, so a reconnect made inside redis-py wakes the lanes
-    just as one made here does.
-    """
-
-    transport = "redis"
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        prefix: str = "mo",
-        hub: LocalWakeups | None = None,
-        notify_timeout_s: float = NOTIFY_TIMEOUT_S,
-        ping_interval_s: float = PING_INTERVAL_S,
-    ) -> None:
-        """Create Redis wake-ups; nothing connects before ``start`` or ``notify``.
-
-        Args:
-            url: The Redis URL (``MOORLINE_REDIS_URL``): one server, Sentinel or Cluster.
-            prefix: The key and channel prefix (``MOORLINE_REDIS_PREFIX``).
-            hub: The in-process wake-ups to fan out to; a new one when None.
-            notify_timeout_s: Longest a ``notify`` may take before it is given up.
-            ping_interval_s: Seconds of silence before the listener pings its connection.
-
-        Raises:
-            ConfigError: the ``redis`` package is not installed, or the URL is wrong.
-        """
-        try:
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-
-            from moorline.runtime.redis_client import RedisConnector
-        except ImportError:  # pragma: no cover - the test environment installs every extra
-            raise ConfigError(
-                "MOORLINE_REDIS_URL: the redis package is missing; install moorline[redis]"
-            ) from None
-        super().__init__(
-            hub=hub, notify_timeout_s=notify_timeout_s, ping_interval_s=ping_interval_s
-        )
-        self.channel = redis_channel(prefix)
-        self.client_name = f"{prefix}:{REDIS_CHANNEL_SUFFIX}"
-        self._connector = RedisConnector(url)
-        self._client = self._connector.client(
-            client_name=self.client_name,
-            socket_connect_timeout=PING_TIMEOUT_S,
-            socket_timeout=PING_TIMEOUT_S,
-            # One immediate retry: enough to ride over a killed connection; a server that is
-            # down fails fast into this class's own reconnect loop and its backoff.
-            retry=Retry(NoBackoff(), 1),
-        )
-
-    async def _publish(self, lanes: list[str]) -> None:
-        if len(lanes) == 1:
-            # The usual case: the command alone costs redis-py less than a pipeline of one.
-            await self._client.publish(self.channel, self._payload(lanes[0]))
-            return
-        if self._connector.is_cluster:
-            # redis-py's cluster pipeline refuses PUBLISH, which names no key to route by.
-            await asyncio.gather(
-                *(self._client.publish(self.channel, self._payload(lane)) for lane in lanes)
-            )
-            return
-        async with self._client.pipeline(transaction=False) as pipe:
-            for lane in lanes:
-                pipe.publish(self.channel, self._payload(lane))
-            await pipe.execute()
-
-    async def _listen(self) -> None:
-        pubsub = await self._connector.pubsub(self._client)
-        try:
-            await pubsub.subscribe(self.channel)
-            loop = asyncio.get_running_loop()
-            heard = loop.time()
-            ping_at = heard + self._ping_interval_s
-            while True:
-                message = await pubsub.get_message(timeout=max(0.0, ping_at - loop.time()))
-                now = loop.time()
-                if message is not None:
-                    heard = now
-                    self._on_message(message)
-                if now >= ping_at:
-                    if now - heard > 1.5 * self._ping_interval_s:
-                        raise ConnectionResetError("the Pub/Sub connection stopped answering")
-                    await pubsub.ping()
-                    ping_at = now + self._ping_interval_s
-        finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
-
-    def _on_message(self, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "subscribe":
-            self._on_listening()
-        elif kind == "message":
-            data = message["data"]
-            self._receive(data.decode() if isinstance(data, bytes) else str(data))
-
-    def _is_transport_error(self, exc: Exception) -> bool:
-        from redis.exceptions import RedisError
-
-        return isinstance(exc, RedisError | OSError | TimeoutError)
-
-    async def _close_transport(self) -> None:
-        await self._client.aclose()
-
-
 class BackgroundNotifier:
     """The :class:`~moorline.dispatch.submit.Submitter`'s ``on_enqueued`` hook for a Notifier.
 
@@ -665,8 +402,10 @@ def make_wakeups(settings: Settings, db: DatabaseManager) -> tuple[Notifier, Wai
     because ``moorline.db`` sits below ``dispatch`` and may not import the :class:`Notifier`
     seam it implements. The backend states the capability, this factory chooses from it.
     """
-    # Imported here: datagrams builds on ListeningWakeups, defined in this module.
+    # Imported here: each transport builds on ListeningWakeups, defined in this module.
     from moorline.dispatch.datagrams import datagram_wakeups_or_none
+    from moorline.dispatch.pg_wakeups import PostgresWakeups
+    from moorline.dispatch.redis_wakeups import RedisWakeups
 
     wakeups: LocalWakeups | ListeningWakeups | None = None
     if settings.redis_url:

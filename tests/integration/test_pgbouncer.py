@@ -18,7 +18,8 @@ from sqlalchemy.engine import make_url
 
 from moorline.db.backends import PgBouncerBackend
 from moorline.db.manager import DatabaseManager
-from moorline.dispatch.wakeups import LocalWakeups, PostgresWakeups, make_wakeups
+from moorline.dispatch.pg_wakeups import PostgresWakeups
+from moorline.dispatch.wakeups import LocalWakeups, make_wakeups
 from moorline.errors import ConfigError
 from moorline.settings import DatabasePooler, Settings
 from tests.helpers import wait_for

@@ -20,8 +20,9 @@ import uvloop
 from moorline.db.manager import DatabaseManager
 from moorline.db.migrate import upgrade
 from moorline.db.repos.runs import NewRun, RunsRepo
+from moorline.dispatch.redis_wakeups import RedisWakeups, redis_channel
 from moorline.dispatch.submit import Submitter
-from moorline.dispatch.wakeups import BackgroundNotifier, RedisWakeups, redis_channel
+from moorline.dispatch.wakeups import BackgroundNotifier
 from moorline.settings import Settings
 from tests.contract.queue_helpers import create_tenant
 from tests.servers import REDIS_TEST_URL, require_server

@@ -24,17 +24,10 @@ from moorline.db.repos.announcements import Announcement
 from moorline.db.repos.runs import NewRun, RunsRepo
 from moorline.db.schema import runs
 from moorline.dispatch.datagrams import DatagramWakeups
+from moorline.dispatch.pg_wakeups import PG_CHANNEL, PostgresWakeups
+from moorline.dispatch.redis_wakeups import RedisWakeups, redis_channel
 from moorline.dispatch.submit import Submitter
-from moorline.dispatch.wakeups import (
-    PG_CHANNEL,
-    LocalWakeups,
-    Notifier,
-    PostgresWakeups,
-    RedisWakeups,
-    Waiter,
-    make_wakeups,
-    redis_channel,
-)
+from moorline.dispatch.wakeups import LocalWakeups, Notifier, Waiter, make_wakeups
 from moorline.errors import ConfigError, IdempotencyConflict
 from moorline.settings import Settings
 from moorline.types import RunStatus, TenantId

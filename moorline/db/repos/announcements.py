@@ -1,6 +1,6 @@
 """Wake-ups a write sends itself: the NOTIFY of new runs, in the write that stores them.
 
-With LISTEN/NOTIFY wake-ups (:class:`~moorline.dispatch.wakeups.PostgresWakeups`), a process
+With LISTEN/NOTIFY wake-ups (:class:`~moorline.dispatch.pg_wakeups.PostgresWakeups`), a process
 that stores runs could tell the other processes' workers with a ``pg_notify`` after the
 write: a statement of its own on a connection of its own, about a fifth of the CPU of an
 ``app.submit`` on PostgreSQL (docs/performance.md, "2026-12-01, 15:20-16:30 UTC"). PostgreSQL
