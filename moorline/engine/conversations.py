@@ -100,6 +100,9 @@ class _Live:
     """Its open was asked for and it is not closing (the open may still be under way)."""
     opening: asyncio.Future[bool] | None = None
     """The attempt's last open (:meth:`Windows.begin`), done once the store has it."""
+    told_held: bool = False
+    """Logged that another run holds the conversation: every heartbeat asks again, and one
+    warning per attempt says it (a long run would log one every heartbeat otherwise)."""
 
 
 class Conversations:
@@ -203,13 +206,15 @@ class Conversations:
                     claim, self._store.acquire_lease(key, holder, self._ttl_s)
                 )
                 if taken is not None and not taken.acquired:
-                    logger.warning(
+                    _tell_held(
+                        live,
                         "run %s: conversation %r is now held by %s",
                         claim.fence.run_id,
                         claim.run.conversation_id,
                         taken.holder,
-                        extra=_extra(claim),
                     )
+                elif taken is not None:
+                    _tell_taken(live)
         if live.executing and not live.window_open and (key is None or live.holds_lease):
             # Its open failed, or was never asked for (the store was unreachable at the start).
             opening = self._begin_open(live)
@@ -250,14 +255,15 @@ class Conversations:
         except BackendUnavailable:
             return  # still unreachable; already said at the start
         except ConversationBusy as busy:
-            logger.warning(
+            _tell_held(
+                live,
                 "run %s: no conversation lease or window, the conversation is held: %s",
                 claim.fence.run_id,
                 busy,
-                extra=_extra(claim),
             )
             return
         live.holds_lease = True
+        _tell_taken(live)
         if self._live.get(_key(claim)) is not live:
             # The attempt ended while the lease was being taken: give it back.
             live.holds_lease = False
@@ -313,6 +319,24 @@ def _note_open(live: _Live, opening: asyncio.Future[bool]) -> None:
         error,
         extra=_extra(claim),
     )
+
+
+def _tell_held(live: _Live, message: str, *args: object) -> None:
+    """Log that another run holds the attempt's conversation: a warning once, then debug."""
+    level = logging.DEBUG if live.told_held else logging.WARNING
+    live.told_held = True
+    logger.log(level, message, *args, extra=_extra(live.claim))
+
+
+def _tell_taken(live: _Live) -> None:
+    """The heartbeat took the conversation lease after saying another run held it."""
+    if live.told_held:
+        live.told_held = False
+        logger.info(
+            "run %s: conversation lease taken by the heartbeat",
+            live.claim.fence.run_id,
+            extra=_extra(live.claim),
+        )
 
 
 def _key(claim: Claim) -> tuple[RunId, Attempt]:

@@ -6,6 +6,7 @@ attempt's start until its outcome is written, renewed by the worker's heartbeat.
 """
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -193,6 +194,66 @@ async def test_a_window_the_store_refused_at_the_start_is_opened_by_a_heartbeat(
     assert not await store.is_interactive(key, run_id)
     await engine.runner.release(claim)
     assert await store.get_lease_holder(key) is None
+    await store.close()
+
+
+async def test_a_conversation_another_run_holds_is_said_once_and_taken_once_free(
+    db: DatabaseManager, tenants: Tenants, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An attempt that could not take its conversation's lease at its start asks again at every
+    heartbeat. While another live run holds it, one warning says so, not one a heartbeat; once
+    it is free, the heartbeat takes it and opens the window."""
+    caplog.set_level(logging.DEBUG, logger="moorline.engine.conversations")
+    store = CountingStore()
+    store.unreachable = True
+    engine = EngineHarness(db, store, tenants)
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    @engine.app.workflow("chat")
+    async def chat(ctx: Context) -> list[str]:
+        entered.set()
+        await gate.wait()
+        return await ctx.drain_messages()
+
+    run_id = await engine.new_run("chat", conversation_id="conv")
+    task = asyncio.create_task(engine.runner.run(claim := await engine.claim()))
+    await asyncio.wait_for(entered.wait(), 10)
+    await until_refused(caplog, run_id)
+    # While the store was away, another run that is live took the conversation.
+    assert engine.tenant is not None
+    [other] = await engine.runs.submit_many(
+        [NewRun(tenant_id=engine.tenant, workflow="chat", input={}, lane=engine.lane)]
+    )
+    holder = await engine.claim()
+    assert holder.fence.run_id == other.run_id
+    store.unreachable = False
+    assert (await store.acquire_lease(conv_key(engine), lease_holder(holder), 30.0)).acquired
+
+    for _ in range(3):
+        await engine.runner.renew([claim])
+    told = [r.levelname for r in caplog.records if "the conversation is held" in r.message]
+    assert told == ["WARNING", "DEBUG", "DEBUG"]
+    with pytest.raises(RunNotInteractive):
+        await engine.inbox.post_message(engine.tenant, run_id, "while it is held")
+
+    await store.release_lease(conv_key(engine), lease_holder(holder))
+    await engine.runner.renew([claim])
+    assert await store.get_lease_holder(conv_key(engine)) == f"{run_id}#1"
+    assert f"run {run_id}: conversation lease taken by the heartbeat" in caplog.text
+    assert (await engine.inbox.post_message(engine.tenant, run_id, "hello")).seq == 1
+
+    # The store loses the lease (a restart) and the other run takes it: said once again.
+    await store.release_lease(conv_key(engine), f"{run_id}#1")
+    assert (await store.acquire_lease(conv_key(engine), lease_holder(holder), 30.0)).acquired
+    for _ in range(2):
+        await engine.runner.renew([claim])
+    told = [r.levelname for r in caplog.records if "is now held by" in r.message]
+    assert told == ["WARNING", "DEBUG"]
+    await store.release_lease(conv_key(engine), lease_holder(holder))
+    gate.set()
+    assert await asyncio.wait_for(task, 10) == ["hello"]
+    await engine.runner.release(claim)
+    assert await store.get_lease_holder(conv_key(engine)) is None
     await store.close()
 
 
