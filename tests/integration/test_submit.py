@@ -291,11 +291,12 @@ async def test_an_outage_mid_bulk_leaves_every_unit_with_its_run(
                 # From another database: PostgreSQL cannot close the one it is connected to.
                 await control.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
                 try:
-                    # The app's backends go first, the holder's after: ended first, the holder
-                    # gave the key back while the waiting batch's own termination was still on
-                    # its way, and that batch once committed in between, on a loaded machine.
+                    # The app's backends go first, each waited for until it is gone (the
+                    # timeout), then the holder's: ended first, the holder gave the key back
+                    # while the waiting batch's own termination was still on its way, and that
+                    # batch once committed in between, on a loaded machine.
                     terminate = text(
-                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity "
                         "WHERE datname = :name AND pid <> :holder"
                     )
                     killed = (
