@@ -257,6 +257,48 @@ async def test_a_conversation_another_run_holds_is_said_once_and_taken_once_free
     await store.close()
 
 
+async def test_a_store_outage_is_said_once_by_a_worker_not_at_every_heartbeat(
+    db: DatabaseManager, tenants: Tenants, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the store is down every heartbeat's bookkeeping fails, for every attempt: one
+    warning says so (the rest at debug level), and one line when it answers again."""
+    caplog.set_level(logging.DEBUG, logger="moorline.engine.conversations")
+    store = CountingStore()
+    engine = EngineHarness(db, store, tenants)
+    gate = asyncio.Event()
+
+    @engine.app.workflow("chat")
+    async def chat(ctx: Context) -> list[str]:
+        await gate.wait()
+        return await ctx.drain_messages()
+
+    run_ids = [await engine.new_run("chat") for _ in range(2)]
+    claims = [await engine.claim() for _ in run_ids]
+    tasks = [asyncio.create_task(engine.runner.run(claim)) for claim in claims]
+    for run_id in run_ids:
+        await until_interactive(store, run_id, run_id)
+
+    store.unreachable = True
+    for _ in range(3):
+        await engine.runner.renew(claims)
+    failed = [r.levelname for r in caplog.records if "bookkeeping failed" in r.message]
+    assert failed == ["WARNING"] + ["DEBUG"] * 5
+    assert "answers again" not in caplog.text
+
+    store.unreachable = False
+    await engine.runner.renew(claims)
+    await engine.runner.renew(claims)
+    again = [r.levelname for r in caplog.records if "runtime store answers again" in r.message]
+    assert again == ["INFO"]
+    assert engine.tenant is not None
+    assert (await engine.inbox.post_message(engine.tenant, run_ids[0], "hello")).seq == 1
+    gate.set()
+    assert await asyncio.wait_for(asyncio.gather(*tasks), 10) == [["hello"], []]
+    for claim in claims:
+        await engine.runner.release(claim)
+    await store.close()
+
+
 async def test_a_heartbeats_open_under_way_as_the_code_returns_is_closed_behind_it(
     db: DatabaseManager, tenants: Tenants, caplog: pytest.LogCaptureFixture
 ) -> None:
