@@ -42,7 +42,6 @@ ordered stream as the workflow's close, so it never lands behind it.
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -50,6 +49,7 @@ from typing import TypeVar
 from moorline.db.repos.queue import Claim
 from moorline.db.repos.records import Run
 from moorline.db.repos.runs import RunsRepo
+from moorline.engine.outages import OutageLog
 from moorline.engine.windows import Windows, within
 from moorline.errors import BackendUnavailable, ConversationBusy
 from moorline.runtime.base import RuntimeStore, conversation_key
@@ -122,8 +122,7 @@ class Conversations:
         self._runs = runs
         self._ttl_s = lease_ttl_s
         self._live: dict[tuple[RunId, Attempt], _Live] = {}
-        self._store_failing_since: float | None = None
-        """When the first bookkeeping call of the store's current outage failed."""
+        self._failures = OutageLog(logger, "runtime store bookkeeping")
 
     async def enter(self, claim: Claim) -> None:
         """Take the conversation lease (if the run has a conversation), queue the window's open.
@@ -299,32 +298,20 @@ class Conversations:
     async def _quietly(self, claim: Claim, call: Awaitable[T]) -> T | None:
         """Await a bookkeeping call; log (and return None) if the store fails or hangs.
 
-        While the store is down every heartbeat's calls fail, for every attempt: the first
-        failure of an outage is a warning, the rest debug lines, and the first call that
-        succeeds after them says the store answers again (one pair of lines per outage per
-        worker, where a hundred runs in flight made hundreds a minute).
+        Logged once per outage (:class:`~moorline.engine.outages.OutageLog`): while the store
+        is down every heartbeat's calls fail, for every attempt.
         """
         try:
             result = await bounded(call)
         except BackendUnavailable as exc:
-            first = self._store_failing_since is None
-            if first:
-                self._store_failing_since = time.monotonic()
-            logger.log(
-                logging.WARNING if first else logging.DEBUG,
-                "run %s: runtime store bookkeeping failed: %r%s",
+            self._failures.failed(
+                "run %s: runtime store bookkeeping failed: %r",
                 claim.fence.run_id,
                 exc,
-                " (more failures at debug level until it answers)" if first else "",
                 extra=_extra(claim),
             )
             return None
-        if self._store_failing_since is not None:
-            logger.info(
-                "runtime store answers again: bookkeeping failed for %.1f s",
-                time.monotonic() - self._store_failing_since,
-            )
-            self._store_failing_since = None
+        self._failures.answered()
         return result
 
 

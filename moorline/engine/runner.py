@@ -53,6 +53,7 @@ from moorline.engine.context import Cancelled, Context
 from moorline.engine.conversations import Conversations
 from moorline.engine.events import DEFAULT_BATCH_SIZE, DEFAULT_FLUSH_INTERVAL_S, EventWriter
 from moorline.engine.limits import AttemptGuard
+from moorline.engine.outages import OutageLog
 from moorline.engine.registry import Moorline, WorkflowDefinition
 from moorline.engine.steps import to_json
 from moorline.errors import AttemptStopped, BackendUnavailable
@@ -171,6 +172,10 @@ class WorkflowRunner:
         # Read now: a bad models file stops the worker at start, with the file's error.
         self._models = models if models is not None else ModelsProvider(settings)
         self._conversations = Conversations(store, RunsRepo(db), lease_ttl_s=settings.lease_ttl)
+        # Every running attempt's watcher retries each second while the store is down: one
+        # warning per outage. It cannot tell when the store is back (a wait that succeeds
+        # lasts minutes), so an outage ends after a quiet minute.
+        self._cancel_watch_failures = OutageLog(logger, "the runtime store's cancel watch")
         self._event_batch_size = event_batch_size
         self._event_flush_interval_s = event_flush_interval_s
 
@@ -384,7 +389,9 @@ class WorkflowRunner:
             except StoreShutdown:
                 return False
             except BackendUnavailable as exc:
-                logger.warning("run %s: cancel flag unreadable: %r", run_id, exc)
+                self._cancel_watch_failures.failed(
+                    "run %s: cancel flag unreadable: %r", run_id, exc, extra={"run_id": run_id}
+                )
                 await asyncio.sleep(CANCEL_WATCH_RETRY_S)
 
     async def _wind_down(

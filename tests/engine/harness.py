@@ -39,7 +39,8 @@ from tests.helpers import wait_for
 class CountingStore(InMemoryRuntimeStore):
     """The in-memory store, recording its batches of window changes; while ``gate`` is set to
     an event, each batch waits for it (one never set: the store hangs); while ``unreachable``
-    is true, window changes and lease acquisitions fail as a store that cannot be reached."""
+    is true, window changes, lease acquisitions and cancel watches fail as a store that cannot be
+    reached."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,6 +58,10 @@ class CountingStore(InMemoryRuntimeStore):
     async def acquire_lease(self, key: str, holder: str, ttl_s: float) -> LeaseAcquisition:
         self._fail_if_unreachable()
         return await super().acquire_lease(key, holder, ttl_s)
+
+    async def wait_cancelled(self, run_id: RunId, timeout_s: float) -> bool:
+        self._fail_if_unreachable()
+        return await super().wait_cancelled(run_id, timeout_s)
 
     def _fail_if_unreachable(self) -> None:
         if self.unreachable:

@@ -17,6 +17,7 @@ from moorline import Context
 from moorline.db.manager import DatabaseManager
 from moorline.db.repos.runs import NewRun, Succeeded
 from moorline.db.schema import runs
+from moorline.engine import runner as runner_module
 from moorline.engine.conversations import lease_holder
 from moorline.errors import ConversationBusy, InvalidInput, RunNotFound, RunNotInteractive
 from moorline.runtime.base import RuntimeStore, WindowChange, conversation_key
@@ -288,12 +289,55 @@ async def test_a_store_outage_is_said_once_by_a_worker_not_at_every_heartbeat(
     store.unreachable = False
     await engine.runner.renew(claims)
     await engine.runner.renew(claims)
-    again = [r.levelname for r in caplog.records if "runtime store answers again" in r.message]
+    again = [r.levelname for r in caplog.records if "bookkeeping answers again" in r.message]
     assert again == ["INFO"]
     assert engine.tenant is not None
     assert (await engine.inbox.post_message(engine.tenant, run_ids[0], "hello")).seq == 1
     gate.set()
     assert await asyncio.wait_for(asyncio.gather(*tasks), 10) == [["hello"], []]
+    for claim in claims:
+        await engine.runner.release(claim)
+    await store.close()
+
+
+async def test_a_cancel_watch_the_store_refuses_is_said_once_not_each_retry(
+    db: DatabaseManager,
+    tenants: Tenants,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each attempt's cancel watcher asks the store again after a pause while it is down: one
+    warning for the worker's outage, the retries of every watcher at debug level."""
+    monkeypatch.setattr(runner_module, "CANCEL_WATCH_RETRY_S", 0.02)
+    caplog.set_level(logging.DEBUG, logger=runner_module.__name__)
+    store = CountingStore()
+    store.unreachable = True
+    engine = EngineHarness(db, store, tenants)
+    gate = asyncio.Event()
+
+    @engine.app.workflow("wait")
+    async def wait(ctx: Context) -> None:
+        await gate.wait()
+
+    run_ids = [await engine.new_run("wait") for _ in range(2)]
+    claims = [await engine.claim() for _ in run_ids]
+    tasks = [asyncio.create_task(engine.runner.run(claim)) for claim in claims]
+
+    def unreadable() -> list[logging.LogRecord]:
+        return [
+            r
+            for r in caplog.records
+            if r.name == runner_module.__name__ and "cancel flag unreadable" in r.message
+        ]
+
+    async def retried() -> bool:
+        return all(sum(run_id in r.message for r in unreadable()) >= 3 for run_id in run_ids)
+
+    await wait_for(retried, message="each attempt's cancel watcher to fail three times")
+    assert [r.levelname for r in unreadable()].count("WARNING") == 1
+    store.unreachable = False
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
     for claim in claims:
         await engine.runner.release(claim)
     await store.close()
