@@ -52,13 +52,7 @@ def engine(db: DatabaseManager, store: RuntimeStore, tenants: Tenants) -> Engine
 async def test_messages_are_accepted_only_while_the_workflow_code_runs(
     engine: EngineHarness,
 ) -> None:
-    entered, gate = asyncio.Event(), asyncio.Event()
-
-    @engine.app.workflow("chat")
-    async def chat(ctx: Context) -> list[str]:
-        entered.set()
-        await gate.wait()
-        return await ctx.drain_messages()
+    entered, gate = gated_chat(engine)
 
     run_id = await engine.new_run("chat")
     assert engine.tenant is not None
@@ -143,6 +137,20 @@ async def test_the_code_starts_before_its_window_opens_and_its_first_write_waits
     await store.close()
 
 
+def gated_chat(engine: EngineHarness) -> tuple[asyncio.Event, asyncio.Event]:
+    """Register ``chat``: it sets the first event, waits for the second, then drains its
+    messages and returns them."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    @engine.app.workflow("chat")
+    async def chat(ctx: Context) -> list[str]:
+        entered.set()
+        await gate.wait()
+        return await ctx.drain_messages()
+
+    return entered, gate
+
+
 async def until_refused(caplog: pytest.LogCaptureFixture, run_id: RunId) -> None:
     """Wait until ``run_id``'s attempt has heard that the store refused its lease or its
     window's open: it logs so, after which a heartbeat finds the window closed."""
@@ -165,13 +173,7 @@ async def test_a_window_the_store_refused_at_the_start_is_opened_by_a_heartbeat(
     store = CountingStore()
     store.unreachable = True
     engine = EngineHarness(db, store, tenants)
-    entered, gate = asyncio.Event(), asyncio.Event()
-
-    @engine.app.workflow("chat")
-    async def chat(ctx: Context) -> list[str]:
-        entered.set()
-        await gate.wait()
-        return await ctx.drain_messages()
+    entered, gate = gated_chat(engine)
 
     run_id = await engine.new_run("chat", conversation_id=conversation)
     assert engine.tenant is not None
@@ -208,13 +210,7 @@ async def test_a_conversation_another_run_holds_is_said_once_and_taken_once_free
     store = CountingStore()
     store.unreachable = True
     engine = EngineHarness(db, store, tenants)
-    entered, gate = asyncio.Event(), asyncio.Event()
-
-    @engine.app.workflow("chat")
-    async def chat(ctx: Context) -> list[str]:
-        entered.set()
-        await gate.wait()
-        return await ctx.drain_messages()
+    entered, gate = gated_chat(engine)
 
     run_id = await engine.new_run("chat", conversation_id="conv")
     task = asyncio.create_task(engine.runner.run(claim := await engine.claim()))
@@ -266,12 +262,7 @@ async def test_a_store_outage_is_said_once_by_a_worker_not_at_every_heartbeat(
     caplog.set_level(logging.DEBUG, logger="moorline.engine.conversations")
     store = CountingStore()
     engine = EngineHarness(db, store, tenants)
-    gate = asyncio.Event()
-
-    @engine.app.workflow("chat")
-    async def chat(ctx: Context) -> list[str]:
-        await gate.wait()
-        return await ctx.drain_messages()
+    _, gate = gated_chat(engine)
 
     run_ids = [await engine.new_run("chat") for _ in range(2)]
     claims = [await engine.claim() for _ in run_ids]
