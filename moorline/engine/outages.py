@@ -46,11 +46,8 @@ class OutageLog:
     def failed(self, message: str, *args: object, extra: Mapping[str, object]) -> None:
         """Log a failed call: a warning if it is the first of an outage, else debug."""
         now = self._clock()
-        first = self._since is None or now - self._last > self._quiet_s
-        if first:
+        if self._since is None or now - self._last > self._quiet_s:
             self._since = now
-        self._last = now
-        if first:
             self._logger.warning(
                 message + " (more such failures at debug level until it answers)",
                 *args,
@@ -58,6 +55,7 @@ class OutageLog:
             )
         else:
             self._logger.debug(message, *args, extra=extra)
+        self._last = now
 
     def answered(self) -> None:
         """A call succeeded: the outage, if there was one, is over (an info line says so)."""
