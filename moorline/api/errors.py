@@ -25,12 +25,18 @@ from moorline.db.failures import DATABASE_ERRORS, as_unavailable
 from moorline.errors import (
     BackendUnavailable,
     BodyTooLarge,
+    BudgetExhausted,
+    ConversationBusy,
     CredentialsInQuery,
+    IdempotencyConflict,
+    InvalidInput,
     InvalidJson,
     InvalidRequest,
     LimitExceeded,
     MoorlineError,
+    QuotaExceeded,
     RateLimited,
+    WorkflowNotFound,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,6 +53,18 @@ COMMON_ERRORS: tuple[type[MoorlineError], ...] = (CredentialsInQuery, BackendUna
 
 BODY_ERRORS: tuple[type[MoorlineError], ...] = (InvalidJson, BodyTooLarge, InvalidRequest)
 """Errors of a route that takes a JSON body."""
+
+ADMISSION_ERRORS: tuple[type[MoorlineError], ...] = (
+    WorkflowNotFound,
+    InvalidInput,
+    IdempotencyConflict,
+    ConversationBusy,
+    QuotaExceeded,
+    RateLimited,
+    BudgetExhausted,
+)
+"""Errors of a route that admits one new run (the trigger, a webhook's delivery): an unknown
+workflow, then each refusal of :class:`~moorline.admission.admit.Admission`."""
 
 
 class ErrorDetail(BaseModel):

@@ -22,21 +22,12 @@ from pydantic import TypeAdapter, ValidationError
 from moorline.admission.submission import Origin, admit_submission
 from moorline.admission.triggers import Admitted
 from moorline.api.deps import Caller, Services, TriggerCallerDep, bearer_credential, caller_of_key
-from moorline.api.errors import BODY_ERRORS, rate_limit_headers, responses
+from moorline.api.errors import ADMISSION_ERRORS, BODY_ERRORS, rate_limit_headers, responses
 from moorline.api.guards import JSONRequest, solved_by
 from moorline.api.schemas import RunAccepted, RunCreate
 from moorline.db.repos.records import Run
 from moorline.engine.submitting import Submission
-from moorline.errors import (
-    BudgetExhausted,
-    ConversationBusy,
-    IdempotencyConflict,
-    InvalidInput,
-    QuotaExceeded,
-    RateLimited,
-    Unauthorized,
-    WorkflowNotFound,
-)
+from moorline.errors import Unauthorized
 from moorline.observability import tracing
 
 WorkflowPath = Annotated[str, Path(max_length=200, description="A registered workflow.")]
@@ -207,17 +198,7 @@ def add_trigger_route(
         response_model=RunAccepted,
         responses={
             200: {"model": RunAccepted, "description": "The run of a repeated idempotency key"},
-            **responses(
-                Unauthorized,
-                *BODY_ERRORS,
-                WorkflowNotFound,
-                InvalidInput,
-                IdempotencyConflict,
-                ConversationBusy,
-                QuotaExceeded,
-                RateLimited,
-                BudgetExhausted,
-            ),
+            **responses(Unauthorized, *BODY_ERRORS, *ADMISSION_ERRORS),
         },
         summary="Start a run of a workflow",
     )

@@ -30,19 +30,14 @@ from moorline.api.deps import (
     authenticate_tenant,
     count_request,
 )
-from moorline.api.errors import BODY_ERRORS, responses
+from moorline.api.errors import ADMISSION_ERRORS, BODY_ERRORS, responses
 from moorline.api.guards import authenticated_by, parse_json
 from moorline.api.openapi import CHECKED_BY_ROUTE
 from moorline.api.routes.trigger import answer_trigger
 from moorline.api.schemas import RunAccepted, WebhookCreate, WebhookCreated
 from moorline.errors import (
-    BudgetExhausted,
-    ConversationBusy,
-    IdempotencyConflict,
-    InvalidInput,
     InvalidRequest,
     InvalidSignature,
-    QuotaExceeded,
     RateLimited,
     Unauthorized,
     WebhookNotFound,
@@ -176,18 +171,7 @@ def build_router() -> APIRouter:
         response_model=RunAccepted,
         responses={
             200: {"model": RunAccepted, "description": "The run of a repeated delivery id"},
-            **responses(
-                InvalidSignature,
-                *BODY_ERRORS,
-                WebhookNotFound,
-                WorkflowNotFound,
-                InvalidInput,
-                IdempotencyConflict,
-                ConversationBusy,
-                QuotaExceeded,
-                RateLimited,
-                BudgetExhausted,
-            ),
+            **responses(InvalidSignature, *BODY_ERRORS, WebhookNotFound, *ADMISSION_ERRORS),
         },
         openapi_extra={
             "requestBody": {
